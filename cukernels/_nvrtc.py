@@ -1,0 +1,77 @@
+"""Compile a kernel family to PTX through NVRTC directly (ctypes), with no GPU and no CUDA toolkit.
+
+CuPy's own compile path asks the driver for the device's architecture; NVRTC itself does not need a device.
+pip's ``nvidia-cuda-nvrtc-cu12`` provides ``libnvrtc.so.12``; this is what the CPU-only CI uses to prove every
+kernel instantiation compiles for sm_80 and sm_90.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import os
+import sys
+
+from ._loader import OPTIONS, load_source
+
+
+@functools.lru_cache(maxsize=None)
+def _lib() -> ctypes.CDLL:
+    cands = []
+    for base in sys.path:
+        cands += glob.glob(os.path.join(base, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*"))
+        cands += glob.glob(os.path.join(base, "nvidia", "cu13", "lib", "libnvrtc.so*"))
+    cands = [c for c in cands if "builtins" not in c and ".alt." not in c]
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        cands.append(found)
+    cands += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    errors = []
+    for c in cands:
+        try:
+            return ctypes.CDLL(c)
+        except OSError as e:
+            errors.append(f"{c}: {e}")
+    raise OSError("libnvrtc not found; install nvidia-cuda-nvrtc-cu12 (the 'test' extra). Tried:\n" + "\n".join(errors))
+
+
+def available() -> bool:
+    try:
+        _lib()
+        return True
+    except OSError:
+        return False
+
+
+def version() -> tuple[int, int]:
+    lib = _lib()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def compile_ptx(family: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -> str:
+    """PTX of ``kernels_cu/<family>.cu`` for ``arch`` (``sm_80``, ``sm_90``); raises RuntimeError with the log."""
+    lib = _lib()
+    src = load_source(family).encode()
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{family}.cu".encode(), 0, None, None)
+    if rc != 0:
+        raise RuntimeError(f"nvrtcCreateProgram failed ({rc}) for {family}.cu")
+    try:
+        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture=compute_{arch.split('_')[1]}", *extra)]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            raise RuntimeError(f"kernels_cu/{family}.cu failed to compile for {arch}:\n{log.value.decode(errors='replace')}")
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -1,0 +1,1 @@
+"""Models assembled from cukernels.nn."""

@@ -1,0 +1,92 @@
+// Shared device helpers: our own bf16 storage type, 16-byte vector packs, warp/block reductions.
+//
+// Why no <cuda_bf16.h>: the kernels are compiled by NVRTC with no include path at all, both by CuPy on the
+// GPU machine (CUDA 12 or 13) and by the CPU-only compile test (pip's NVRTC, no toolkit headers). A 2-byte
+// struct plus two conversion instructions (sm_80+: cvt.rn.bf16.f32) is all the kernels need: every kernel
+// loads bf16, computes in fp32 and rounds once on the store (round-to-nearest-even, NaN stays NaN), which is
+// bit-for-bit what ml_dtypes does on the NumPy reference path.
+#pragma once
+
+// NVRTC without headers has no INFINITY macro.
+#define CK_INF __int_as_float(0x7f800000)
+
+struct __align__(2) bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float(((unsigned int)v.bits) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float v) {
+  bf16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+  return r;
+}
+
+// A pack of N elements of T moved as one access: 16 bytes (LDG.128/STG.128) when N * sizeof(T) == 16.
+// Kernels keep packs of raw storage in registers (8 bf16 in 4 registers, not 8) and convert on use.
+template <typename T, int N> struct __align__(sizeof(T) * N) Pack { T v[N]; };
+
+template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+template <typename T, int N> __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+// Load N consecutive elements of T (a different dtype from the activation's, e.g. an fp32 weight beside bf16
+// x) as fp32. Uses 16-byte accesses when N * sizeof(T) is a multiple of 16 and `vec` says p is aligned;
+// element loads otherwise.
+template <int N, typename T> __device__ __forceinline__ void load_f32(const T* p, float (&f)[N], bool vec) {
+  constexpr int PER = 16 / sizeof(T);
+  if constexpr (N * sizeof(T) % 16 == 0) {
+    if (vec) {
+#pragma unroll
+      for (int c = 0; c < N / PER; ++c) {
+        Pack<T, PER> r = load_pack<T, PER>(p + c * PER);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) f[c * PER + i] = to_f32(r.v[i]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = to_f32(p[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the threadIdx.x extent of a (blockDim.x, blockDim.y) block: each row of threads (same threadIdx.y)
+// gets its own sum. `scratch` holds 32 floats per threadIdx.y. Every thread returns the row's total.
+// blockDim.x is a multiple of 32.
+__device__ __forceinline__ float row_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  if (blockDim.x <= 32) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* s = scratch + threadIdx.y * 32;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? s[lane] : 0.f;
+  return warp_sum(v);
+}
+__device__ __forceinline__ float row_max(float v, float* scratch) {
+  v = warp_max(v);
+  if (blockDim.x <= 32) return v;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* s = scratch + threadIdx.y * 32;
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? s[lane] : -CK_INF;
+  return warp_max(v);
+}
