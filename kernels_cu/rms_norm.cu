@@ -9,16 +9,18 @@
 // Design (numbers for 8192 x 2048 on an H200, copy ceiling ~4.2 TB/s):
 // - "reg" kernels keep the row in registers between the reduction and the write, so x (and dy) are read
 //   exactly once: forward moves 2 * C * sizeof(T) per row, backward 3 * C * sizeof(T). A row is split over
-//   TPR threads with VPT packs of 16 bytes each (VPT <= 8). Rows of up to 256 packs take one warp each
-//   (no __syncthreads in the reduction; 8 warps = 8 rows per block); longer rows take a block of TPR
-//   threads with ~4 independent 16-byte loads in flight per thread (forward: TPR <= 1024).
-// - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once: ~130 registers at VPT = 8
-//   bf16, so its blocks are capped at 256 threads (__launch_bounds__(256), no spills; checked by
-//   tests/test_compile.py) and rows beyond 256 x 8 packs take the loop kernel.
+//   TPR threads with VPT packs of 16 bytes each; the launcher aims at 2 packs per thread (measured best of
+//   1/2/4/8 on the H200: benchmarks/tune_rms_norm.py), TPR <= 512 forward / 256 backward, VPT <= 8. Rows
+//   of fewer than 256 threads share a block (TPR x RPB = 256). The grid is persistent (one wave) and each
+//   block loads its next row group before reducing the current one, so loads stay in flight across the
+//   reduction's barriers.
+// - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once: 100 registers at VPT = 2
+//   bf16 with the prefetch, so its blocks are capped at 256 threads (__launch_bounds__(256)) and the
+//   prefetch is kept to VPT <= 2 (forward: VPT <= 4). No kernel spills (tests/test_compile.py checks ptxas).
 // - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the
 //   launcher checks); VEC=false: element accesses, any C, any alignment (misaligned views).
-// - "loop" kernels take rows too long for registers (forward: fp32 C > 32768, bf16 C > 65536, unaligned
-//   C > 8192; backward: fp32 C > 8192, bf16 C > 16384, unaligned C > 2048): two passes over
+// - "loop" kernels take rows too long for registers (forward: fp32 C > 16384, bf16 C > 32768, unaligned
+//   C > 4096; backward: fp32 C > 8192, bf16 C > 16384, unaligned C > 2048): two passes over
 //   the row, the second mostly from L2 (a 256 KB row x 2 blocks x 132 SMs fits in the 60 MB L2).
 // - dw is deterministic: each block accumulates its rows' dy * x * r in registers (the thread owns the same
 //   columns for every row it visits), writes one fp32 partial row per block, and rms_dw_finalize sums the
@@ -26,21 +28,39 @@
 //   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048.
 #include "common/vec.cuh"
 
+// Loads this thread's packs of row `row` (nothing when the row is past the end).
+template <typename T, int E, int VPT>
+__device__ __forceinline__ void load_row(Pack<T, E> (&v)[VPT], const T* __restrict__ p, long long row,
+                                         long long rows, int C, int units) {
+  if (row >= rows) return;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int u = threadIdx.x + k * blockDim.x;
+    if (u < units) v[k] = load_pack<T, E>(p + row * C + u * E);
+  }
+}
+
+// Persistent grid: the block walks row groups base, base + stride, ... The loop bound is the same for every
+// thread of the block (row_sum synchronises the block when a row spans several warps); threads whose row is
+// past the end compute on garbage and store nothing. The next group's packs are loaded before this group's
+// reduction, so a block always has loads in flight (+7-15 % measured at 8192 x 2048).
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                                             float* __restrict__ rstd, long long rows, int C, float eps, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
   const int units = C / E;
-  for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
-       row += (long long)gridDim.x * blockDim.y) {
-    const T* xr = x + row * C;
-    Pack<T, E> xv[VPT];
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + k * blockDim.x;
-      if (u < units) xv[k] = load_pack<T, E>(xr + u * E);
-    }
+  // Prefetch costs VPT more packs of registers: kept to VPT <= 4 (<= 64 registers, no spills).
+  constexpr bool PF = VPT <= 4;
+  const long long stride = (long long)gridDim.x * blockDim.y;
+  Pack<T, E> xv[VPT], nx[VPT];
+  if (PF) load_row<T, E, VPT>(xv, x, (long long)blockIdx.x * blockDim.y + threadIdx.y, rows, C, units);
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += stride) {
+    const long long row = base + threadIdx.y;
+    if (PF)
+      load_row<T, E, VPT>(nx, x, row + stride, rows, C, units);
+    else
+      load_row<T, E, VPT>(xv, x, row, rows, C, units);
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -54,20 +74,25 @@ __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __
     }
     ss = row_sum(ss, scratch);
     const float r = rsqrtf(ss / (float)C + eps);
-    if (rstd != nullptr && threadIdx.x == 0) rstd[row] = r;
-    T* yr = y + row * C;
+    if (row < rows) {
+      if (rstd != nullptr && threadIdx.x == 0) rstd[row] = r;
+      T* yr = y + row * C;
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + k * blockDim.x;
-      if (u < units) {
-        float wf[E];
-        load_f32<E>(w + u * E, wf, w_vec);
-        Pack<T, E> o;
+      for (int k = 0; k < VPT; ++k) {
+        const int u = threadIdx.x + k * blockDim.x;
+        if (u < units) {
+          float wf[E];
+          load_f32<E>(w + u * E, wf, w_vec);
+          Pack<T, E> o;
 #pragma unroll
-        for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(to_f32(xv[k].v[i]) * r * wf[i]);
-        store_pack<T, E>(yr + u * E, o);
+          for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(to_f32(xv[k].v[i]) * r * wf[i]);
+          store_pack<T, E>(yr + u * E, o);
+        }
       }
     }
+    if (PF)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) xv[k] = nx[k];
   }
 }
 
@@ -104,7 +129,8 @@ __device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const W* _
   }
 }
 
-// dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten.
+// dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten. Same block-uniform persistent loop
+// and one-group prefetch as the forward.
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ w, const float* __restrict__ rstd,
@@ -122,24 +148,32 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
 
-  for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
-       row += (long long)gridDim.x * blockDim.y) {
-    const long long off = row * C;
-    Pack<T, E> xv[VPT], gv[VPT];
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + k * blockDim.x;
-      if (u < units) {
-        xv[k] = load_pack<T, E>(x + off + u * E);
-        gv[k] = load_pack<T, E>(dy + off + u * E);
-      }
+  // Prefetch doubles the x/dy registers on top of the dw accumulator: only for VPT <= 2 (100 registers at
+  // bf16); larger VPT loads at the top of each iteration.
+  constexpr bool PF = VPT <= 2;
+  const long long stride = (long long)gridDim.x * blockDim.y;
+  Pack<T, E> xv[VPT], gv[VPT], nx[VPT], ng[VPT];
+  if (PF) {
+    const long long row0 = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    load_row<T, E, VPT>(xv, x, row0, rows, C, units);
+    load_row<T, E, VPT>(gv, dy, row0, rows, C, units);
+  }
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += stride) {
+    const long long row = base + threadIdx.y;
+    const bool active = row < rows;
+    if (PF) {
+      load_row<T, E, VPT>(nx, x, row + stride, rows, C, units);
+      load_row<T, E, VPT>(ng, dy, row + stride, rows, C, units);
+    } else {
+      load_row<T, E, VPT>(xv, x, row, rows, C, units);
+      load_row<T, E, VPT>(gv, dy, row, rows, C, units);
     }
-    const float r = rstd[row];
+    const float r = active ? rstd[row] : 0.f;
     float dot = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < units) {
+      if (active && u < units) {
         float wf[E];
         load_f32<E>(w + u * E, wf, w_vec);
 #pragma unroll
@@ -151,7 +185,7 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < units) {
+      if (active && u < units) {
         float wf[E];
         load_f32<E>(w + u * E, wf, w_vec);
         Pack<T, E> o;
@@ -161,9 +195,15 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
           o.v[i] = from_f32<T>(r * (gf * wf[i] - xf * c));
           acc[k][i] += gf * xf * r;
         }
-        store_pack<T, E>(dx + off + u * E, o);
+        store_pack<T, E>(dx + row * C + u * E, o);
       }
     }
+    if (PF)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        xv[k] = nx[k];
+        gv[k] = ng[k];
+      }
   }
 
   float* part = dw_part + (long long)blockIdx.x * C;
@@ -261,7 +301,7 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 // ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are
 // reported not to be kept, cupy/cupy#9667). Names: <kernel>_<x dtype>_<w dtype>_<VPT><v|s>.
 #define RMS_REG(T, W, TN, WN, VPT, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                          \
       rms_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_reg<T, W, VPT, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                           \

@@ -25,20 +25,19 @@ def _validate(x, weight, eps=None):
     return C
 
 
-def _plan(C: int, itemsize: int, vec: bool, max_tpr: int, warp_vpt: int):
+def _plan(C: int, itemsize: int, vec: bool, max_tpr: int):
     """(kernel kind, threads per row, packs per thread, rows per block) for a row of C elements.
 
-    A row of up to 32 x warp_vpt packs takes one warp (the reduction needs no __syncthreads; forward 8,
-    backward 4, where x, dy and the dw accumulator must all stay in registers); longer rows take
-    TPR threads with at most 4 packs (16-byte loads in flight) each, TPR <= max_tpr (1024 forward, 256
-    backward: the kernels' __launch_bounds__); beyond max_tpr x 8 packs the two-pass "loop" kernel.
+    Two 16-byte packs per thread measured best on the H200 (benchmarks/tune_rms_norm.py, NOTES.md): threads
+    per row = packs / 2, between 32 and max_tpr (forward 512, backward 256: their __launch_bounds__ and
+    register budgets), packs per thread up to 8; beyond max_tpr x 8 packs the two-pass "loop" kernel.
+    Rows of fewer than 256 threads share a block (TPR x RPB = 256).
     """
     E = 16 // itemsize if vec else 1
     units = C // E
     tpr = 32
-    if units > 32 * warp_vpt:
-        while tpr < max_tpr and units > tpr * 4:
-            tpr *= 2
+    while tpr < max_tpr and tpr * 2 < units:
+        tpr *= 2
     vpt = 1
     while tpr * vpt < units:
         vpt *= 2
@@ -85,12 +84,13 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
     if rows:
         vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
         w_vec = B.aligned16(weight)
-        kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 1024, 8)
+        kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 512)
         tag, vs = _names(x, weight, vec)
         if kind == "reg":
             k = get_function(FAMILY, f"rms_fwd_{tag}_{vpt}{vs}")
-            grid = (rows + rpb - 1) // rpb
             block = (tpr, rpb, 1)
+            # Persistent grid, one wave (the kernel prefetches the next row group while it reduces this one).
+            grid = min((rows + rpb - 1) // rpb, B.sm_count() * B.blocks_per_sm(k, tpr * rpb))
         else:
             k = get_function(FAMILY, f"rms_fwd_loop_{tag}_{vs}")
             grid, block = rows, (1024, 1, 1)
@@ -139,7 +139,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
         return dx, B.zero_(dw)
     vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx)
     w_vec = B.aligned16(weight)
-    kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256, 4)
+    kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256)
     tag, vs = _names(x, weight, vec)
     if kind == "reg":
         k = get_function(FAMILY, f"rms_bwd_{tag}_{vpt}{vs}")
