@@ -370,6 +370,7 @@ def test_gpu_adam_captures_with_device_lr_and_step(rng):
     host, dev, sh_h, sh_d, _, _ = _gpu_case(rng, n, ck.bfloat16, False, True, None)
     lr_d, step_d, gs_d = cp.array(0.0, F32), cp.array(0, np.int64), cp.array(1.0, F32)
     ck.adam_step(*[d.copy() for d in dev], lr=1e-3, step=1, shadow=sh_d.copy(), grad_scale=gs_d)  # compile
+    cp.cuda.Device().synchronize()  # the non-blocking capture stream does not wait for the default stream
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()

@@ -284,6 +284,7 @@ def test_gpu_optimizer_step_captures(rng):
     one(og)
     oe.zero_grad()
     og.zero_grad()
+    cp.cuda.Device().synchronize()  # the non-blocking capture stream does not wait for the default stream
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
