@@ -3,5 +3,7 @@ from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
 from .blas import matmul
 from .ops.rms_norm import rms_norm, rms_norm_backward
+from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
+from . import optim
 
 __version__ = "0.1.0"

@@ -1,0 +1,543 @@
+"""Optimizer ops: ``ck.adam_step``, ``ck.adam_step_rows``, ``ck.global_norm``, ``ck.clip_scale``,
+``ck.zero_rows``. Kernels: ``kernels_cu/adam.cu``.
+
+Every op here is graph-capturable: values that change from step to step (learning rate, step count, gradient
+scale, the count of touched rows) may be 0-d device arrays that the kernels read, so a captured training step
+stays valid as they change. Nothing reads back to the host.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+
+FAMILY = "adam"
+THREADS = 256
+_STEP_KIND = {np.dtype(np.int32): 1, np.dtype(np.int64): 2, np.dtype(np.float32): 3}
+_INT32 = np.dtype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _ptr_range(a):
+    if isinstance(a, np.ndarray):
+        p = a.__array_interface__["data"][0]
+    else:
+        p = a.data.ptr
+    return p, p + a.nbytes
+
+
+def _check_disjoint(**arrays):
+    """The kernels take every buffer as __restrict__: two of them overlapping would be a silent wrong answer."""
+    items = [(k, _ptr_range(a)) for k, a in arrays.items() if a is not None and a.nbytes]
+    for i in range(len(items)):
+        for j in range(i + 1, len(items)):
+            (n1, (a1, b1)), (n2, (a2, b2)) = items[i], items[j]
+            if a1 < b2 and a2 < b1:
+                raise ValueError(f"{n2}: overlaps {n1} in memory; the optimizer buffers must be distinct")
+
+
+def _is_number(v):
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _scalar_array(name, v, dtypes):
+    """Validate a 0-d array argument (device scalar on the CuPy path)."""
+    B.check_dtype(name, v, dtypes)
+    if v.ndim != 0:
+        raise ValueError(f"{name}: expected a 0-d array (a device scalar); got shape {tuple(v.shape)}")
+
+
+def _hyper(beta1, beta2, eps, weight_decay):
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not _is_number(b) or not (0.0 <= float(b) < 1.0):
+            raise ValueError(f"{name}: expected a number in [0, 1); got {b!r}")
+    if not _is_number(eps) or not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0; got {eps!r}")
+    if not _is_number(weight_decay) or not np.isfinite(weight_decay):
+        raise ValueError(f"weight_decay: expected a finite number; got {weight_decay!r}")
+
+
+def _lr_step_scale(lr, step, grad_scale):
+    """Validate lr / step / grad_scale (numbers or 0-d arrays); returns the arrays among them by name."""
+    arrays = {}
+    if _is_number(lr):
+        if not np.isfinite(lr):
+            raise ValueError(f"lr: expected a finite number; got {lr!r}")
+    elif B._kind(lr) is not None:
+        _scalar_array("lr", lr, (np.float32,))
+        arrays["lr"] = lr
+    else:
+        raise TypeError(f"lr: expected a number or a 0-d float32 array; got {type(lr).__name__}")
+    if _is_number(step):
+        if not float(step) >= 1:
+            raise ValueError(f"step: expected the 1-based step number (>= 1, bias correction divides by "
+                             f"1 - beta**step); got {step!r}")
+    elif B._kind(step) is not None:
+        _scalar_array("step", step, tuple(_STEP_KIND))
+        arrays["step"] = step
+    else:
+        raise TypeError(f"step: expected a number or a 0-d int32/int64/float32 array; got {type(step).__name__}")
+    if grad_scale is not None:
+        if _is_number(grad_scale):
+            if not np.isfinite(grad_scale):
+                raise ValueError(f"grad_scale: expected a finite number; got {grad_scale!r}")
+        elif B._kind(grad_scale) is not None:
+            _scalar_array("grad_scale", grad_scale, (np.float32,))
+            arrays["grad_scale"] = grad_scale
+        else:
+            raise TypeError(f"grad_scale: expected a 0-d float32 array or a number; got {type(grad_scale).__name__}")
+    return arrays
+
+
+def _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same):
+    """dtype, contiguity and size/shape agreement; ``same(name, a)`` checks the size or shape against param."""
+    B.check_dtype("param", param, (np.float32,))
+    B.check_dtype("grad", grad, B.FLOATS)
+    B.check_dtype("exp_avg", exp_avg, (np.float32,))
+    B.check_dtype("exp_avg_sq", exp_avg_sq, (np.float32,))
+    if shadow is not None:
+        B.check_dtype("shadow", shadow, (B.bfloat16,))
+    for name, a in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+                    ("shadow", shadow)):
+        if a is None:
+            continue
+        B.check_contiguous(name, a)
+        if name != "param":
+            same(name, a)
+    _check_disjoint(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def _f32(v):
+    return float(np.float32(v))
+
+
+def _host(v):
+    """A number or a 0-d NumPy array as a Python float."""
+    return float(v) if v is not None else None
+
+
+def _adam_math(p, g, m, v, *, lr, step, beta1, beta2, eps, weight_decay, grad_scale):
+    """float64 AdamW on flat copies; lr, eps and weight_decay taken as the fp32 values the kernel sees."""
+    lr, eps, wd = _f32(lr), _f32(eps), _f32(weight_decay)
+    t = float(step)
+    g = g.astype(np.float64)
+    if grad_scale is not None:
+        g = g * _f32(grad_scale)
+    m = beta1 * m.astype(np.float64) + (1.0 - beta1) * g
+    v = beta2 * v.astype(np.float64) + (1.0 - beta2) * g * g
+    bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
+    p = p.astype(np.float64) * (1.0 - lr * wd) - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + eps)
+    return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)
+
+
+def _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay):
+    """The trailing ADAM_ARGS of every adam kernel: (pointer, value) pairs, the pointer wins when not null."""
+    lr_dev, st_dev = not _is_number(lr), not _is_number(step)
+    gs_dev = grad_scale is not None and not _is_number(grad_scale)
+    return (
+        lr if lr_dev else B.NULL,
+        np.float32(0.0 if lr_dev else lr),
+        step if st_dev else B.NULL,
+        np.int32(_STEP_KIND[step.dtype] if st_dev else 0),
+        np.float64(0.0 if st_dev else step),
+        grad_scale if gs_dev else B.NULL,
+        np.float32(1.0 if grad_scale is None or gs_dev else grad_scale),
+        np.float64(beta1),
+        np.float64(beta2),
+        np.float32(eps),
+        np.float32(weight_decay),
+    )
+
+
+_WAVE = {}
+
+
+def _kernel(name):
+    """(kernel, blocks in one wave of THREADS-thread blocks on this device), the wave cached per name."""
+    import cupy
+
+    k = get_function(FAMILY, name)
+    key = (name, cupy.cuda.Device().id)
+    wave = _WAVE.get(key)
+    if wave is None:
+        wave = _WAVE[key] = B.sm_count() * B.blocks_per_sm(k, THREADS)
+    return k, wave
+
+
+def _grid(wave, work_items):
+    """Persistent grid: one wave, fewer blocks when there is less work."""
+    return min(max(1, -(-work_items // THREADS)), wave)
+
+
+# ---------------------------------------------------------------------------------------------- adam_step
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, shadow=None, grad_scale=None):
+    """One fused AdamW update, in place (decoupled weight decay, PyTorch's ``AdamW`` formula).
+
+    With ``g = grad_scale * grad`` and ``t = step``::
+
+        exp_avg    = beta1 * exp_avg + (1 - beta1) * g
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g**2
+        param      = param * (1 - lr * weight_decay)
+                     - lr / (1 - beta1**t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**t) + eps)
+        shadow     = bfloat16(param)                      (when shadow is given, in the same pass)
+
+    The arrays are treated as flat: any shape, equal sizes, C-contiguous, not overlapping. The kernel uses
+    16-byte accesses on every stream when all pointers are 16-byte aligned (8 elements per thread and
+    iteration), element accesses otherwise; any length and alignment is correct. Arithmetic is fp32 with the
+    bias corrections in double; lr, eps and weight_decay are used as fp32 values.
+
+    Args:
+        param, exp_avg, exp_avg_sq: float32, updated in place.
+        grad: float32 or bfloat16, same size.
+        lr: a number or a 0-d float32 array (read on the device: a captured graph sees its current value).
+        step: the 1-based step number (>= 1): a number or a 0-d int32 / int64 / float32 array.
+        beta1, beta2, eps, weight_decay: numbers.
+        shadow: optional bfloat16 array of the same size; receives the updated param rounded to bf16.
+        grad_scale: optional 0-d float32 array multiplying the gradient first (clipping scale, inverse loss
+            scale); a plain number is accepted for eager use.
+
+    Returns:
+        None (everything is updated in place).
+
+    Example::
+
+        >>> p = cp.random.standard_normal(10**6, dtype=cp.float32); g = cp.ones_like(p)
+        >>> m, v = cp.zeros_like(p), cp.zeros_like(p)
+        >>> ck.adam_step(p, g, m, v, lr=3e-4, step=1, weight_decay=0.1)
+    """
+    scal = _lr_step_scale(lr, step, grad_scale)
+    xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, **scal)
+    _hyper(beta1, beta2, eps, weight_decay)
+
+    def same_size(name, a):
+        if a.size != param.size:
+            raise ValueError(f"{name}: expected {param.size} elements (the size of param); got {a.size} "
+                             f"(shape {tuple(a.shape)})")
+
+    _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same_size)
+    n = param.size
+    if n == 0:
+        return None
+    if xp is np:
+        p, m, v = _adam_math(param.reshape(-1), grad.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1),
+                             lr=_host(lr), step=_host(step), beta1=beta1, beta2=beta2, eps=eps,
+                             weight_decay=weight_decay, grad_scale=_host(grad_scale))
+        param[...] = p.reshape(param.shape)
+        exp_avg[...] = m.reshape(param.shape)
+        exp_avg_sq[...] = v.reshape(param.shape)
+        if shadow is not None:
+            shadow[...] = p.astype(B.bfloat16).reshape(shadow.shape)
+        return None
+
+    vec = n >= 8 and B.aligned16(*(a for a in (param, grad, exp_avg, exp_avg_sq, shadow) if a is not None))
+    k, wave = _kernel(f"adam_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
+    tail = (n % 8) if vec else n
+    grid = _grid(wave, max(n // 8 if vec else 0, tail))
+    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay)
+    k((grid,), (THREADS,),
+      (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, np.int64(n), *args))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- sparse rows
+def _check_rows(rows, row_count):
+    B.check_dtype("rows", rows, (np.int32,))
+    if rows.ndim != 1:
+        raise ValueError(f"rows: expected a 1-D int32 array (row indices); got shape {tuple(rows.shape)}")
+    B.check_contiguous("rows", rows)
+    _scalar_array("row_count", row_count, (np.int32,))
+    if rows.size >= 2**31:
+        raise ValueError(f"rows: at most 2**31 - 1 entries; got {rows.size}")
+
+
+def _host_rows(rows, row_count, V):
+    """NumPy path: the valid listed rows (first min(row_count, capacity), those in [0, V))."""
+    count = min(max(int(row_count), 0), rows.size)
+    idx = rows[:count].astype(np.int64)
+    return idx[(idx >= 0) & (idx < V)]
+
+
+def _rows_plan(units):
+    """Block (TX, RY) for rows of ``units`` accesses: TX threads across a row (the power of two >= units, at
+    most THREADS), RY = THREADS / TX rows per block."""
+    tx = 1
+    while tx < THREADS and tx < units:
+        tx *= 2
+    return tx, THREADS // tx
+
+
+def _rows_grid(wave, capacity, ry):
+    # Fixed from the capacity (host-known); blocks past the device-side count exit at once.
+    return min(max(1, -(-capacity // ry)), wave)
+
+
+def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, step, beta1=0.9, beta2=0.999,
+                   eps=1e-8, weight_decay=0.0, shadow=None, grad_scale=None):
+    """Sparse ("lazy") AdamW: the :func:`adam_step` update applied only to listed rows of a 2-D parameter.
+
+    For ``r`` in ``rows[:row_count]`` the row ``param[r, :]`` (with ``grad[r]``, ``exp_avg[r]``,
+    ``exp_avg_sq[r]`` and ``shadow[r]``) gets exactly the dense update. Every other row keeps param, moments
+    and shadow bit-identical. This differs from dense Adam on the same (mostly zero) gradient: there the
+    untouched rows' moments decay (``m *= beta1``, ``v *= beta2``), they keep moving on their old momentum,
+    and they get weight decay; here they are frozen until a step touches them again. It is the usual
+    trade-off for large embedding tables (TensorFlow's LazyAdam, PyTorch's SparseAdam).
+
+    ``rows`` and ``row_count`` live on the device (written by the embedding backward): the kernel reads the
+    count itself, on a fixed grid sized from ``rows.size`` (the capacity), so there is no host sync. Entries
+    past the count are ignored; listed rows outside ``[0, V)`` are skipped; the listed rows must be unique
+    (a duplicate row would be updated twice, concurrently).
+
+    Args:
+        param, exp_avg, exp_avg_sq: ``(V, D)`` float32, updated in place (touched rows only).
+        grad: ``(V, D)`` float32 or bfloat16 (only the listed rows are read).
+        rows: 1-D int32, capacity >= count.
+        row_count: 0-d int32 array, the number of valid entries of ``rows``.
+        lr, step, beta1, beta2, eps, weight_decay, shadow, grad_scale: as :func:`adam_step`; shadow
+            ``(V, D)`` bfloat16.
+
+    Returns:
+        None.
+
+    Example::
+
+        >>> ck.adam_step_rows(emb, emb_grad, m, v, rows, count, lr=lr_dev, step=step_dev)
+    """
+    scal = _lr_step_scale(lr, step, grad_scale)
+    xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, rows=rows,
+                        row_count=row_count, **scal)
+    _hyper(beta1, beta2, eps, weight_decay)
+    if param.ndim != 2:
+        raise ValueError(f"param: expected a 2-D (V, D) array; got shape {tuple(param.shape)}")
+
+    def same_shape(name, a):
+        B.check_shape(name, a, param.shape, " (the shape of param)")
+
+    _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same_shape)
+    _check_rows(rows, row_count)
+    V, D = param.shape
+    if xp is np:
+        idx = _host_rows(rows, row_count, V)
+        if idx.size == 0 or D == 0:
+            return None
+        p, m, v = _adam_math(param[idx], grad[idx], exp_avg[idx], exp_avg_sq[idx], lr=_host(lr),
+                             step=_host(step), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                             grad_scale=_host(grad_scale))
+        param[idx], exp_avg[idx], exp_avg_sq[idx] = p, m, v
+        if shadow is not None:
+            shadow[idx] = p.astype(B.bfloat16)
+        return None
+
+    if rows.size == 0 or V == 0 or D == 0:
+        return None
+    vec = D % 8 == 0 and B.aligned16(*(a for a in (param, grad, exp_avg, exp_avg_sq, shadow) if a is not None))
+    k, wave = _kernel(f"adam_rows_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
+    tx, ry = _rows_plan(D // 8 if vec else D)
+    grid = _rows_grid(wave, rows.size, ry)
+    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay)
+    k((grid,), (tx, ry, 1),
+      (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, rows, row_count,
+       np.int32(rows.size), np.int64(V), np.int32(D), *args))
+    return None
+
+
+def zero_rows(buf, rows, row_count):
+    """Zero the listed rows of a 2-D buffer: ``buf[r, :] = 0`` for ``r`` in ``rows[:row_count]``.
+
+    For sparse gradients (an embedding's): only the rows the last step touched are cleared, instead of the
+    whole ``(V, D)`` buffer. Same device-side count, fixed grid and row rules as :func:`adam_step_rows`
+    (entries past the count ignored, rows outside ``[0, V)`` skipped). Dense buffers are zeroed with
+    ``cudaMemsetAsync`` (``cukernels._backend.zero_``), not a kernel.
+
+    Args:
+        buf: ``(V, D)`` float32 or bfloat16, C-contiguous, zeroed in place (listed rows only).
+        rows: 1-D int32; row_count: 0-d int32 array.
+
+    Returns:
+        ``buf``.
+
+    Example::
+
+        >>> ck.zero_rows(emb_grad, rows, count)
+    """
+    xp = B.array_module(buf=buf, rows=rows, row_count=row_count)
+    B.check_dtype("buf", buf, B.FLOATS)
+    if buf.ndim != 2:
+        raise ValueError(f"buf: expected a 2-D (V, D) array; got shape {tuple(buf.shape)}")
+    B.check_contiguous("buf", buf)
+    _check_rows(rows, row_count)
+    V, D = buf.shape
+    if xp is np:
+        idx = _host_rows(rows, row_count, V)
+        buf[idx] = 0
+        return buf
+    if rows.size == 0 or V == 0 or D == 0:
+        return buf
+    per = 16 // buf.itemsize
+    vec = D % per == 0 and B.aligned16(buf)
+    k, wave = _kernel(f"zero_rows_{B.DTYPE_TAG[buf.dtype]}_{'v' if vec else 's'}")
+    tx, ry = _rows_plan(D // per if vec else D)
+    grid = _rows_grid(wave, rows.size, ry)
+    k((grid,), (tx, ry, 1), (buf, rows, row_count, np.int32(rows.size), np.int64(V), np.int32(D)))
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------- norms
+def _partial_blocks(n, itemsize, vec):
+    work = (n // (16 // itemsize) + n % (16 // itemsize)) if vec else n
+    # ~4 units per thread at least; at most 4 blocks per SM (one wave, few partials).
+    return max(1, min(-(-work // (THREADS * 4)), B.sm_count() * 4))
+
+
+def _as_list(arrays):
+    if isinstance(arrays, (list, tuple)):
+        arrs = list(arrays)
+        if not arrs:
+            raise ValueError("arrays: expected at least one array; got an empty list")
+        return arrs
+    return [arrays]
+
+
+def _norm_plan(arrs):
+    """[(array, vec, blocks, first partial slot)] for the non-empty arrays, and the number of partials."""
+    plan, total = [], 0
+    for a in arrs:
+        if a.size == 0:
+            continue
+        vec = a.size >= 16 // a.itemsize and B.aligned16(a)
+        nb = _partial_blocks(a.size, a.itemsize, vec)
+        plan.append((a, vec, nb, total))
+        total += nb
+    return plan, total
+
+
+def global_norm_workspace(arrays):
+    """A float32 buffer big enough for :func:`global_norm`'s per-block partials of ``arrays`` (on their
+    device). Allocate it once and pass it as ``workspace=`` to keep a captured graph free of temporaries."""
+    arrs = _as_list(arrays)
+    xp = B.array_module(**{f"arrays[{i}]": a for i, a in enumerate(arrs)})
+    if xp is np:
+        return np.empty((1,), dtype=np.float32)
+    return xp.empty((max(1, _norm_plan(arrs)[1]),), dtype=np.float32)
+
+
+def global_norm(arrays, *, out=None, workspace=None):
+    """Global L2 norm of one array or of a list of arrays, as a 0-d float32 array (no host sync).
+
+    ``norm = sqrt(sum over arrays of sum(a**2))``, accumulated in fp32 per thread and block, double across
+    blocks. Two stages, no atomics, so the result is bit-identical from run to run: one partial kernel per
+    (non-empty) array writes its per-block sums into slots of one partials buffer, then one block reduces
+    them in a fixed order. A list is never concatenated; pass the optimizer's flat gradient buffers to make
+    it two or three launches for a whole model.
+
+    Args:
+        arrays: an array, or a list/tuple of arrays (float32 or bfloat16, any shape, C-contiguous).
+        out: optional 0-d float32 output.
+        workspace: optional 1-D float32 buffer for the partials (from :func:`global_norm_workspace`);
+            without it a small pool temporary is used.
+
+    Returns:
+        0-d float32 array (``out`` when given); 0 for an empty total.
+
+    Example::
+
+        >>> norm = ck.global_norm([p.grad for p in params])
+        >>> scale = ck.clip_scale(norm, 1.0)
+    """
+    arrs = _as_list(arrays)
+    named = {f"arrays[{i}]": a for i, a in enumerate(arrs)}
+    xp = B.array_module(out=out, workspace=workspace, **named)
+    for name, a in named.items():
+        B.check_dtype(name, a, B.FLOATS)
+        B.check_contiguous(name, a)
+    if out is not None:
+        B.check_out("out", out, (), np.float32)
+    res = out if out is not None else xp.empty((), dtype=np.float32)
+    if xp is np:
+        total = sum(float(np.sum(np.square(a.astype(np.float64)))) for a in arrs)
+        res[...] = np.float32(np.sqrt(total))
+        return res
+
+    plan, total_parts = _norm_plan(arrs)
+    if workspace is not None:
+        B.check_dtype("workspace", workspace, (np.float32,))
+        if workspace.ndim != 1 or workspace.size < total_parts:
+            raise ValueError(f"workspace: expected a 1-D float32 buffer of at least {total_parts} elements; got "
+                             f"shape {tuple(workspace.shape)} (use global_norm_workspace(arrays))")
+        B.check_contiguous("workspace", workspace)
+        part = workspace
+    else:
+        part = xp.empty((max(total_parts, 1),), dtype=np.float32)
+    for a, vec, nb, off in plan:
+        k = get_function(FAMILY, f"sumsq_partial_{B.DTYPE_TAG[a.dtype]}_{'v' if vec else 's'}")
+        k((nb,), (THREADS,), (a, np.int64(a.size), part[off:off + nb]))
+    fin = get_function(FAMILY, "sumsq_final")
+    fin((1,), (1024,), (part, np.int64(total_parts), res))
+    return res
+
+
+def clip_scale(norm, max_norm, *, out=None):
+    """The gradient-clipping factor as a 0-d float32 array: ``min(1, max_norm / (norm + 1e-6))``.
+
+    Computed in fp32 on the device (no host sync), ready to pass as ``grad_scale`` to :func:`adam_step` or
+    ``AdamW.step``. A NaN norm gives a NaN scale (as ``torch.nn.utils.clip_grad_norm_``'s clamp), an inf
+    norm gives 0.
+
+    Args:
+        norm: 0-d float32 array (from :func:`global_norm`).
+        max_norm: a number > 0.
+        out: optional 0-d float32 output.
+
+    Returns:
+        0-d float32 array.
+
+    Example::
+
+        >>> scale = ck.clip_scale(ck.global_norm(grads), 1.0)
+    """
+    xp = B.array_module(norm=norm, out=out)
+    _scalar_array("norm", norm, (np.float32,))
+    if not _is_number(max_norm) or not (np.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"max_norm: expected a finite number > 0; got {max_norm!r}")
+    if out is not None:
+        B.check_out("out", out, (), np.float32)
+    res = out if out is not None else xp.empty((), dtype=np.float32)
+    if xp is np:
+        s = np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6))
+        res[...] = np.float32(1.0) if s > 1 else s
+        return res
+    get_function(FAMILY, "adam_clip_scale")((1,), (32,), (norm, res, np.float32(max_norm)))
+    return res
+
+
+def tick(step, lr, *, increment=1, schedule=None):
+    """Advance the optimizer's device clock: ``step += increment``; with ``schedule = (max_lr, min_lr, warmup,
+    total)`` also ``lr = warmup_cosine(step)`` (see ``cukernels.optim.WarmupCosine``). One tiny launch,
+    capturable. ``step``: 0-d int32 array; ``lr``: 0-d float32 array. NumPy arrays: the same in Python."""
+    xp = B.array_module(step=step, lr=lr)
+    _scalar_array("step", step, (np.int32,))
+    _scalar_array("lr", lr, (np.float32,))
+    if xp is np:
+        step[...] = step + np.int32(increment)
+        if schedule is not None:
+            lr[...] = np.float32(warmup_cosine(int(step), *schedule))
+        return
+    mx, mn, w, tot = schedule if schedule is not None else (0.0, 0.0, 0, 0)
+    get_function(FAMILY, "adam_tick")(
+        (1,), (32,), (step, lr, np.int32(increment), np.int32(schedule is not None), np.float64(mx),
+                      np.float64(mn), np.int64(w), np.int64(tot)))
+
+
+def warmup_cosine(t, max_lr, min_lr, warmup, total):
+    """Linear warmup to ``max_lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at step ``total``
+    (held there after). ``t`` is the 1-based step number: the same formula as the ``adam_tick`` kernel."""
+    if warmup > 0 and t <= warmup:
+        return max_lr * t / warmup
+    span = total - warmup
+    q = (t - warmup) / span if span > 0 else 1.0
+    q = min(max(q, 0.0), 1.0)
+    return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + np.cos(np.pi * q))
