@@ -2,5 +2,7 @@
 from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
 from .ops.rms_norm import rms_norm, rms_norm_backward
+from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embedding_error
+from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
 
 __version__ = "0.1.0"
