@@ -1,0 +1,339 @@
+"""Softmax cross-entropy: ``ck.cross_entropy`` / ``ck.cross_entropy_backward`` / ``ck.cross_entropy_fused``.
+
+Kernels: ``kernels_cu/cross_entropy.cu``. The loss stays on the device (a 0-d array): reading it back every
+step is a host sync. Targets outside ``[0, V)`` that are not ``ignore_index`` raise on the NumPy path; on the GPU
+the row is treated as ignored and 1 is ORed into a device error word (``ck.cross_entropy_error()``).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+
+FAMILY = "cross_entropy"
+INTS = (np.int32, np.int64)
+REDUCTIONS = ("mean", "sum", "none")
+
+_err_lock = threading.Lock()
+_err_words: dict[int, object] = {}
+
+
+def cross_entropy_error():
+    """The module's device error word (0-d int32 CuPy array) for the current device.
+
+    The GPU kernels OR 1 into it when a target outside ``[0, V)`` (and not ``ignore_index``) was met (that row
+    then counts as ignored), unless an ``error=`` word was passed. Read it when a host sync is acceptable
+    (``int(ck.cross_entropy_error())``) and clear it with ``.fill(0)``.
+    """
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    w = _err_words.get(dev)
+    if w is None:
+        with _err_lock:
+            w = _err_words.get(dev)
+            if w is None:
+                w = cupy.zeros((), dtype=np.int32)
+                _err_words[dev] = w
+    return w
+
+
+def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
+    B.check_dtype("logits", logits, B.FLOATS)
+    B.check_ndim("logits", logits, 1)
+    V = logits.shape[-1]
+    if V < 1:
+        raise ValueError(f"logits: the class (last) axis must have at least 1 element; got shape {tuple(logits.shape)}")
+    if V >= 2**31:
+        raise ValueError(f"logits: at most 2**31 - 1 classes supported; got {V}")
+    B.check_contiguous("logits", logits)
+    B.check_dtype("targets", targets, INTS)
+    B.check_shape("targets", targets, logits.shape[:-1], " (logits.shape[:-1])")
+    B.check_contiguous("targets", targets)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}; got {reduction!r}")
+    try:
+        ig = int(ignore_index)
+    except (TypeError, ValueError):
+        raise TypeError(f"ignore_index: expected an integer; got {type(ignore_index).__name__}") from None
+    if ig != ignore_index:
+        raise TypeError(f"ignore_index: expected an integer; got {ignore_index!r}")
+    eps = float(B.scalar_f32("label_smoothing", label_smoothing))
+    if not (0.0 <= eps <= 1.0):
+        raise ValueError(f"label_smoothing: expected a number in [0, 1]; got {label_smoothing}")
+    if error is not None:
+        B.check_dtype("error", error, (np.int32,))
+        B.check_shape("error", error, ())
+    return V, ig, eps
+
+
+def _err(xp, error):
+    if xp is np:
+        return None
+    return error if error is not None else cross_entropy_error()
+
+
+def _host_check_targets(targets, V, ig):
+    t = targets.reshape(-1)
+    bad = (t != ig) & ((t < 0) | (t >= V))
+    if bad.any():
+        v = int(t[np.argmax(bad)])
+        raise ValueError(f"targets: value {v} is out of range for {V} classes (valid: 0..{V - 1}, or ignore_index={ig})")
+
+
+def _ref_rows(logits, targets, V, ig, eps):
+    """NumPy path: (per-row loss f64, lse f64, valid mask, x as f64 2-D, flat targets)."""
+    x = logits.reshape(-1, V).astype(np.float64)
+    t = targets.reshape(-1).astype(np.int64)
+    valid = t != ig
+    m = x.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+    ts = np.where(valid, t, 0)
+    xt = x[np.arange(x.shape[0]), ts]
+    loss = (1 - eps) * (lse - xt) + eps * (lse - x.mean(axis=1))
+    loss = np.where(valid, loss, 0.0)
+    return loss, lse, valid, x, ts
+
+
+def _ref_reduce(loss, valid, reduction, shape):
+    if reduction == "none":
+        return loss.astype(np.float32).reshape(shape)
+    s = loss.sum()
+    if reduction == "mean":
+        c = int(valid.sum())
+        s = s / c if c else 0.0
+    return np.asarray(s, dtype=np.float32)
+
+
+def _ref_grad(x, lse, valid, ts, g_rows, eps, V):
+    p = np.exp(x - lse[:, None])
+    d = p - eps / V
+    d[np.arange(x.shape[0]), ts] -= 1 - eps
+    return np.where(valid[:, None], d * g_rows[:, None], 0.0)
+
+
+def _dloss_rows(xp, dloss, reduction, valid, shape):
+    """NumPy path: the per-row gradient scale g_i."""
+    n = valid.shape[0]
+    d = np.asarray(dloss, dtype=np.float64)
+    if reduction == "none" and d.ndim:
+        g = d.reshape(-1)
+    else:
+        g = np.full(n, float(d))
+    if reduction == "mean":
+        c = int(valid.sum())
+        g = g / c if c else np.zeros(n)
+    return g
+
+
+def _check_dloss(xp, dloss, reduction, shape):
+    """dloss: a Python float, a 0-d float32 array, or (reduction 'none') a float32 array of the row shape."""
+    if isinstance(dloss, (int, float, np.floating, np.integer)) and not isinstance(dloss, bool):
+        return float(dloss), None
+    if not isinstance(dloss, (np.ndarray,)) and B._kind(dloss) is None:
+        raise TypeError(f"dloss: expected a float or a float32 array; got {type(dloss).__name__}")
+    B.array_module(dloss=dloss)
+    if B._kind(dloss) is not xp:
+        raise TypeError(f"dloss: is a {B._kind(dloss).__name__} array but logits is a {xp.__name__} array")
+    B.check_dtype("dloss", dloss, (np.float32,))
+    if dloss.ndim == 0:
+        return 0.0, dloss
+    if reduction != "none":
+        raise ValueError(f"dloss: expected a 0-d array for reduction={reduction!r}; got shape {tuple(dloss.shape)}")
+    B.check_shape("dloss", dloss, shape, " (logits.shape[:-1], per-row for reduction='none')")
+    B.check_contiguous("dloss", dloss)
+    return 0.0, dloss
+
+
+def _threads(V: int, itemsize: int) -> int:
+    """Block size for one row: ~16 packs per thread, 128..1024 threads."""
+    units = max(1, V // (16 // itemsize))
+    t = 128
+    while t < 1024 and units > t * 16:
+        t *= 2
+    return t
+
+
+def _grid(k, N, threads):
+    return max(1, min(N, B.sm_count() * B.blocks_per_sm(k, threads)))
+
+
+def _tag(logits, targets):
+    return f"{B.DTYPE_TAG[logits.dtype]}_{B.DTYPE_TAG[targets.dtype]}"
+
+
+def _count(xp, targets, N, V, ig):
+    cnt = xp.empty((), dtype=np.int32)
+    k = get_function(FAMILY, f"ce_count_{B.DTYPE_TAG[targets.dtype]}")
+    k((1,), (1024, 1, 1), (targets, np.int64(N), np.int64(V), np.int64(ig), cnt))
+    return cnt
+
+
+def _reduce(xp, loss_row, N, cnt):
+    loss = xp.empty((), dtype=np.float32)
+    get_function(FAMILY, "ce_reduce_loss")((1,), (1024, 1, 1), (loss_row, np.int64(N), cnt if cnt is not None else B.NULL, loss))
+    return loss
+
+
+def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, return_lse=False,
+                  error=None):
+    """Softmax cross-entropy of ``logits`` against integer ``targets``.
+
+    Per row i with target t (eps = label_smoothing)::
+
+        lse_i  = log(sum_j exp(x_ij))
+        loss_i = (1 - eps) * (lse_i - x_it) + eps * (lse_i - mean_j x_ij)      (0 where t == ignore_index)
+
+    ``mean`` divides the sum by the number of non-ignored rows (computed on the device; 0 when every row is
+    ignored), ``sum`` sums, ``none`` returns loss_i. The reductions are deterministic (fixed-order, no atomics).
+
+    Args:
+        logits: ``(..., V)`` float32 or bfloat16, C-contiguous (leading dims are rows).
+        targets: int32/int64, shape ``logits.shape[:-1]``.
+        ignore_index: target value of rows that contribute nothing.
+        reduction: "mean" | "sum" | "none".
+        label_smoothing: eps in [0, 1].
+        return_lse: also return lse (float32, ``logits.shape[:-1]``) for :func:`cross_entropy_backward`.
+        error: optional 0-d int32 device error word (default :func:`cross_entropy_error`).
+
+    Returns:
+        ``loss`` (0-d float32 device array for mean/sum, float32 ``logits.shape[:-1]`` for none), or
+        ``(loss, lse)``.
+
+    Example::
+
+        >>> loss, lse = ck.cross_entropy(logits, targets, return_lse=True)     # loss.shape == ()
+        >>> dlogits = ck.cross_entropy_backward(logits, targets, lse, cp.ones((), cp.float32))
+    """
+    xp = B.array_module(logits=logits, targets=targets, error=error)
+    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    rshape = logits.shape[:-1]
+    N = targets.size
+    if xp is np:
+        _host_check_targets(targets, V, ig)
+        loss, lse, valid, _, _ = _ref_rows(logits, targets, V, ig, eps)
+        out = _ref_reduce(loss, valid, reduction, rshape)
+        return (out, lse.astype(np.float32).reshape(rshape)) if return_lse else out
+
+    lse = xp.empty(rshape, dtype=np.float32) if return_lse else None
+    loss_row = xp.empty(rshape, dtype=np.float32)
+    if N:
+        threads = _threads(V, logits.itemsize)
+        k = get_function(FAMILY, f"ce_fwd_{_tag(logits, targets)}")
+        k((_grid(k, N, threads),), (threads, 1, 1),
+          (logits, targets, loss_row, lse if lse is not None else B.NULL, _err(xp, error), np.int64(N), np.int32(V),
+           np.int64(ig), np.float32(eps)))
+    if reduction == "none":
+        out = loss_row
+    else:
+        cnt = _count(xp, targets, N, V, ig) if reduction == "mean" else None
+        out = _reduce(xp, loss_row, N, cnt)
+    return (out, lse) if return_lse else out
+
+
+def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ig, eps, reduction, dscalar, darr, error):
+    N = targets.size
+    cnt = _count(xp, targets, N, V, ig) if reduction == "mean" else None
+    if N == 0:
+        return cnt
+    vec = logits.data.ptr % 16 == dx.data.ptr % 16
+    threads = _threads(V, logits.itemsize)
+    k = get_function(FAMILY, f"ce_{kind}_{_tag(logits, targets)}")
+    grid = _grid(k, N, threads)
+    cptr = cnt if cnt is not None else B.NULL
+    dptr = darr if darr is not None else B.NULL
+    if kind == "fused":
+        k((grid,), (threads, 1, 1),
+          (logits, targets, dx, loss_row, _err(xp, error), cptr, dptr, np.float32(dscalar), np.int64(N), np.int32(V),
+           np.int64(ig), np.float32(eps), np.bool_(vec)))
+    else:
+        per_row = darr is not None and darr.ndim > 0
+        k((grid,), (threads, 1, 1),
+          (logits, targets, lse, dx, _err(xp, error), cptr, dptr, np.float32(dscalar), np.bool_(per_row), np.int64(N),
+           np.int32(V), np.int64(ig), np.float32(eps), np.bool_(vec)))
+    return cnt
+
+
+def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                           out=None, error=None):
+    """Gradient of :func:`cross_entropy` with respect to the logits.
+
+    ``dx_ij = g_i * (exp(x_ij - lse_i) - eps / V - (1 - eps) * [j == t_i])``, 0 on ignored rows, with
+    ``g_i = dloss`` (sum), ``dloss / count`` (mean; count of non-ignored rows, computed on the device) or
+    ``dloss_i`` (none). One read of the logits, one write of dx.
+
+    Args:
+        logits, targets: the forward inputs.
+        lse: float32 ``logits.shape[:-1]`` from ``cross_entropy(..., return_lse=True)``.
+        dloss: gradient of the loss: a float or a 0-d float32 array; for reduction "none" also a float32 array of
+            shape ``logits.shape[:-1]``.
+        ignore_index, reduction, label_smoothing: as in the forward.
+        out: optional buffer for dx (dtype and shape of logits); may be ``logits`` itself (in place).
+
+    Returns:
+        ``dlogits``, dtype and shape of ``logits``.
+    """
+    xp = B.array_module(logits=logits, targets=targets, lse=lse, out=out, error=error)
+    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    rshape = logits.shape[:-1]
+    B.check_dtype("lse", lse, (np.float32,))
+    B.check_shape("lse", lse, rshape, " (logits.shape[:-1])")
+    B.check_contiguous("lse", lse)
+    dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
+    dx = B.empty(xp, logits.shape, logits.dtype, out)
+    if xp is np:
+        _host_check_targets(targets, V, ig)
+        _, _, valid, x, ts = _ref_rows(logits, targets, V, ig, eps)
+        g = _dloss_rows(xp, darr if darr is not None else dscalar, reduction, valid, rshape)
+        l64 = lse.reshape(-1).astype(np.float64)
+        dx[...] = _ref_grad(x, l64, valid, ts, g, eps, V).reshape(logits.shape).astype(logits.dtype)
+        return dx
+    _grad_launch("bwd", xp, logits, targets, dx, lse, None, V, ig, eps, reduction, dscalar, darr, error)
+    return dx
+
+
+def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, dloss=1.0,
+                        out=None, error=None):
+    """Cross-entropy forward and backward in one pass over the logits (llm.c's fused classifier).
+
+    Returns the loss of :func:`cross_entropy` and the dlogits of :func:`cross_entropy_backward` for ``dloss``
+    without materialising softmax or lse: each row is read once for (max, sum of exp), then re-read (mostly
+    from L2) to write the gradient. With ``out=logits`` the gradient overwrites the logits in place, saving a
+    vocabulary-sized buffer.
+
+    Args:
+        logits, targets, ignore_index, reduction, label_smoothing: as in :func:`cross_entropy`.
+        dloss: float or 0-d float32 device array (read on the device; e.g. a loss scale).
+        out: dlogits buffer (dtype and shape of logits), or ``logits`` itself for in place; ``out`` must not
+            partially overlap ``logits``.
+
+    Returns:
+        ``(loss, dlogits)``: loss as in :func:`cross_entropy`, dlogits like ``logits``.
+
+    Example::
+
+        >>> loss, _ = ck.cross_entropy_fused(logits, targets, out=logits)    # logits now hold dlogits
+    """
+    xp = B.array_module(logits=logits, targets=targets, out=out, error=error)
+    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    rshape = logits.shape[:-1]
+    dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
+    if darr is not None and darr.ndim:
+        raise ValueError(f"dloss: expected a float or a 0-d float32 array; got shape {tuple(darr.shape)}")
+    dx = B.empty(xp, logits.shape, logits.dtype, out)
+    N = targets.size
+    if xp is np:
+        _host_check_targets(targets, V, ig)
+        loss, lse, valid, x, ts = _ref_rows(logits, targets, V, ig, eps)
+        res = _ref_reduce(loss, valid, reduction, rshape)
+        g = _dloss_rows(xp, darr if darr is not None else dscalar, reduction, valid, rshape)
+        dx[...] = _ref_grad(x, lse, valid, ts, g, eps, V).reshape(logits.shape).astype(logits.dtype)
+        return res, dx
+    loss_row = xp.empty(rshape, dtype=np.float32)
+    cnt = _grad_launch("fused", xp, logits, targets, dx, None, loss_row, V, ig, eps, reduction, dscalar, darr, error)
+    if reduction == "none":
+        return loss_row, dx
+    return _reduce(xp, loss_row, N, cnt), dx

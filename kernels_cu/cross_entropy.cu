@@ -1,0 +1,439 @@
+// Softmax cross-entropy over rows of logits [N, V], with ignore_index and label smoothing eps.
+//
+//   forward   lse_i  = log sum_j exp(x_ij)                                  (fp32, saved for backward)
+//             loss_i = (1 - eps) (lse_i - x_i,t) + eps (lse_i - sum_j x_ij / V)     for a valid target t
+//             loss_i = 0                      for an ignored row (t == ignore_index) or an invalid target
+//             mean = sum_i loss_i / count(valid rows) (0 when no row is valid), sum = sum_i loss_i
+//   backward  dx_ij = g_i (exp(x_ij - lse_i) - eps / V - (1 - eps) [j == t_i]),  0 on ignored rows
+//             g_i = dloss (sum), dloss / count (mean), dloss_i (none)
+//
+// A target outside [0, V) that is not ignore_index is an error: the row is treated as ignored (no read at the
+// target, nothing counted) and 1 is ORed into a device error word; nothing is read back to the host.
+//
+// Design (numbers for 4096 x 128256 bf16 on an H200: 1.05 GB of logits, copy ceiling ~4.2 TB/s):
+// - One block per row (grid-stride over rows, one wave of blocks), up to 1024 threads striding over the
+//   vocabulary, so any V works (>= 256k). A row is split into a scalar head (up to the first 16-byte boundary),
+//   a body of 16-byte packs (4 packs in flight per thread) and a scalar tail: every row gets 16-byte loads
+//   whatever V is (50257 or 128256) and whatever the row's alignment. With two pointers (logits and dlogits)
+//   the body is used when both have the same address mod 16 (always for in-place), else element accesses.
+// - Forward: one pass with an online max / sum-of-exp per thread (rescale only when a pack raises the
+//   max; exp2 with a pre-scaled argument), plus sum_j x_ij for label smoothing, then one block reduction of
+//   (max, sum, sum_x). Reads the row once: N V s bytes.
+// - Fused forward + backward (llm.c's fused classifier): pass 1 as the forward, pass 2 re-reads the row
+//   (256 KB for 128256 bf16; with one 1024-thread block per SM ~132 rows = 33 MB are in flight, so the
+//   re-read comes mostly from the 50+ MB L2) and writes dx, possibly over the logits (out = logits): each
+//   thread reads a pack before it writes the same pack, and x_t is read before the block reduction's barrier.
+//   HBM traffic ~ 2 N V s = 2.1 GB -> ~0.5 ms at 4.2 TB/s (target 0.9 ms). For mean, the divisor is needed
+//   before writing: ce_count (a one-block kernel) counts the valid targets into a device int first.
+// - Reductions are deterministic: the per-row loss goes to a fp32 buffer and ce_reduce (one block) sums it in
+//   a fixed order; no float atomics anywhere.
+// - Logits of magnitude 1e4: everything is relative to the running max, so exp never overflows; lse and
+//   the losses stay finite.
+#include "common/vec.cuh"
+
+#define CE_ERR_TARGET 1
+#define CE_LOG2E 1.4426950408889634f
+#define CE_LN2 0.6931471805599453f
+#define CE_LOWEST (-3.402823466e38f)  // finite "-inf": exp2((x - lowest) ...) never makes inf - inf = NaN
+
+// Online (max, sum of exp) state of a thread, plus the plain sum of x.
+struct Lse {
+  float m, s, sx;
+};
+
+__device__ __forceinline__ void lse_add(Lse& a, float x) {
+  if (x > a.m) {
+    a.s = a.s * exp2f((a.m - x) * CE_LOG2E) + 1.f;
+    a.m = x;
+  } else {
+    a.s += exp2f((x - a.m) * CE_LOG2E);
+  }
+  a.sx += x;
+}
+
+template <int E>
+__device__ __forceinline__ void lse_add_pack(Lse& a, const float (&x)[E]) {
+  float pm = x[0];
+#pragma unroll
+  for (int i = 1; i < E; ++i) pm = fmaxf(pm, x[i]);
+  if (pm > a.m) {
+    a.s *= exp2f((a.m - pm) * CE_LOG2E);
+    a.m = pm;
+  }
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    a.s += exp2f((x[i] - a.m) * CE_LOG2E);  // x - m first: exact near the max even at |x| ~ 1e4
+    a.sx += x[i];
+  }
+}
+
+__device__ __forceinline__ Lse lse_combine(const Lse& a, const Lse& b) {
+  Lse r;
+  r.m = fmaxf(a.m, b.m);
+  r.s = a.s * exp2f((a.m - r.m) * CE_LOG2E) + b.s * exp2f((b.m - r.m) * CE_LOG2E);
+  r.sx = a.sx + b.sx;
+  return r;
+}
+
+__device__ __forceinline__ Lse warp_lse(Lse a) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Lse b;
+    b.m = __shfl_xor_sync(0xffffffffu, a.m, o);
+    b.s = __shfl_xor_sync(0xffffffffu, a.s, o);
+    b.sx = __shfl_xor_sync(0xffffffffu, a.sx, o);
+    a = lse_combine(a, b);  // commutative: every lane ends with the same bits
+  }
+  return a;
+}
+
+// Block-wide combine; every thread returns the same total. sh: 3 x 32 floats. blockDim.x % 32 == 0.
+__device__ __forceinline__ Lse block_lse(Lse a, float* sh) {
+  a = warp_lse(a);
+  const int nw = blockDim.x >> 5;
+  if (nw == 1) return a;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads();  // the previous row's readers are done with sh
+  if (lane == 0) {
+    sh[w] = a.m;
+    sh[32 + w] = a.s;
+    sh[64 + w] = a.sx;
+  }
+  __syncthreads();
+  Lse b;
+  b.m = lane < nw ? sh[lane] : CE_LOWEST;
+  b.s = lane < nw ? sh[32 + lane] : 0.f;
+  b.sx = lane < nw ? sh[64 + lane] : 0.f;
+  return warp_lse(b);
+}
+
+// A 16-byte store of a pack built element by element, as one uint4 of explicitly assembled words: NVVM
+// otherwise splits such a pack into 2- or 4-byte stores when the row offset is a run-time value (seen in
+// the PTX).
+__device__ __forceinline__ uint4 pack_words(const Pack<bf16, 8>& o) {
+  uint4 w;
+  w.x = (unsigned)o.v[0].bits | ((unsigned)o.v[1].bits << 16);
+  w.y = (unsigned)o.v[2].bits | ((unsigned)o.v[3].bits << 16);
+  w.z = (unsigned)o.v[4].bits | ((unsigned)o.v[5].bits << 16);
+  w.w = (unsigned)o.v[6].bits | ((unsigned)o.v[7].bits << 16);
+  return w;
+}
+__device__ __forceinline__ uint4 pack_words(const Pack<float, 4>& o) {
+  uint4 w;
+  w.x = __float_as_uint(o.v[0]);
+  w.y = __float_as_uint(o.v[1]);
+  w.z = __float_as_uint(o.v[2]);
+  w.w = __float_as_uint(o.v[3]);
+  return w;
+}
+template <typename T, int E>
+__device__ __forceinline__ void store16(T* p, const Pack<T, E>& o) {
+  __stwb(reinterpret_cast<uint4*>(p), pack_words(o));
+}
+
+// Row layout: [0, head) scalar, [head, head + units * E) packs of E, [tail0, V) scalar.
+struct RowSplit {
+  int head, units, tail0;
+};
+template <typename T>
+__device__ __forceinline__ RowSplit split_row(const T* row, int V, bool vec) {
+  constexpr int E = 16 / sizeof(T);
+  int head = V;
+  if (vec) {
+    head = (int)(((16u - ((unsigned)(size_t)row & 15u)) & 15u) / sizeof(T));
+    if (head > V) head = V;
+  }
+  RowSplit r;
+  r.head = head;
+  r.units = (V - head) / E;
+  r.tail0 = head + r.units * E;
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ bool target_ok(T t, long long V, long long ignore, int* err) {
+  const long long tt = (long long)t;
+  if (tt == ignore) return false;
+  if (tt < 0 || tt >= V) {
+    if (err != nullptr) atomicOr(err, CE_ERR_TARGET);
+    return false;
+  }
+  return true;
+}
+
+// Pass 1 over a row: this thread's online state (elements [lo, hi) scalar, then the packs).
+template <typename T>
+__device__ __forceinline__ Lse row_lse_partial(const T* __restrict__ xr, int V, const RowSplit& sp) {
+  constexpr int E = 16 / sizeof(T);
+  constexpr int U = 4;
+  Lse a{CE_LOWEST, 0.f, 0.f};
+  // Scalar parts: the head (the whole row when not vectorised) and the tail; 4 loads in flight.
+  for (int seg = 0; seg < 2; ++seg) {
+    const int lo = seg == 0 ? 0 : sp.tail0, hi = seg == 0 ? sp.head : V;
+    for (int j0 = lo + threadIdx.x; j0 < hi; j0 += U * blockDim.x) {
+      float v[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int j = j0 + k * blockDim.x;
+        v[k] = j < hi ? to_f32(xr[j]) : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (j0 + k * blockDim.x < hi) lse_add(a, v[k]);
+    }
+  }
+  const T* body = xr + sp.head;
+  for (int u0 = threadIdx.x; u0 < sp.units; u0 += U * blockDim.x) {
+    Pack<T, E> p[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + k * blockDim.x;
+      if (u < sp.units) p[k] = load_pack<T, E>(body + (long long)u * E);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (u0 + k * blockDim.x < sp.units) {
+        float f[E];
+#pragma unroll
+        for (int i = 0; i < E; ++i) f[i] = to_f32(p[k].v[i]);
+        lse_add_pack<E>(a, f);
+      }
+    }
+  }
+  return a;
+}
+
+// Pass 2: dx_j = g (exp(x_j - lse) - eps/V) - [j == t] g (1 - eps). `or_` may equal `xr` (in place): every
+// element is read and written by the same thread, read first. t < 0: no target column (never used: invalid
+// rows are zero-filled by row_zero).
+template <typename T>
+__device__ __forceinline__ void row_grad(const T* xr, T* or_, int V, const RowSplit& sp, float lse, int t, float g,
+                                         float g_epsv, float g_tgt) {
+  constexpr int E = 16 / sizeof(T);
+  constexpr int U = 4;
+  for (int seg = 0; seg < 2; ++seg) {
+    const int lo = seg == 0 ? 0 : sp.tail0, hi = seg == 0 ? sp.head : V;
+    for (int j0 = lo + threadIdx.x; j0 < hi; j0 += U * blockDim.x) {
+      float v[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int j = j0 + k * blockDim.x;
+        v[k] = j < hi ? to_f32(xr[j]) : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int j = j0 + k * blockDim.x;
+        if (j < hi) {
+          float d = g * exp2f((v[k] - lse) * CE_LOG2E) - g_epsv;
+          if (j == t) d -= g_tgt;
+          or_[j] = from_f32<T>(d);
+        }
+      }
+    }
+  }
+  const T* body = xr + sp.head;
+  T* obody = or_ + sp.head;
+  for (int u0 = threadIdx.x; u0 < sp.units; u0 += U * blockDim.x) {
+    Pack<T, E> p[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + k * blockDim.x;
+      if (u < sp.units) p[k] = load_pack<T, E>(body + (long long)u * E);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + k * blockDim.x;
+      if (u < sp.units) {
+        const int j0 = sp.head + u * E;
+        Pack<T, E> o;
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          float d = g * exp2f((to_f32(p[k].v[i]) - lse) * CE_LOG2E) - g_epsv;
+          if (j0 + i == t) d -= g_tgt;
+          o.v[i] = from_f32<T>(d);
+        }
+        store16<T, E>(obody + (long long)u * E, o);
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void row_zero(T* or_, int V, const RowSplit& sp) {
+  constexpr int E = 16 / sizeof(T);
+  const T z = from_f32<T>(0.f);
+  for (int j = threadIdx.x; j < sp.head; j += blockDim.x) or_[j] = z;
+  for (int j = sp.tail0 + threadIdx.x; j < V; j += blockDim.x) or_[j] = z;
+  Pack<T, E> zp;
+#pragma unroll
+  for (int i = 0; i < E; ++i) zp.v[i] = z;
+  T* obody = or_ + sp.head;
+  for (int u = threadIdx.x; u < sp.units; u += blockDim.x) store16<T, E>(obody + (long long)u * E, zp);
+}
+
+// The loss of a valid row from its (max, sum, sum_x) and x_t.
+__device__ __forceinline__ float row_loss(const Lse& a, float xt, float eps, int V, float* lse_out) {
+  const float lse = a.m + logf(a.s);  // a.s >= 1 (the max element contributes exp(0))
+  *lse_out = lse;
+  return (1.f - eps) * (lse - xt) + eps * (lse - a.sx / (float)V);
+}
+
+// ---------------------------------------------------------------- forward
+template <typename T, typename I>
+__device__ __forceinline__ void ce_fwd(const T* __restrict__ x, const I* __restrict__ tg, float* __restrict__ loss_row,
+                                       float* __restrict__ lse_out, int* __restrict__ err, long long N, int V,
+                                       long long ignore, float eps) {
+  __shared__ float sh[96];
+  for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+    const T* xr = x + row * V;
+    const I t = tg[row];
+    const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
+    const float xt = (ok && threadIdx.x == 0) ? to_f32(xr[(long long)t]) : 0.f;  // used by thread 0 only
+    const RowSplit sp = split_row(xr, V, true);
+    Lse a = row_lse_partial(xr, V, sp);
+    a = block_lse(a, sh);
+    if (threadIdx.x == 0) {
+      float lse;
+      const float l = row_loss(a, xt, eps, V, &lse);
+      loss_row[row] = ok ? l : 0.f;
+      if (lse_out != nullptr) lse_out[row] = lse;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- fused forward + backward
+template <typename T, typename I>
+__device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T* dx, float* __restrict__ loss_row,
+                                         int* __restrict__ err, const int* __restrict__ count,
+                                         const float* __restrict__ dloss, float dloss_scalar, long long N, int V,
+                                         long long ignore, float eps, bool vec) {
+  __shared__ float sh[96];
+  const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
+  const float gbase = (dloss != nullptr ? *dloss : dloss_scalar) * cnt_scale;
+  for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+    const T* xr = x + row * V;
+    T* orow = dx + row * V;
+    const I t = tg[row];
+    const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
+    const RowSplit sp = split_row(xr, V, vec);
+    if (!ok) {  // uniform over the block
+      row_zero(orow, V, sp);
+      if (threadIdx.x == 0) loss_row[row] = 0.f;
+      continue;
+    }
+    const float xt = threadIdx.x == 0 ? to_f32(xr[(long long)t]) : 0.f;  // used by thread 0 only
+    Lse a = row_lse_partial(xr, V, sp);
+    a = block_lse(a, sh);
+    // x_t (and the whole row's pass 1) must be read before any thread overwrites the row (in place): the
+    // block reduction's __syncthreads orders it; a one-warp block needs the warp barrier.
+    if (blockDim.x == 32) __syncwarp();
+    float lse;
+    const float l = row_loss(a, xt, eps, V, &lse);
+    if (threadIdx.x == 0) loss_row[row] = l;
+    row_grad(xr, orow, V, sp, lse, (int)t, gbase, gbase * eps / (float)V, gbase * (1.f - eps));
+  }
+}
+
+// ---------------------------------------------------------------- backward from a saved lse
+template <typename T, typename I>
+__device__ __forceinline__ void ce_bwd(const T* x, const I* __restrict__ tg, const float* __restrict__ lse,
+                                       T* dx, int* __restrict__ err, const int* __restrict__ count,
+                                       const float* __restrict__ dloss, float dloss_scalar, bool per_row,
+                                       long long N, int V, long long ignore, float eps, bool vec) {
+  const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
+  for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+    const T* xr = x + row * V;
+    T* orow = dx + row * V;
+    const I t = tg[row];
+    const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
+    const RowSplit sp = split_row(xr, V, vec);
+    if (!ok) {
+      row_zero(orow, V, sp);
+      continue;
+    }
+    const float g = (dloss != nullptr ? dloss[per_row ? row : 0] : dloss_scalar) * cnt_scale;
+    row_grad(xr, orow, V, sp, lse[row], (int)t, g, g * eps / (float)V, g * (1.f - eps));
+  }
+}
+
+// ---------------------------------------------------------------- tiny one-block kernels
+// count = number of valid targets (t != ignore, 0 <= t < V).
+template <typename I>
+__device__ __forceinline__ void ce_count(const I* __restrict__ tg, long long N, long long V, long long ignore,
+                                         int* __restrict__ count) {
+  __shared__ int sh[32];
+  int c = 0;
+  for (long long i = threadIdx.x; i < N; i += blockDim.x) {
+    const long long t = (long long)tg[i];
+    c += (t != ignore && t >= 0 && t < V) ? 1 : 0;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) sh[w] = c;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int s = 0;
+    for (int k = 0; k < nw; ++k) s += sh[k];
+    *count = s;
+  }
+}
+
+// loss = sum_i loss_row[i] (fixed order: per-thread strided sums, then a fixed tree), divided by *count when
+// count is given (0 when *count == 0).
+__device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, long long N, const int* __restrict__ count,
+                                          float* __restrict__ loss) {
+  __shared__ float sh[32];
+  float s = 0.f;
+  for (long long i = threadIdx.x; i < N; i += blockDim.x) s += loss_row[i];
+  s = warp_sum(s);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  if (lane == 0) sh[w] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (int k = 0; k < nw; ++k) t += sh[k];
+    if (count != nullptr) {
+      const int c = *count;
+      t = c > 0 ? t / (float)c : 0.f;
+    }
+    *loss = t;
+  }
+}
+
+// ---- extern "C" entry points. Names: <kernel>_<logits dtype>_<targets dtype>.
+#define CE_ALL(T, I, TN, IN)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ce_fwd_##TN##_##IN(const T* x, const I* tg, float* loss_row, float* lse, int* err, long long N, int V,    \
+                         long long ignore, float eps) {                                                        \
+    ce_fwd<T, I>(x, tg, loss_row, lse, err, N, V, ignore, eps);                                                \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ce_fused_##TN##_##IN(const T* x, const I* tg, T* dx, float* loss_row, int* err, const int* count,        \
+                           const float* dloss, float dloss_scalar, long long N, int V, long long ignore,        \
+                           float eps, bool vec) {                                                              \
+    ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ignore, eps, vec);              \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ce_bwd_##TN##_##IN(const T* x, const I* tg, const float* lse, T* dx, int* err, const int* count,         \
+                         const float* dloss, float dloss_scalar, bool per_row, long long N, int V,             \
+                         long long ignore, float eps, bool vec) {                                              \
+    ce_bwd<T, I>(x, tg, lse, dx, err, count, dloss, dloss_scalar, per_row, N, V, ignore, eps, vec);            \
+  }
+CE_ALL(float, int, f32, i32)
+CE_ALL(float, long long, f32, i64)
+CE_ALL(bf16, int, bf16, i32)
+CE_ALL(bf16, long long, bf16, i64)
+
+extern "C" __global__ void __launch_bounds__(1024) ce_count_i32(const int* tg, long long N, long long V,
+                                                                long long ignore, int* count) {
+  ce_count<int>(tg, N, V, ignore, count);
+}
+extern "C" __global__ void __launch_bounds__(1024) ce_count_i64(const long long* tg, long long N, long long V,
+                                                                long long ignore, int* count) {
+  ce_count<long long>(tg, N, V, ignore, count);
+}
+extern "C" __global__ void __launch_bounds__(1024) ce_reduce_loss(const float* loss_row, long long N,
+                                                                  const int* count, float* loss) {
+  ce_reduce(loss_row, N, count, loss);
+}

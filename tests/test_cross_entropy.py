@@ -1,0 +1,279 @@
+import numpy as np
+import pytest
+
+import cukernels as ck
+from helpers import DTYPES, TOL, assert_close, device_copy, poisoned, randn, to_host
+
+
+def dev0(v, dtype):
+    """A 0-d device array (helpers.device_copy goes through np.ascontiguousarray, which makes 0-d arrays 1-d)."""
+    import cupy
+
+    return cupy.asarray(np.asarray(v, dtype=dtype))
+
+
+def f64_rows(x, t, ignore=-100, eps=0.0):
+    """Independent float64 formula, row by row: (loss_i, lse_i, valid_i)."""
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    t = t.reshape(-1)
+    V = x.shape[1]
+    loss, lse, valid = [], [], []
+    for row, ti in zip(x, t):
+        l = np.logaddexp.reduce(row)
+        lse.append(l)
+        ok = ti != ignore
+        valid.append(ok)
+        logp = row - l
+        q = np.full(V, eps / V)
+        if ok:
+            q[ti] += 1 - eps
+        loss.append(-(q * logp).sum() if ok else 0.0)
+    return np.array(loss), np.array(lse), np.array(valid, bool)
+
+
+def f64_loss(x, t, ignore=-100, eps=0.0, reduction="mean"):
+    loss, _, valid = f64_rows(x, t, ignore, eps)
+    if reduction == "none":
+        return loss.reshape(t.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum() if valid.sum() else 0.0
+
+
+def _targets(rng, N, V, idt=np.int64, ignore_frac=0.2, ignore=-100):
+    t = rng.integers(0, V, N).astype(idt)
+    t[rng.random(N) < ignore_frac] = ignore
+    return t
+
+
+# ---------------------------------------------------------------- CPU: the reference
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("V", [1, 3, 17])
+def test_reference_forward_matches_f64(rng, reduction, eps, V):
+    x = randn(rng, (2, 5, V), np.float32, scale=3.0)
+    t = _targets(rng, (2, 5), V)
+    loss, lse = ck.cross_entropy(x, t, reduction=reduction, label_smoothing=eps, return_lse=True)
+    np.testing.assert_allclose(loss, f64_loss(x, t, eps=eps, reduction=reduction), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, f64_rows(x, t)[1].reshape(2, 5), rtol=1e-6)
+    assert loss.dtype == np.float32 and lse.shape == (2, 5)
+    assert loss.shape == ((2, 5) if reduction == "none" else ())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_reference_backward_matches_finite_differences(rng, reduction, eps):
+    N, V = 4, 5
+    x = rng.standard_normal((N, V))
+    t = np.array([1, -100, 4, 0], np.int64)
+    dl = rng.standard_normal(N) if reduction == "none" else np.float64(rng.standard_normal())
+
+    def L(x_):
+        l = f64_loss(x_, t, eps=eps, reduction=reduction)
+        return (l * dl).sum()
+
+    h = 1e-6
+    fd = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        xp_, xm_ = x.copy(), x.copy()
+        xp_[i] += h
+        xm_[i] -= h
+        fd[i] = (L(xp_) - L(xm_)) / (2 * h)
+    x32 = x.astype(np.float32)
+    _, lse = ck.cross_entropy(x32, t, reduction=reduction, label_smoothing=eps, return_lse=True)
+    dlo = dl.astype(np.float32) if reduction == "none" else np.asarray(dl, np.float32)
+    dx = ck.cross_entropy_backward(x32, t, lse, dlo, reduction=reduction, label_smoothing=eps)
+    np.testing.assert_allclose(dx, fd, rtol=1e-4, atol=1e-5)
+    assert not dx[1].any(), "ignored rows get no gradient"
+    loss_f, dx_f = ck.cross_entropy_fused(x32, t, reduction=reduction, label_smoothing=eps,
+                                          dloss=float(dl) if reduction != "none" else 1.0)
+    if reduction != "none":
+        np.testing.assert_allclose(dx_f, dx, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(loss_f, f64_loss(x, t, eps=eps, reduction=reduction), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_all_ignored_is_zero_not_nan(rng):
+    x = randn(rng, (3, 7), np.float32)
+    t = np.full(3, -100, np.int32)
+    assert float(ck.cross_entropy(x, t)) == 0.0
+    loss, dx = ck.cross_entropy_fused(x, t)
+    assert float(loss) == 0.0 and not dx.any()
+
+
+def test_reference_in_place_and_ignore_index_inside_range(rng):
+    x = randn(rng, (4, 6), np.float32)
+    t = np.array([0, 2, 0, 5], np.int32)
+    ref_loss = f64_loss(x, t, ignore=0)
+    ref_dx = ck.cross_entropy_backward(x, t, ck.cross_entropy(x, t, ignore_index=0, return_lse=True)[1],
+                                       1.0, ignore_index=0)
+    loss, dx = ck.cross_entropy_fused(x, t, ignore_index=0, out=x)
+    assert dx is x
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(x, ref_dx, rtol=1e-6, atol=1e-7)
+
+
+def test_reference_out_of_range_target_raises():
+    x = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="targets: value 4 is out of range for 4 classes"):
+        ck.cross_entropy(x, np.array([0, 4], np.int64))
+    with pytest.raises(ValueError, match="targets: value -3"):
+        ck.cross_entropy_fused(x, np.array([-3, 1], np.int32))
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float64), np.zeros(2, np.int32)), TypeError, "logits: expected dtype"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.float32)), TypeError, "targets: expected dtype"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(3, np.int32)), ValueError, r"targets: expected shape \(2,\)"),
+        (lambda: ck.cross_entropy(np.zeros((2, 0), np.float32), np.zeros(2, np.int32)), ValueError, "at least 1 element"),
+        (lambda: ck.cross_entropy(np.zeros((4, 2), np.float32).T, np.zeros(2, np.int32)), ValueError, "logits: expected a C-contiguous"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), reduction="avg"), ValueError, "reduction"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), label_smoothing=1.5), ValueError, "label_smoothing"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), ignore_index=1.5), TypeError, "ignore_index"),
+        (lambda: ck.cross_entropy_backward(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), np.zeros(3, np.float32), 1.0), ValueError, "lse: expected shape"),
+        (lambda: ck.cross_entropy_backward(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), np.zeros(2, np.float32), np.ones(2, np.float32)), ValueError, "dloss: expected a 0-d"),
+        (lambda: ck.cross_entropy_backward(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), np.zeros(2, np.float32), "1"), TypeError, "dloss"),
+        (lambda: ck.cross_entropy_fused(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), out=np.zeros((2, 4), ck.bfloat16)), TypeError, "out: expected dtype"),
+        (lambda: ck.cross_entropy_fused(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), dloss=np.ones((), np.float64)), TypeError, "dloss: expected dtype"),
+    ],
+)
+def test_bad_input_messages(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+# ---------------------------------------------------------------- GPU
+def _tol(dtype):
+    # loss / lse are fp32 sums of exp2 over V terms: relative ~1e-6 per term; dx of bf16 rounds once
+    return TOL[np.dtype(dtype)] if np.dtype(dtype) == np.dtype(ck.bfloat16) else (1e-4, 1e-6)
+
+
+VOCABS = [1, 3, 1000, 4097, 50257]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", VOCABS)
+@pytest.mark.parametrize("N", [0, 1, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_matches_reference(rng, V, N, dtype, misalign):
+    eps = 0.1 if V % 2 else 0.0
+    idt = np.int32 if N % 2 else np.int64
+    x = randn(rng, (N, V), dtype, scale=4.0)
+    t = _targets(rng, N, V, idt)
+    xd, td = device_copy(x, misalign), device_copy(t, misalign)
+    for reduction in ("mean", "sum", "none"):
+        ref_loss, ref_lse = ck.cross_entropy(x, t, reduction=reduction, label_smoothing=eps, return_lse=True)
+        loss, lse = ck.cross_entropy(xd, td, reduction=reduction, label_smoothing=eps, return_lse=True)
+        assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what=f"loss {reduction}")
+        assert_close(lse, ref_lse, np.float32, rtol=1e-5, atol=1e-5, what="lse")
+        dl = np.float32(0.75) if reduction != "none" else randn(rng, (N,), np.float32)
+        dld = dev0(dl, np.float32) if reduction != "none" else device_copy(dl)
+        ref_dx = ck.cross_entropy_backward(x, t, ref_lse, np.asarray(dl, np.float32), reduction=reduction,
+                                           label_smoothing=eps)
+        out = poisoned((N, V), dtype, misalign)
+        dx = ck.cross_entropy_backward(xd, td, lse, dld, reduction=reduction, label_smoothing=eps, out=out)
+        assert dx is out
+        rt, at = _tol(dtype)
+        assert_close(dx, ref_dx, dtype, rtol=rt, atol=at, what=f"dx {reduction}")
+        if reduction == "none":
+            continue
+        outf = poisoned((N, V), dtype, not misalign)  # a different alignment from the logits: element path
+        loss_f, dx_f = ck.cross_entropy_fused(xd, td, reduction=reduction, label_smoothing=eps, dloss=dld, out=outf)
+        assert dx_f is outf
+        assert_close(loss_f, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="fused loss")
+        assert_close(dx_f, ref_dx, dtype, rtol=rt, atol=at, what="fused dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_llama_vocab_fused_in_place(rng, dtype):
+    N, V = 5, 128256
+    x = randn(rng, (N, V), dtype, scale=2.0)
+    t = np.array([0, V - 1, -100, 77777, 3], np.int64)
+    ref_loss = ck.cross_entropy(x, t, label_smoothing=0.05)
+    ref_dx = ck.cross_entropy_fused(x, t, label_smoothing=0.05, dloss=2.0)[1]
+    xd = device_copy(x)
+    loss, dx = ck.cross_entropy_fused(xd, device_copy(t), label_smoothing=0.05, dloss=2.0, out=xd)
+    assert dx is xd and loss.shape == () and isinstance(loss, type(xd))
+    assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="loss")
+    rt, at = _tol(dtype)
+    assert_close(xd, ref_dx, dtype, rtol=rt, atol=at, what="dx in place")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_large_logits_stay_finite(rng, dtype):
+    N, V = 16, 4099
+    x = (rng.choice([-1e4, 1e4], (N, V)) * rng.random((N, V))).astype(np.float32).astype(dtype)
+    x[:, 5] = 1e4
+    t = rng.integers(0, V, N).astype(np.int32)
+    xd, td = device_copy(x), device_copy(t)
+    loss, lse = ck.cross_entropy(xd, td, reduction="none", return_lse=True)
+    ref_loss, ref_lse = ck.cross_entropy(x, t, reduction="none", return_lse=True)
+    assert np.isfinite(to_host(loss)).all() and np.isfinite(to_host(lse)).all()
+    # |lse| ~ 1e4: fp32 rounding of lse is ~1e-3 absolute
+    assert_close(loss, ref_loss, np.float32, rtol=1e-5, atol=4e-3, what="loss")
+    loss_f, dx = ck.cross_entropy_fused(xd, td, reduction="sum")
+    h = to_host(dx).astype(np.float32)
+    assert np.isfinite(h).all()
+    ref_dx = ck.cross_entropy_fused(x, t, reduction="sum")[1]
+    assert_close(dx, ref_dx, dtype, rtol=2e-2, atol=1e-4, what="dx")
+
+
+@pytest.mark.gpu
+def test_gpu_all_ignored_and_bad_targets(rng):
+    N, V = 9, 333
+    x = device_copy(randn(rng, (N, V), ck.bfloat16))
+    t = device_copy(np.full(N, -100, np.int64))
+    err = dev0(0, np.int32)
+    loss = ck.cross_entropy(x, t, error=err)
+    assert float(to_host(loss)) == 0.0
+    loss, dx = ck.cross_entropy_fused(x, t, error=err)
+    assert float(to_host(loss)) == 0.0 and not to_host(dx).astype(np.float32).any()
+    assert int(to_host(err)) == 0
+    # out-of-range targets: flagged, the row counts as ignored (never read at the bad index)
+    th = np.arange(N, dtype=np.int64)
+    th[2], th[5] = V, -7
+    loss = ck.cross_entropy(x, device_copy(th), error=err)
+    assert int(to_host(err)) == 1
+    keep = th.copy()
+    keep[[2, 5]] = -100
+    assert_close(loss, ck.cross_entropy(to_host(x), keep), np.float32, rtol=1e-5, atol=1e-6)
+    ck.cross_entropy_error().fill(0)
+    ck.cross_entropy_fused(x, device_copy(th))
+    assert int(ck.cross_entropy_error()) == 1
+    ck.cross_entropy_error().fill(0)
+
+
+@pytest.mark.gpu
+def test_gpu_mean_is_deterministic_and_captures(rng):
+    import cupy as cp
+
+    N, V = 300, 32000
+    x = device_copy(randn(rng, (N, V), ck.bfloat16, scale=3.0))
+    t = device_copy(_targets(rng, N, V, np.int32))
+    a = to_host(ck.cross_entropy(x, t))
+    b = to_host(ck.cross_entropy(x, t))
+    assert a.tobytes() == b.tobytes(), "mean reduction must be bit-identical run to run"
+    la, da = ck.cross_entropy_fused(x, t)
+    lb, db = ck.cross_entropy_fused(x, t)
+    assert to_host(la).tobytes() == to_host(lb).tobytes() and np.array_equal(to_host(da).view(np.uint16), to_host(db).view(np.uint16))
+    # graph capture of the fused op with a device dloss (a loss scale read on the device)
+    dl = cp.full((), 0.5, dtype=cp.float32)
+    dx = cp.empty_like(x)
+    ck.cross_entropy_fused(x, t, dloss=dl, out=dx)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        loss, _ = ck.cross_entropy_fused(x, t, dloss=dl, out=dx)
+        g = s.end_capture()
+    dx.fill(np.nan)
+    dl.fill(2.0)  # changed after capture: the replay must read the new value
+    g.launch(s)
+    s.synchronize()
+    hx, ht = to_host(x), to_host(t)
+    ref_loss, ref_dx = ck.cross_entropy_fused(hx, ht, dloss=2.0)
+    assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5)
+    assert_close(dx, ref_dx, ck.bfloat16)
