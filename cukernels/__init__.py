@@ -4,3 +4,8 @@ from ._loader import KernelCompileError
 from .ops.rms_norm import rms_norm, rms_norm_backward
 
 __version__ = "0.1.0"
+# autograd, layers, autocast, LLaMA (issue 6)
+from .autograd import Function, Tensor, no_grad, tensor
+from . import functional, nn, amp
+from .amp import autocast
+from .models.llama import Llama, LlamaConfig
