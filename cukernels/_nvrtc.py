@@ -11,6 +11,7 @@ import ctypes.util
 import functools
 import glob
 import os
+import re
 import sys
 
 from ._loader import OPTIONS, load_source
@@ -53,6 +54,39 @@ def version() -> tuple[int, int]:
 
 def compile_ptx(family: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -> str:
     """PTX of ``kernels_cu/<family>.cu`` for ``arch`` (``sm_80``, ``sm_90``); raises RuntimeError with the log."""
+    return _compile(family, f"--gpu-architecture=compute_{arch.split('_')[1]}", extra)[0]
+
+
+def resource_usage(family: str, arch: str = "sm_90") -> dict[str, dict[str, int]]:
+    """ptxas's report per kernel (machine code for ``arch``): registers, stack frame and spill bytes.
+
+    A stack frame or spill means a register array went to local memory (run-time indexing, or a
+    ``__launch_bounds__`` register cap too tight for the kernel's live values): slow, and caught by
+    tests/test_compile.py.
+    """
+    _, log = _compile(family, f"--gpu-architecture={arch}", ("--ptxas-options=-v",))
+    out: dict[str, dict[str, int]] = {}
+    cur = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            cur = out.setdefault(m.group(1), dict(registers=0, stack=0, spill_stores=0, spill_loads=0))
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+        m = re.search(r"(\d+) bytes cumulative stack size", line)
+        if m:
+            cur["stack"] = max(cur["stack"], int(m.group(1)))
+    return out
+
+
+def _compile(family: str, arch_opt: str, extra: tuple[str, ...]) -> tuple[str, str]:
     lib = _lib()
     src = load_source(family).encode()
     prog = ctypes.c_void_p()
@@ -60,7 +94,7 @@ def compile_ptx(family: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -
     if rc != 0:
         raise RuntimeError(f"nvrtcCreateProgram failed ({rc}) for {family}.cu")
     try:
-        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture=compute_{arch.split('_')[1]}", *extra)]
+        opts = [o.encode() for o in (*OPTIONS, arch_opt, *extra)]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -68,10 +102,10 @@ def compile_ptx(family: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
         if rc != 0:
-            raise RuntimeError(f"kernels_cu/{family}.cu failed to compile for {arch}:\n{log.value.decode(errors='replace')}")
+            raise RuntimeError(f"kernels_cu/{family}.cu failed to compile ({arch_opt}):\n{log.value.decode(errors='replace')}")
         lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetPTX(prog, ptx)
-        return ptx.value.decode()
+        return ptx.value.decode(), log.value.decode(errors="replace")
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

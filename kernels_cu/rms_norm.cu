@@ -9,12 +9,16 @@
 // Design (numbers for 8192 x 2048 on an H200, copy ceiling ~4.2 TB/s):
 // - "reg" kernels keep the row in registers between the reduction and the write, so x (and dy) are read
 //   exactly once: forward moves 2 * C * sizeof(T) per row, backward 3 * C * sizeof(T). A row is split over
-//   TPR threads (32..1024) with VPT packs of 16 bytes each (VPT <= 8); the launcher sizes TPR so that each
-//   thread has ~4 independent 16-byte loads in flight. Rows of fewer than 256 threads share a block
-//   (TPR x RPB = 256) so short rows still fill the machine.
+//   TPR threads with VPT packs of 16 bytes each (VPT <= 8). Rows of up to 256 packs take one warp each
+//   (no __syncthreads in the reduction; 8 warps = 8 rows per block); longer rows take a block of TPR
+//   threads with ~4 independent 16-byte loads in flight per thread (forward: TPR <= 1024).
+// - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once: ~130 registers at VPT = 8
+//   bf16, so its blocks are capped at 256 threads (__launch_bounds__(256), no spills; checked by
+//   tests/test_compile.py) and rows beyond 256 x 8 packs take the loop kernel.
 // - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the
 //   launcher checks); VEC=false: element accesses, any C, any alignment (misaligned views).
-// - "loop" kernels take rows too long for registers (fp32 C > 32768, unaligned C > 8192): two passes over
+// - "loop" kernels take rows too long for registers (forward: fp32 C > 32768, bf16 C > 65536, unaligned
+//   C > 8192; backward: fp32 C > 8192, bf16 C > 16384, unaligned C > 2048): two passes over
 //   the row, the second mostly from L2 (a 256 KB row x 2 blocks x 132 SMs fits in the 60 MB L2).
 // - dw is deterministic: each block accumulates its rows' dy * x * r in registers (the thread owns the same
 //   columns for every row it visits), writes one fp32 partial row per block, and rms_dw_finalize sums the
@@ -257,23 +261,23 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 // ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are
 // reported not to be kept, cupy/cupy#9667). Names: <kernel>_<x dtype>_<w dtype>_<VPT><v|s>.
 #define RMS_REG(T, W, TN, WN, VPT, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
       rms_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_reg<T, W, VPT, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                           \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
       rms_bwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* w, const float* rstd, T* dx,            \
                                       float* dw_part, long long rows, int C, bool w_vec) {                     \
     rms_bwd_reg<T, W, VPT, VEC>(dy, x, w, rstd, dx, dw_part, rows, C, w_vec);                                  \
   }
 #define RMS_LOOP(T, W, TN, WN, VEC, VS)                                                                         \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
       rms_fwd_loop_##TN##_##WN##_##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_loop<T, W, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                               \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
       rms_bwd_loop_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd, T* dx,            \
                                       float* dw_part, long long rows, int C, bool w_vec) {                     \
     rms_bwd_loop<T, W, VEC>(dy, x, w, rstd, dx, dw_part, rows, C, w_vec);                                      \

@@ -38,3 +38,13 @@ def test_headers_are_inlined_into_the_cache_key():
     src = _loader.load_source("rms_norm")
     assert "#include \"common/" not in src
     assert "struct __align__(2) bf16" in src  # from common/vec.cuh
+
+
+@pytest.mark.parametrize("family", _loader.families())
+def test_no_spills_or_stack_frames(family):
+    """ptxas for sm_90: no kernel may spill or keep a stack frame (a register cap set by __launch_bounds__
+    that is too tight, or a register array indexed at run time, puts values in slow local memory)."""
+    usage = _nvrtc.resource_usage(family, "sm_90")
+    assert usage, f"no ptxas report for {family}.cu"
+    bad = {k: v for k, v in usage.items() if v["stack"] or v["spill_stores"] or v["spill_loads"]}
+    assert not bad, f"{family}.cu: kernels with local memory: {bad}"

@@ -25,22 +25,25 @@ def _validate(x, weight, eps=None):
     return C
 
 
-def _plan(C: int, itemsize: int, vec: bool):
+def _plan(C: int, itemsize: int, vec: bool, max_tpr: int, warp_vpt: int):
     """(kernel kind, threads per row, packs per thread, rows per block) for a row of C elements.
 
-    Threads per row grow until each thread holds at most 4 packs (16-byte loads in flight); beyond 1024 x 8
-    packs the row no longer fits in registers and the two-pass "loop" kernel takes it.
+    A row of up to 32 x warp_vpt packs takes one warp (the reduction needs no __syncthreads; forward 8,
+    backward 4, where x, dy and the dw accumulator must all stay in registers); longer rows take
+    TPR threads with at most 4 packs (16-byte loads in flight) each, TPR <= max_tpr (1024 forward, 256
+    backward: the kernels' __launch_bounds__); beyond max_tpr x 8 packs the two-pass "loop" kernel.
     """
     E = 16 // itemsize if vec else 1
     units = C // E
     tpr = 32
-    while tpr < 1024 and units > tpr * 4:
-        tpr *= 2
+    if units > 32 * warp_vpt:
+        while tpr < max_tpr and units > tpr * 4:
+            tpr *= 2
     vpt = 1
     while tpr * vpt < units:
         vpt *= 2
     if vpt > 8:
-        return "loop", 1024, 0, 1
+        return "loop", 0, 0, 1
     return "reg", tpr, vpt, max(1, 256 // tpr)
 
 
@@ -82,7 +85,7 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
     if rows:
         vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
         w_vec = B.aligned16(weight)
-        kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec)
+        kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 1024, 8)
         tag, vs = _names(x, weight, vec)
         if kind == "reg":
             k = get_function(FAMILY, f"rms_fwd_{tag}_{vpt}{vs}")
@@ -90,7 +93,7 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
             block = (tpr, rpb, 1)
         else:
             k = get_function(FAMILY, f"rms_fwd_loop_{tag}_{vs}")
-            grid, block = rows, (tpr, 1, 1)
+            grid, block = rows, (1024, 1, 1)
         k((min(grid, 2**31 - 1),), block,
           (x, weight, y, rstd if rstd is not None else B.NULL, np.int64(rows), np.int32(C), np.float32(eps),
            np.bool_(w_vec)))
@@ -136,7 +139,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
         return dx, B.zero_(dw)
     vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx)
     w_vec = B.aligned16(weight)
-    kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec)
+    kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256, 4)
     tag, vs = _names(x, weight, vec)
     if kind == "reg":
         k = get_function(FAMILY, f"rms_bwd_{tag}_{vpt}{vs}")
