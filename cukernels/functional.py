@@ -51,23 +51,25 @@ def _shape(a):
 
 # ================================================================================================ GEMM
 def gemm(a, b, *, trans_a=False, trans_b=False, out=None, accumulate=False):
-    """``op(a) @ op(b)``, batched over leading axes, where ``op`` transposes the last two axes when asked.
+    """``op(a) @ op(b)``, batched over equal leading axes (or one operand 2-D), ``op`` transposing the last two
+    axes when asked; no transpose is materialised.
 
-    The single place where the autograd issues matrix products: CuPy -> ``cupy.matmul`` (cuBLAS; bf16 inputs
-    accumulate in fp32), NumPy -> ``numpy.matmul`` (bf16 computed in fp32, rounded once). With ``out`` the
-    product is written into it, or added to it when ``accumulate`` is true (the weight-gradient case:
-    ``out`` is the fp32 ``.grad`` buffer). Another backend (own cuBLAS handle, GemmEx with beta = 1 into fp32)
-    replaces this function's body and nothing else.
+    The single place where the autograd issues matrix products, through ``ck.matmul`` (cuBLAS GemmEx on our
+    own graph-capturable handle; bf16 inputs accumulate in fp32; NumPy reference on the CPU, float64 kept).
+    With ``out`` the product is written into it, or -- ``accumulate=True``, the weight-gradient case -- added
+    to it with beta = 1: bf16 operands accumulate straight into the fp32 ``.grad`` buffer.
     """
+    ck = _ck()
     xp = _xp(a)
-    A = a.swapaxes(-1, -2) if trans_a else a
-    Bm = b.swapaxes(-1, -2) if trans_b else b
-    if xp is np and (a.dtype == B.bfloat16 or b.dtype == B.bfloat16):
-        r = np.matmul(A.astype(np.float32), Bm.astype(np.float32)).astype(B.bfloat16)
-    else:
-        r = xp.matmul(A, Bm)
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    if b.dtype != a.dtype:
+        b = b.astype(a.dtype)
     if out is None:
-        return r
+        return ck.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+    direct = out.flags.c_contiguous and (out.dtype == a.dtype or (out.dtype == np.float32 and a.dtype == B.bfloat16))
+    if direct:
+        return ck.matmul(a, b, trans_a=trans_a, trans_b=trans_b, out=out, beta=1.0 if accumulate else 0.0)
+    r = ck.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
     if accumulate:
         out += r
     else:
@@ -336,17 +338,18 @@ class PickLast(Function):
 
     @staticmethod
     def forward(ctx, x, t):
-        ctx.save_for_backward(t)
+        xp = _xp(x)
+        rows = xp.arange(t.size)
+        ctx.save_for_backward(rows, t.reshape(-1))
         ctx.shape = x.shape
-        return _xp(x).take_along_axis(x, t[..., None], axis=-1)[..., 0]
+        return x.reshape(-1, x.shape[-1])[rows, t.reshape(-1)].reshape(t.shape)
 
     @staticmethod
     def backward(ctx, g):
-        (t,) = ctx.saved_tensors
-        xp = _xp(g)
-        gx = xp.zeros(ctx.shape, dtype=g.dtype)
-        xp.put_along_axis(gx, t[..., None], g[..., None], axis=-1)
-        return gx, None
+        rows, t = ctx.saved_tensors
+        gx = _xp(g).zeros((rows.size, ctx.shape[-1]), dtype=g.dtype)
+        gx[rows, t] = g.reshape(-1)  # one target per row: a plain scatter
+        return gx.reshape(ctx.shape), None
 
 
 # ============================================================================================== GEMM
@@ -362,6 +365,7 @@ class Matmul(Function):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
+        g = g if g.dtype == a.dtype else g.astype(a.dtype)
         ga = gb = None
         if ctx.trans_b:  # y = a b^T: da = g b, db = g^T a
             if ctx.needs_input_grad[0]:
