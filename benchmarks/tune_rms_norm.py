@@ -1,0 +1,48 @@
+"""Launch-plan sweep for rms_norm (forces each (threads-per-row, packs-per-thread) plan): which plan the
+launcher's heuristic should pick, measured rather than guessed. GPU only.
+
+    PYTHONPATH=. python benchmarks/tune_rms_norm.py
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cupy as cp
+import numpy as np
+
+import cukernels as ck
+from bench_ops import _time_graph, copy_bandwidth
+from cukernels.ops import rms_norm as R
+
+bw = copy_bandwidth()
+orig = R._plan
+for dt, dn in ((np.float32, "f32"), (ck.bfloat16, "bf16")):
+    for N, C in ((8192, 2048), (4096, 4096), (8192, 8192)):
+        sz = np.dtype(dt).itemsize
+        units = C // (16 // sz)
+        k = 3
+        xs = [cp.random.standard_normal((N, C), dtype=cp.float32).astype(dt) for _ in range(k)]
+        dys = [cp.random.standard_normal((N, C), dtype=cp.float32).astype(dt) for _ in range(k)]
+        w = cp.random.standard_normal(C, dtype=cp.float32).astype(dt)
+        ys = [cp.empty_like(x) for x in xs]
+        rs = [ck.rms_norm(x, w, 1e-5, return_rstd=True)[1] for x in xs]
+        for direction, max_tpr in (("fwd", 1024), ("bwd", 256)):
+            res = []
+            for vpt in (1, 2, 4, 8):
+                tpr = units // vpt
+                if tpr < 32 or tpr > max_tpr:
+                    continue
+                R._plan = lambda *a, tpr=tpr, vpt=vpt: ("reg", tpr, vpt, max(1, 256 // tpr))
+                if direction == "fwd":
+                    f = lambda i: ck.rms_norm(xs[i], w, 1e-5, out=ys[i])
+                    nb = 2 * N * C * sz
+                else:
+                    f = lambda i: ck.rms_norm_backward(dys[i], xs[i], w, rs[i], out=ys[i])
+                    nb = 3 * N * C * sz
+                ms = _time_graph(f, k, 20, 10)
+                res.append(f"tpr={tpr:4d} vpt={vpt}: {ms*1e3:7.1f} us {nb/ms/1e9:6.0f} GB/s ({100*nb/ms/1e9/bw:3.0f}%)")
+            R._plan = orig
+            heur = orig(C, sz, True, max_tpr, 8 if direction == "fwd" else 4)
+            print(f"{direction} {dn} {N}x{C} (heuristic tpr={heur[1]} vpt={heur[2]}):\n   " + "\n   ".join(res), flush=True)
+        del xs, dys, ys, rs
+        cp.get_default_memory_pool().free_all_blocks()

@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+import cukernels as ck
+from cukernels import checkpoint as C
+
+
+def _arrays(rng):
+    return {
+        "w": rng.standard_normal((5, 7)).astype(np.float32),
+        "s": rng.standard_normal(9).astype(np.float32).astype(ck.bfloat16),
+        "i": np.arange(4, dtype=np.int64),
+    }
+
+
+def test_round_trip_is_exact(tmp_path, rng):
+    arrs = _arrays(rng)
+    p = C.save(tmp_path / "step_3.ckpt", arrs, {"step": 3, "rng": [1, 2]})
+    got, meta = C.load(p)
+    assert meta == {"step": 3, "rng": [1, 2]}
+    for k, v in arrs.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k].view(np.uint8), v.view(np.uint8))
+    assert not list(tmp_path.glob("*.tmp-*"))
+    assert C.latest(tmp_path) == p
+
+
+def test_flipped_byte_and_truncation_are_refused(tmp_path, rng):
+    p = C.save(tmp_path / "a.ckpt", _arrays(rng), {})
+    data = bytearray(p.read_bytes())
+    for pos in (len(data) // 3, len(data) // 2, 200):
+        bad = bytearray(data)
+        bad[pos] ^= 0x40
+        q = tmp_path / f"flip{pos}.ckpt"
+        q.write_bytes(bytes(bad))
+        with pytest.raises(C.CheckpointError, match=str(q.name)):
+            C.load(q)
+    t = tmp_path / "trunc.ckpt"
+    t.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(C.CheckpointError, match="trunc.ckpt"):
+        C.load(t)
+
+
+def test_mismatch_names_what_disagrees(tmp_path, rng):
+    arrs = _arrays(rng)
+    want = dict(arrs, w=np.zeros((5, 8), np.float32))
+    with pytest.raises(C.CheckpointError, match=r"w: shape \(5, 7\) in the file, \(5, 8\) in the model"):
+        C.check_compatible("x.ckpt", arrs, want)
+    want = dict(arrs, s=np.zeros(9, np.float32))
+    with pytest.raises(C.CheckpointError, match="s: dtype bfloat16 in the file, float32"):
+        C.check_compatible("x.ckpt", arrs, want)
+    with pytest.raises(C.CheckpointError, match="missing"):
+        C.check_compatible("x.ckpt", {}, want)
+
+
+def test_failed_write_keeps_previous(tmp_path, rng, monkeypatch):
+    p = C.save(tmp_path / "step_1.ckpt", _arrays(rng), {"step": 1})
+    before = p.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(C.os, "fsync", boom)  # the write dies before the rename
+    with pytest.raises(OSError):
+        C.save(p, _arrays(rng), {"step": 2})
+    assert p.read_bytes() == before and not list(tmp_path.glob("*.tmp-*"))
