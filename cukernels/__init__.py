@@ -9,3 +9,8 @@ from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embeddi
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
 
 __version__ = "0.1.0"
+# autograd, layers, autocast, LLaMA (issue 6)
+from .autograd import Function, Tensor, no_grad, tensor
+from . import functional, nn, amp
+from .amp import autocast
+from .models.llama import Llama, LlamaConfig

@@ -1,0 +1,231 @@
+"""A tiny tape autograd over CuPy or NumPy arrays.
+
+``Tensor`` wraps an array (either module) with ``requires_grad``, ``.grad`` and ``.backward()``. A ``Function``
+subclass defines ``forward(ctx, *arrays)`` on raw arrays and ``backward(ctx, grad)`` returning one gradient per
+input (``None`` where there is none). ``Function.apply`` runs the forward and, when a gradient is needed, links
+the output to its inputs; ``backward()`` walks that graph in reverse topological order.
+
+Gradients of leaves are accumulated **in place** into an existing ``.grad`` array (``+=``), never rebound: the
+optimizer hands every parameter a ``.grad`` view into one flat buffer and relies on it staying there. A
+Function may also accumulate a leaf's gradient itself (``ctx.leaf_grad(i)`` gives the buffer, e.g. a weight-grad
+GEMM with beta = 1 or a sparse-row embedding gradient) and return ``None`` for that input.
+
+The Functions themselves live in :mod:`cukernels.functional`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _backend as B
+
+_grad_enabled = True
+
+
+class no_grad:
+    """Context manager (and decorator) that records nothing on the tape."""
+
+    def __enter__(self):
+        global _grad_enabled
+        self._prev, _grad_enabled = _grad_enabled, False
+
+    def __exit__(self, *exc):
+        global _grad_enabled
+        _grad_enabled = self._prev
+
+    def __call__(self, fn):
+        def wrapped(*a, **k):
+            with no_grad():
+                return fn(*a, **k)
+        return wrapped
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+def _xp(a):
+    return B._kind(a) or np
+
+
+class Tensor:
+    """An array (``numpy.ndarray`` or ``cupy.ndarray``) with a gradient.
+
+    Attributes: ``data`` (the array; the optimizer may replace it by a view of its flat buffer), ``grad``
+    (None until a backward reaches it, then an array of ``data``'s shape, accumulated in place), ``requires_grad``,
+    ``name`` (parameter name, for messages), ``shadow`` (a low-precision copy kept by the optimizer, read by
+    autocast GEMMs), ``sparse_grad`` (a ``ck.SparseRowGrad`` for sparse-row embeddings).
+    """
+
+    __array_priority__ = 1000
+
+    def __init__(self, data, requires_grad=False, name=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        if B._kind(data) is None:
+            data = np.asarray(data)
+        self.data = data
+        self.requires_grad = bool(requires_grad)
+        self.grad = None
+        self.name = name
+        self.shadow = None
+        self.sparse_grad = None
+        self._node = None  # (Function class, ctx, inputs) for a non-leaf
+
+    # -- array-like -----------------------------------------------------------------------------------------
+    shape = property(lambda self: tuple(self.data.shape))
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    xp = property(lambda self: _xp(self.data))
+    is_leaf = property(lambda self: self._node is None)
+
+    def __repr__(self):
+        n = f", name={self.name!r}" if self.name else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, {self.xp.__name__}{n}, requires_grad={self.requires_grad})"
+
+    def numpy(self):
+        """A host (NumPy) copy of the data."""
+        return self.data.get() if hasattr(self.data, "get") else np.array(self.data)
+
+    def item(self):
+        """The value as a Python float (a device->host read: call it only when logging)."""
+        return float(self.numpy())
+
+    def detach(self):
+        return Tensor(self.data)
+
+    def backward(self, grad=None, retain_graph=False):
+        backward(self, grad, retain_graph=retain_graph)
+
+    # -- operators (thin wrappers over cukernels.functional) ----------------------------------------------------
+    def _F(self):
+        from . import functional
+        return functional
+
+    def __add__(self, o): return self._F().add(self, o)
+    def __radd__(self, o): return self._F().add(o, self)
+    def __sub__(self, o): return self._F().sub(self, o)
+    def __rsub__(self, o): return self._F().sub(o, self)
+    def __mul__(self, o): return self._F().mul(self, o)
+    def __rmul__(self, o): return self._F().mul(o, self)
+    def __neg__(self): return self._F().mul(self, -1.0)
+    def __truediv__(self, o): return self._F().div(self, o)
+    def __matmul__(self, o): return self._F().matmul(self, o)
+    def __getitem__(self, idx): return self._F().getitem(self, idx)
+    def reshape(self, *shape): return self._F().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+    def transpose(self, *axes): return self._F().transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None))
+    def sum(self, axis=None, keepdims=False): return self._F().sum(self, axis, keepdims)
+    def mean(self, axis=None, keepdims=False): return self._F().mean(self, axis, keepdims)
+    def astype(self, dtype): return self._F().cast(self, dtype)
+
+
+class Context:
+    """What a Function's forward leaves for its backward."""
+
+    def __init__(self, inputs, needs_input_grad):
+        self.inputs = inputs                       # the apply() arguments (Tensors and others)
+        self.needs_input_grad = needs_input_grad   # per argument: a gradient is wanted
+        self.saved_tensors = ()
+        self.seed_one = False                      # backward's grad is the implicit ones of loss.backward()
+
+    def save_for_backward(self, *arrays):
+        self.saved_tensors = arrays
+
+    def leaf_grad(self, i):
+        """The existing ``.grad`` buffer of input i when it is a leaf that wants a gradient, else None.
+
+        A Function can accumulate into it directly (and return None for that input)."""
+        t = self.inputs[i]
+        if isinstance(t, Tensor) and t.requires_grad and t._node is None:
+            return t.grad
+        return None
+
+
+class Function:
+    """Base class. Subclasses define ``forward(ctx, *args, **kw)`` and ``backward(ctx, grad)``."""
+
+    @staticmethod
+    def forward(ctx, *args, **kw):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args, **kw):
+        needs = tuple(_grad_enabled and isinstance(a, Tensor) and a.requires_grad for a in args)
+        ctx = Context(args, needs)
+        raw = cls.forward(ctx, *[a.data if isinstance(a, Tensor) else a for a in args], **kw)
+        out = Tensor(raw, requires_grad=any(needs))
+        if out.requires_grad:
+            out._node = (cls, ctx)
+        return out
+
+
+def _accumulate_leaf(t, g):
+    if t.grad is None:
+        dt = t.data.dtype if t.data.dtype.kind == "f" or t.data.dtype == B.bfloat16 else g.dtype
+        t.grad = g.astype(dt, copy=True)  # own storage: g may be shared with another input
+    else:
+        t.grad += g  # in place: the optimizer's flat-buffer view stays bound
+
+
+def _toposort(root):
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            order.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        if t._node is not None:
+            for a in t._node[1].inputs:
+                if isinstance(a, Tensor) and a.requires_grad and id(a) not in seen:
+                    stack.append((a, False))
+    return order  # inputs before outputs
+
+
+def backward(root: Tensor, grad=None, retain_graph=False):
+    """Accumulate d(root)/d(leaf) into every leaf that requires a gradient.
+
+    ``grad`` defaults to ones (root is usually a 0-d loss); no device->host read happens.
+    """
+    if not root.requires_grad:
+        raise RuntimeError("backward(): the tensor does not require a gradient (was it computed under no_grad?)")
+    seeded = grad is None
+    if seeded:
+        grad = root.xp.ones(root.shape, dtype=root.dtype)
+    elif isinstance(grad, Tensor):
+        grad = grad.data
+    grads = {id(root): grad}
+    for t in reversed(_toposort(root)):
+        g = grads.pop(id(t), None)
+        if g is None:
+            continue
+        if t._node is None:
+            _accumulate_leaf(t, g)
+            continue
+        fn, ctx = t._node
+        ctx.seed_one = seeded and t is root
+        gin = fn.backward(ctx, g)
+        if not isinstance(gin, tuple):
+            gin = (gin,)
+        for a, need, ga in zip(ctx.inputs, ctx.needs_input_grad, gin):
+            if not need or ga is None:
+                continue
+            if a._node is None:
+                _accumulate_leaf(a, ga)
+            elif id(a) in grads:
+                grads[id(a)] = grads[id(a)] + ga
+            else:
+                grads[id(a)] = ga
+        if not retain_graph:
+            t._node = None  # free the saved activations as we go
+
+
+def tensor(data, requires_grad=False, name=None):
+    return Tensor(data, requires_grad=requires_grad, name=name)
