@@ -15,8 +15,10 @@
 // - "reg" kernels keep the row in registers as fp32 z (at most 32 floats a thread), so x is read once and y
 //   written once: 2 * C * sizeof(T) per row. A row gets TPR = blockDim.x threads (1 .. 1024) with VPT packs of
 //   16 bytes; short rows share a block (TPR x RPB = 256) and rows below 32 threads share a warp
-//   (common/rows.cuh). C = 1024: bf16 TPR 32 x VPT 4, fp32 TPR 32 x VPT 8 (one warp per row: the max and
-//   the sum are 5 shuffles each, no barrier). Rows up to 32768 (fp32 and bf16) stay on chip, block per row.
+//   (common/rows.cuh). C = 1024: bf16 TPR 32 x VPT 4 (one warp per row: max and sum are 5 shuffles each, no
+//   barrier), fp32 TPR 64 x VPT 4 (two warps per row, one barrier pair per reduction). Rows up to 16384
+//   (fp32 and bf16) stay on chip, a block per row at the top end (kernels caching 32 floats a thread are
+//   built for <= 512 threads, 128 registers; at 1024 threads per row the cache is 16 floats).
 // - exp is exp2f((z - m) * log2 e) (MUFU ex2), once per live element: the fp32 z cache holds exp(z - m)
 //   after the sum, so the write is a multiply.
 // - Causal: packs entirely past nvalid are neither read nor exponentiated, only written as zeros; the pack

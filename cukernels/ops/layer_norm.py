@@ -1,6 +1,8 @@
 """LayerNorm: ``ck.layer_norm`` / ``ck.layer_norm_backward``. Kernels: ``kernels_cu/layer_norm.cu``."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import _backend as B
@@ -51,6 +53,12 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     if vpt > (4 if vec else 8):
         return None
     return tpr, vpt, max(1, 256 // tpr)
+
+
+@functools.lru_cache(maxsize=None)
+def _wave(name: str, threads: int, dev: int) -> int:
+    """Blocks in one wave of kernel `name` (cached: no attribute queries on the hot path or during capture)."""
+    return B.sm_count() * B.blocks_per_sm(get_function(FAMILY, name), threads)
 
 
 def _tag(x, gamma):
@@ -169,11 +177,11 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     vs = "v" if vec else "s"
     if plan is not None:
         tpr, vpt, rpb = plan
-        k = get_function(FAMILY, f"ln_bwd_{_tag(x, gamma)}_{vpt}{vs}")
+        name = f"ln_bwd_{_tag(x, gamma)}_{vpt}{vs}"
+        k = get_function(FAMILY, name)
         block = (tpr, rpb, 1)
-        threads = tpr * rpb
         # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
-        nblocks = min((rows + rpb - 1) // rpb, B.sm_count() * B.blocks_per_sm(k, threads))
+        nblocks = min((rows + rpb - 1) // rpb, _wave(name, tpr * rpb, x.device.id))
     else:
         k = get_function(FAMILY, f"ln_bwd_loop_{_tag(x, gamma)}_{vs}")
         block = (1024, 1, 1)
