@@ -385,10 +385,11 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
     ln_bwd_loop<T, W, VEC>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                                \
   }
 // VPT 8 only on the element path (forward: the launcher reaches VPT 8 only at 1024 threads per row, where
-// vector packs stop at 4; backward: E = 1 keeps 16 accumulators); vector packs stop at VPT 4.
+// vector packs stop at 4; backward: E = 1 keeps 16 accumulators); vector packs stop at VPT 4 forward and 2
+// backward (at 4, x, dy and the two accumulators spilled past 128 registers).
 #define LN_ALL_VEC(T, W, TN, WN)                                                                                \
   LN_FWD(T, W, TN, WN, 1, true, v) LN_FWD(T, W, TN, WN, 2, true, v) LN_FWD(T, W, TN, WN, 4, true, v)            \
-  LN_BWD(T, W, TN, WN, 1, true, v) LN_BWD(T, W, TN, WN, 2, true, v) LN_BWD(T, W, TN, WN, 4, true, v)            \
+  LN_BWD(T, W, TN, WN, 1, true, v) LN_BWD(T, W, TN, WN, 2, true, v)                                            \
   LN_LOOP(T, W, TN, WN, true, v)
 #define LN_ALL_SCALAR(T, W, TN, WN)                                                                             \
   LN_FWD(T, W, TN, WN, 1, false, s) LN_FWD(T, W, TN, WN, 2, false, s) LN_FWD(T, W, TN, WN, 4, false, s)         \

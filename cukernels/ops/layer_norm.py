@@ -10,7 +10,9 @@ from .._loader import get_function
 
 FAMILY = "layer_norm"
 # 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
-TARGET_VPT = 4
+# Packs per thread the planner aims at: 2 measured best for rms_norm's identical structure on the H200
+# (benchmarks/tune_rms_norm.py) and keeps the backward at 512 threads without spills.
+TARGET_VPT = 2
 
 
 def _validate(x, gamma, beta=None, eps=None):
@@ -38,8 +40,8 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
 
     Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
-    TARGET_VPT packs. Register limits (see layer_norm.cu): at most 4 vector packs (8 element packs) a thread,
-    so rows beyond 1024 x 4 packs (forward) or 512 x 4 packs (backward) take the loop kernel.
+    TARGET_VPT packs. Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
+    packs) a thread, so rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
     """
     E = 16 // itemsize if vec else 1
     units = C // E
@@ -50,7 +52,9 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     vpt = 1
     while tpr * vpt < units:
         vpt *= 2
-    if vpt > (4 if vec else 8):
+    # Vector packs: forward up to 4 a thread; backward up to 2 (x, dy and two accumulators at 4 packs need
+    # more than the 128 registers a 512-thread block allows: ptxas spilled). Element packs up to 8.
+    if vpt > ((2 if backward else 4) if vec else 8):
         return None
     return tpr, vpt, max(1, 256 // tpr)
 
