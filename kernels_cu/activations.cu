@@ -13,15 +13,18 @@
 // (e^-z = inf -> s = 0, 1 - s = 1), so inputs of +-1e4 (and far beyond for SwiGLU) give finite outputs:
 // silu(-1e4) = -0, silu(1e4) = 1e4, gelu(+-1e4) = 1e4 / -0; x^3 stays finite up to |x| ~ 7e12.
 //
-// Layout: one kernel per op serves both SwiGLU layouts. run_rows walks `rows` rows of F output elements;
-// gate row r starts at g + r * ld_in, up row r at u + r * ld_in, the output row at y + r * F:
-//   separate gate/up (any shape):  rows = 1, F = n (a flat array; any n: a scalar tail after the 16-byte body)
-//   packed gu [..., 2F]:            g = gu, u = gu + F, ld_in = 2F, rows = gu.size / 2F (16-byte path needs
-//                                    F % (16 / sizeof(T)) == 0, else the element path)
-// Memory-bound: bf16 SwiGLU forward moves 6 B/element, backward 10 B, GELU 4 B / 6 B. At ~4.2 TB/s that is
-// ~0.4 G elements/ms forward; the fp32 math (one __expf, one division, a few FMAs, ~25 instructions/element)
-// is well under the SM budget (~80 instructions per element at that rate). Each thread keeps U = 4 units of
-// 16 bytes per operand in flight; grid = SMs x resident blocks (launcher), grid-stride beyond.
+// Layout: separate gate/up (any shape) are flat arrays: run_flat (common/pointwise.cuh), any n, a 16-byte body
+// and a scalar tail. The packed gu [..., 2F] layout uses the same ops through run_rows: gate row r at
+// gu + r * 2F, up row r F further, y/dy rows F apart (16-byte path when F % (16 / sizeof(T)) == 0, else element
+// accesses). Memory-bound: bf16 SwiGLU forward moves 6 B/element, backward 10 B, GELU 4 B / 6 B; at ~4.2 TB/s
+// that is ~0.7 G elements/ms forward, and the fp32 math (one __expf, one division, a few FMAs: ~25
+// instructions/element) stays under the SM issue budget at that rate (~45 instructions/element forward, ~80
+// backward, 132 SMs x 128 lanes x ~1.9 GHz).
+// Each thread keeps U = 4 units of 16 bytes per operand in flight; bf16 stays packed two per 32-bit register
+// and is rounded with cvt.rn.bf16x2 (Chunk), which with __launch_bounds__(256, 2) keeps every kernel at
+// <= 96 registers (ptxas, sm_90): >= 2 blocks of 256 threads per SM, so >= 512 threads x 4 units x 16 B x
+// operands (~100 KB for swiglu backward) are in flight per SM, ~3x what Little's law asks at 4.2 TB/s.
+// grid = SMs x resident blocks (launcher), grid-stride beyond.
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -63,9 +66,11 @@ struct SwigluFwd {
     cu[k].load(u + r * ld_in + c);
   }
   __device__ __forceinline__ void store(int k, long long r, long long c) {
-    Chunk<T, E, VEC> o;
+    float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) o.set(i, silu_f(cg[k].get(i)) * cu[k].get(i));
+    for (int i = 0; i < E; ++i) f[i] = silu_f(cg[k].get(i)) * cu[k].get(i);
+    Chunk<T, E, VEC> o;
+    o.pack(f);
     o.store(y + r * ld_out + c);
   }
 };
@@ -85,15 +90,18 @@ struct SwigluBwd {
     cd[k].load(dy + r * ld_out + c);
   }
   __device__ __forceinline__ void store(int k, long long r, long long c) {
-    Chunk<T, E, VEC> og, ou;
+    float fg[E], fu[E];
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       float silu, dsilu;
       silu_grad(cg[k].get(i), silu, dsilu);
       const float d = cd[k].get(i);
-      og.set(i, d * cu[k].get(i) * dsilu);
-      ou.set(i, d * silu);
+      fg[i] = d * cu[k].get(i) * dsilu;
+      fu[i] = d * silu;
     }
+    Chunk<T, E, VEC> og, ou;
+    og.pack(fg);
+    ou.pack(fu);
     og.store(dg + r * ld_in + c);
     ou.store(du + r * ld_in + c);
   }
@@ -106,9 +114,11 @@ struct GeluFwd {
   Chunk<T, E, VEC> cx[U];
   __device__ __forceinline__ void load(int k, long long, long long c) { cx[k].load(x + c); }
   __device__ __forceinline__ void store(int k, long long, long long c) {
-    Chunk<T, E, VEC> o;
+    float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) o.set(i, gelu_f(cx[k].get(i)));
+    for (int i = 0; i < E; ++i) f[i] = gelu_f(cx[k].get(i));
+    Chunk<T, E, VEC> o;
+    o.pack(f);
     o.store(y + c);
   }
 };
@@ -124,44 +134,58 @@ struct GeluBwd {
     cd[k].load(dy + c);
   }
   __device__ __forceinline__ void store(int k, long long, long long c) {
-    Chunk<T, E, VEC> o;
+    float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) o.set(i, cd[k].get(i) * gelu_grad(cx[k].get(i)));
+    for (int i = 0; i < E; ++i) f[i] = cd[k].get(i) * gelu_grad(cx[k].get(i));
+    Chunk<T, E, VEC> o;
+    o.pack(f);
     o.store(dx + c);
   }
 };
 
 constexpr int ACT_U = 4;
 
-// Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail when rows == 1), s = element accesses.
+// Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
+// accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
 #define ACT_KERNELS(T, TN, VEC, VS)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256)                                                         \
-      swiglu_fwd_##TN##_##VS(const T* g, const T* u, T* y, long long rows, long long F, long long ld_in) {  \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      swiglu_fwd_##TN##_##VS(const T* g, const T* u, T* y, long long n) {                                   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, 0, 0};                                                          \
+    SwigluFwd<T, 1, false, 1> tail{g, u, y, 0, 0};                                                          \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_fwd_rows_##TN##_##VS(                             \
+      const T* g, const T* u, T* y, unsigned int rows, unsigned int F, long long ld_in) {                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, ld_in, F};                                                      \
-    SwigluFwd<T, 1, false, 1> tail{g, u, y, ld_in, F};                                                      \
-    run_rows<E, ACT_U>(op, tail, rows, F);                                                                  \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256)                                                         \
-      swiglu_bwd_##TN##_##VS(const T* g, const T* u, const T* dy, T* dg, T* du, long long rows, long long F, \
-                             long long ld_in) {                                                             \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      swiglu_bwd_##TN##_##VS(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {              \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, 0, 0};                                                 \
+    SwigluBwd<T, 1, false, 1> tail{g, u, dy, dg, du, 0, 0};                                                 \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_rows_##TN##_##VS(                             \
+      const T* g, const T* u, const T* dy, T* dg, T* du, unsigned int rows, unsigned int F, long long ld_in) { \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, ld_in, F};                                             \
-    SwigluBwd<T, 1, false, 1> tail{g, u, dy, dg, du, ld_in, F};                                             \
-    run_rows<E, ACT_U>(op, tail, rows, F);                                                                  \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256) gelu_fwd_##TN##_##VS(const T* x, T* y, long long n) {   \
+  extern "C" __global__ void __launch_bounds__(256, 2) gelu_fwd_##TN##_##VS(const T* x, T* y, long long n) {   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluFwd<T, E, VEC, ACT_U> op{x, y};                                                                     \
     GeluFwd<T, 1, false, 1> tail{x, y};                                                                     \
-    run_rows<E, ACT_U>(op, tail, 1, n);                                                                     \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256)                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
       gelu_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluBwd<T, E, VEC, ACT_U> op{x, dy, dx};                                                                \
     GeluBwd<T, 1, false, 1> tail{x, dy, dx};                                                                \
-    run_rows<E, ACT_U>(op, tail, 1, n);                                                                     \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
   }
 
 ACT_KERNELS(float, f32, true, v)

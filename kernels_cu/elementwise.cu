@@ -11,31 +11,18 @@
 // float32 a + float32(alpha) * b, and the rounded bf16 result equals ml_dtypes' rounding of it: the GPU tests
 // compare bit for bit.
 //
-// Layout: run_rows (common/pointwise.cuh) over rows x F. Same-shape operands: rows = 1, F = n (any n; 16-byte
-// body plus a scalar tail). b broadcast along the last axis (b.shape == a.shape[-1:]): rows = n / C, F = C,
-// b's row stride 0, so b (C elements) stays in L1/L2 and only a and out move through HBM; the 16-byte path
-// then needs C % E == 0 (else element accesses). E = 16 / (smallest itemsize): a unit is 8 elements when any
-// operand is bf16 (one 16-byte access per bf16 operand, two per fp32 operand), 4 when all are fp32.
-// Bytes: fp32 residual + bf16 branch into fp32 (the residual-add case) moves 10 B/element; at ~4.2 TB/s,
-// 0.42 G elements/ms. Each thread holds U = 4 units per operand in flight; grid = SMs x resident blocks.
+// Layout: same-shape operands are flat arrays (run_flat, common/pointwise.cuh: any n, a 16-byte body plus a
+// scalar tail). b broadcast along the last axis (b.shape == a.shape[-1:], "bcast" kernels): run_rows over
+// rows of C with b's row stride 0, so b (C elements) stays in L1/L2 and only a and out move through HBM; the
+// 16-byte path then needs C % E == 0 (else element accesses). E = 16 / (smallest itemsize): a unit is 8
+// elements when any operand is bf16 (one 16-byte access per bf16 operand, two per fp32 operand), 4 when all are
+// fp32. Bytes: the residual-add case (fp32 += bf16) moves 10 B/element; at ~4.2 TB/s, 0.42 G elements/ms.
+// Each thread holds U = 4 units per operand in flight; __launch_bounds__(256, 2) caps registers at 128 (ptxas
+// sm_90: <= 102, no spills), so >= 2 blocks of 256 threads per SM keep ~100 KB per SM in flight.
 // In place (out = a, or out = b when b is not broadcast) is safe: each element is read and then written by one
 // thread, and no pointer is __restrict__.
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
-
-// fp32 -> T with ml_dtypes' exact rounding (integer round-to-nearest-even; NaN -> quiet NaN 0x7fc0 | sign).
-template <typename T> __device__ __forceinline__ T round_exact(float v);
-template <> __device__ __forceinline__ float round_exact<float>(float v) { return v; }
-template <> __device__ __forceinline__ bf16 round_exact<bf16>(float v) {
-  const unsigned int u = __float_as_uint(v);
-  bf16 r;
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    r.bits = (unsigned short)(((u >> 16) & 0x8000u) | 0x7fc0u);
-  } else {
-    r.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-  return r;
-}
 
 template <typename A, typename Bt, typename O, int E, bool VEC, int U>
 struct Binary {
@@ -52,12 +39,14 @@ struct Binary {
     cb[k].load(b + r * ld_b + c);
   }
   __device__ __forceinline__ void store(int k, long long r, long long c) {
-    Chunk<O, E, VEC> o;
+    float f[E];
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       const float x = ca[k].get(i), y = cb[k].get(i);
-      o.set(i, is_mul ? __fmul_rn(x, y) : __fadd_rn(x, __fmul_rn(alpha, y)));
+      f[i] = is_mul ? __fmul_rn(x, y) : __fadd_rn(x, __fmul_rn(alpha, y));
     }
+    Chunk<O, E, VEC> o;
+    o.pack(f);
     o.store(out + r * ld_a + c);
   }
 };
@@ -69,9 +58,11 @@ struct Cast {
   Chunk<I, E, VEC> cx[U];
   __device__ __forceinline__ void load(int k, long long, long long c) { cx[k].load(x + c); }
   __device__ __forceinline__ void store(int k, long long, long long c) {
-    Chunk<O, E, VEC> o;
+    float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) o.p[i / o.PER].v[i % o.PER] = round_exact<O>(cx[k].get(i));
+    for (int i = 0; i < E; ++i) f[i] = cx[k].get(i);
+    Chunk<O, E, VEC> o;
+    o.pack_exact(f);
     o.store(y + c);
   }
 };
@@ -80,21 +71,28 @@ constexpr int EW_U = 4;
 
 __host__ __device__ constexpr int min_size(int x, int y) { return x < y ? x : y; }
 
-// Entry points: binary_<a>_<b>_<out>_<v|s>, cast_<in>_<out>_<v|s>.
+// Entry points: binary_<a>_<b>_<out>_<v|s> (same shape, flat), bcast_<a>_<b>_<out>_<v|s> (b [C] broadcast
+// over rows of C), cast_<in>_<out>_<v|s>.
 #define EW_BINARY(A, Bt, O, AN, BN, ON, VEC, VS)                                                             \
-  extern "C" __global__ void __launch_bounds__(256) binary_##AN##_##BN##_##ON##_##VS(                       \
-      const A* a, const Bt* b, O* out, long long rows, long long F, long long ld_b, float alpha, bool is_mul) { \
+  extern "C" __global__ void __launch_bounds__(256, 2) binary_##AN##_##BN##_##ON##_##VS(                       \
+      const A* a, const Bt* b, O* out, long long n, float alpha, bool is_mul) {                             \
     constexpr int E = VEC ? 16 / min_size(sizeof(A), min_size(sizeof(Bt), sizeof(O))) : 1;                  \
-    Binary<A, Bt, O, E, VEC, EW_U> op{a, b, out, F, ld_b, alpha, is_mul};                                   \
-    Binary<A, Bt, O, 1, false, 1> tail{a, b, out, F, ld_b, alpha, is_mul};                                  \
-    run_rows<E, EW_U>(op, tail, rows, F);                                                                   \
+    Binary<A, Bt, O, E, VEC, EW_U> op{a, b, out, 0, 0, alpha, is_mul};                                      \
+    Binary<A, Bt, O, 1, false, 1> tail{a, b, out, 0, 0, alpha, is_mul};                                     \
+    run_flat<E, EW_U>(op, tail, n);                                                                         \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) bcast_##AN##_##BN##_##ON##_##VS(                        \
+      const A* a, const Bt* b, O* out, unsigned int rows, unsigned int C, float alpha, bool is_mul) {       \
+    constexpr int E = VEC ? 16 / min_size(sizeof(A), min_size(sizeof(Bt), sizeof(O))) : 1;                  \
+    Binary<A, Bt, O, E, VEC, EW_U> op{a, b, out, C, 0, alpha, is_mul};                                      \
+    run_rows<E, EW_U>(op, rows, C);                                                                         \
   }
 #define EW_CAST(I, O, IN, ON, VEC, VS)                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) cast_##IN##_##ON##_##VS(const I* x, O* y, long long n) { \
+  extern "C" __global__ void __launch_bounds__(256, 2) cast_##IN##_##ON##_##VS(const I* x, O* y, long long n) { \
     constexpr int E = VEC ? 16 / min_size(sizeof(I), sizeof(O)) : 1;                                        \
     Cast<I, O, E, VEC, EW_U> op{x, y};                                                                      \
     Cast<I, O, 1, false, 1> tail{x, y};                                                                     \
-    run_rows<E, EW_U>(op, tail, 1, n);                                                                      \
+    run_flat<E, EW_U>(op, tail, n);                                                                         \
   }
 #define EW_BINARY_OUT(A, Bt, AN, BN, VEC, VS)                                                                \
   EW_BINARY(A, Bt, float, AN, BN, f32, VEC, VS)                                                             \

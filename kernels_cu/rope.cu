@@ -16,7 +16,8 @@
 // is x once and y once (bf16 LLaMA-3.2-1B q, 32 heads x 64: 4 KB + 4 KB per token) and the tables
 // (seq x D/2 x 8 B) stay in L2. Consecutive threads take consecutive units of a token, so a warp's access for
 // one head covers whole 32-byte sectors. The unit index j is split into (token, unit in token) with one
-// 64-bit division per thread per token, amortised over the heads.
+// 64-bit division per thread per token, amortised over the heads. <= 93 registers (ptxas sm_90, bf16
+// rotate-half: 2 x 4 packs in flight), so >= 2 blocks of 256 threads per SM.
 // VEC = false: element accesses (P = 1) for misaligned pointers or D/2 (rotate-half) / D (interleaved) not a
 // multiple of 16 / sizeof(T). Positions outside [0, L) are clamped to the table (never a read outside it;
 // the NumPy reference rejects them). In place (y == x) is safe: a thread reads its elements before writing
@@ -65,22 +66,27 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
         if (h0 + k < H) {
           T* dst = y + off0 + (long long)(h0 + k) * D;
           if (IL) {
-            Chunk<T, E, VEC> o;
+            float f[E];
 #pragma unroll
             for (int i = 0; i < P; ++i) {
               const float x1 = a[k].get(2 * i), x2 = a[k].get(2 * i + 1);
-              o.set(2 * i, x1 * c[i] - x2 * sn[i]);
-              o.set(2 * i + 1, x2 * c[i] + x1 * sn[i]);
+              f[2 * i] = x1 * c[i] - x2 * sn[i];
+              f[2 * i + 1] = x2 * c[i] + x1 * sn[i];
             }
+            Chunk<T, E, VEC> o;
+            o.pack(f);
             o.store(dst);
           } else {
-            Chunk<T, E, VEC> o1, o2;
+            float f1[E], f2[E];
 #pragma unroll
             for (int i = 0; i < P; ++i) {
               const float x1 = a[k].get(i), x2 = b[k].get(i);
-              o1.set(i, x1 * c[i] - x2 * sn[i]);
-              o2.set(i, x2 * c[i] + x1 * sn[i]);
+              f1[i] = x1 * c[i] - x2 * sn[i];
+              f2[i] = x2 * c[i] + x1 * sn[i];
             }
+            Chunk<T, E, VEC> o1, o2;
+            o1.pack(f1);
+            o2.pack(f2);
             o1.store(dst);
             o2.store(dst + half);
           }
@@ -94,7 +100,7 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 // no positions (positions may be NULL), 1 = positions[seq], 2 = positions[batch, seq]. sgn = +1 forward,
 // -1 backward.
 #define ROPE_ONE(T, PT, TN, PN, IL, HI, VEC, VS)                                                              \
-  extern "C" __global__ void __launch_bounds__(256) rope_##TN##_##PN##_##HI##_##VS(                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) rope_##TN##_##PN##_##HI##_##VS(                         \
       const T* x, T* y, const float* cos_t, const float* sin_t, const PT* positions, long long ntok, int S,  \
       int H, int D, int L, int pos_mode, float sgn, bool cs_vec) {                                          \
     rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec);      \

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
-from .elementwise import THREADS, UNROLL, launch_grid, vec_ok
+from .elementwise import THREADS, UNROLL, launch_grid, ptr, row_chunks, vec_ok
 
 FAMILY = "activations"
 GELU_K = float(np.sqrt(2.0 / np.pi))
@@ -45,19 +45,27 @@ def _check_float(name, a):
     B.check_contiguous(name, a)
 
 
-def _launch(kname, T, arrays, rows, F, vec, extra):
-    """Launch an activations kernel over rows x F elements (see run_rows in common/pointwise.cuh)."""
+def _launch(kname, T, arrays, n, vec):
+    """Launch a flat activations kernel over n elements (run_flat in common/pointwise.cuh)."""
     name = f"{kname}_{B.DTYPE_TAG[T]}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
-    E = 16 // T.itemsize if vec else 1
-    units = rows * (F // E)
+    units = n // (16 // T.itemsize) if vec else n
     grid = launch_grid(k, (FAMILY, name), -(-units // UNROLL))
-    k((grid,), (THREADS, 1, 1), (*arrays, *extra))
+    k((grid,), (THREADS, 1, 1), (*arrays, np.int64(n)))
 
 
-def _ptr(a, elem_offset):
-    """Raw device pointer ``elem_offset`` elements into ``a`` (the up half of a packed gate/up buffer)."""
-    return np.uint64(a.data.ptr + elem_offset * a.itemsize)
+def _launch_packed(kname, gu, others, rows, F, vec):
+    """Launch a packed-layout kernel (run_rows): gate rows at gu + r * 2F, up rows F further; ``others`` are
+    (array, row length, offset) for the remaining pointer arguments, in order."""
+    name = f"{kname}_rows_{B.DTYPE_TAG[gu.dtype]}_{'v' if vec else 's'}"
+    k = get_function(FAMILY, name)
+    Fu = F // (16 // gu.itemsize) if vec else F
+    for r0, nr in row_chunks(rows, Fu, "gu"):
+        args = [ptr(gu, r0 * 2 * F), ptr(gu, r0 * 2 * F + F)]
+        for a, ld, off in others:
+            args.append(ptr(a, r0 * ld + off))
+        grid = launch_grid(k, (FAMILY, name), -(-(nr * Fu) // UNROLL))
+        k((grid,), (THREADS, 1, 1), (*args, np.uint32(nr), np.uint32(F), np.int64(2 * F)))
 
 
 def swiglu(gate, up, *, out=None):
@@ -85,7 +93,7 @@ def swiglu(gate, up, *, out=None):
         return y
     n = gate.size
     if n:
-        _launch("swiglu_fwd", gate.dtype, (gate, up, y), 1, n, vec_ok(gate, up, y), (np.int64(1), np.int64(n), np.int64(n)))
+        _launch("swiglu_fwd", gate.dtype, (gate, up, y), n, vec_ok(gate, up, y))
     return y
 
 
@@ -122,8 +130,7 @@ def swiglu_backward(gate, up, dy, *, out_dgate=None, out_dup=None):
         return dg, du
     n = gate.size
     if n:
-        _launch("swiglu_bwd", gate.dtype, (gate, up, dy, dg, du), 1, n, vec_ok(gate, up, dy, dg, du),
-                (np.int64(1), np.int64(n), np.int64(n)))
+        _launch("swiglu_bwd", gate.dtype, (gate, up, dy, dg, du), n, vec_ok(gate, up, dy, dg, du))
     return dg, du
 
 
@@ -162,8 +169,7 @@ def swiglu_packed(gu, *, out=None):
     if rows:
         E = 16 // gu.itemsize
         vec = vec_ok(gu, y) and F % E == 0
-        _launch("swiglu_fwd", gu.dtype, (gu, _ptr(gu, F), y), rows, F, vec,
-                (np.int64(rows), np.int64(F), np.int64(2 * F)))
+        _launch_packed("swiglu_fwd", gu, [(y, F, 0)], rows, F, vec)
     return y
 
 
@@ -197,8 +203,7 @@ def swiglu_packed_backward(gu, dy, *, out=None):
     if rows:
         E = 16 // gu.itemsize
         vec = vec_ok(gu, dy, dgu) and F % E == 0
-        _launch("swiglu_bwd", gu.dtype, (gu, _ptr(gu, F), dy, dgu, _ptr(dgu, F)), rows, F, vec,
-                (np.int64(rows), np.int64(F), np.int64(2 * F)))
+        _launch_packed("swiglu_bwd", gu, [(dy, F, 0), (dgu, 2 * F, 0), (dgu, 2 * F, F)], rows, F, vec)
     return dgu
 
 
@@ -227,7 +232,7 @@ def gelu(x, *, out=None):
         return y
     n = x.size
     if n:
-        _launch("gelu_fwd", x.dtype, (x, y), 1, n, vec_ok(x, y), (np.int64(n),))
+        _launch("gelu_fwd", x.dtype, (x, y), n, vec_ok(x, y))
     return y
 
 
@@ -252,5 +257,5 @@ def gelu_backward(x, dy, *, out=None):
         return dx
     n = x.size
     if n:
-        _launch("gelu_bwd", x.dtype, (x, dy, dx), 1, n, vec_ok(x, dy, dx), (np.int64(n),))
+        _launch("gelu_bwd", x.dtype, (x, dy, dx), n, vec_ok(x, dy, dx))
     return dx

@@ -32,6 +32,24 @@ def launch_grid(kernel, key, work_items: int, threads: int = THREADS) -> int:
     return int(max(1, min(-(-work_items // threads), B.sm_count() * bps)))
 
 
+# run_rows kernels index units with 32-bit unsigned math: one launch covers fewer than 2^31 units (a grid-stride
+# step is then always < 2^32 - n); bigger row-structured launches are split into row chunks.
+MAX_ROW_UNITS = 2**31 - 1
+
+
+def row_chunks(rows: int, units_per_row: int, what: str):
+    """(first row, row count) pieces of a run_rows launch, each under MAX_ROW_UNITS units."""
+    if units_per_row > MAX_ROW_UNITS:
+        raise ValueError(f"{what}: a row of {units_per_row} units is too long for the row kernels (max {MAX_ROW_UNITS})")
+    step = max(1, MAX_ROW_UNITS // max(1, units_per_row))
+    return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
+
+
+def ptr(a, elem_offset=0):
+    """Raw device pointer ``elem_offset`` elements into ``a`` (a kernel argument)."""
+    return np.uint64(a.data.ptr + elem_offset * a.itemsize)
+
+
 def vec_ok(*arrays) -> bool:
     """The 16-byte guard on pointers (sizes are each op's business)."""
     return B.aligned16(*arrays)
@@ -88,18 +106,25 @@ def _binary(a, b, out, dtype, alpha, is_mul):
     n = a.size
     if n == 0:
         return y
-    C = a.shape[-1] if a.ndim else 1
     E = 16 // min(a.itemsize, b.itemsize, y.itemsize)
-    vec = vec_ok(a, b, y) and (not bcast or C % E == 0)
-    if bcast:
-        rows, F, ld_b = n // C, C, 0
-    else:
-        rows, F, ld_b = 1, n, 0
-    name = f"binary_{B.DTYPE_TAG[a.dtype]}_{B.DTYPE_TAG[b.dtype]}_{B.DTYPE_TAG[rd]}_{'v' if vec else 's'}"
+    tags = f"{B.DTYPE_TAG[a.dtype]}_{B.DTYPE_TAG[b.dtype]}_{B.DTYPE_TAG[rd]}"
+    if not bcast:
+        vec = vec_ok(a, b, y)
+        name = f"binary_{tags}_{'v' if vec else 's'}"
+        k = get_function(FAMILY, name)
+        grid = launch_grid(k, (FAMILY, name), -(-(n // E if vec else n) // UNROLL))
+        k((grid,), (THREADS, 1, 1), (a, b, y, np.int64(n), al, np.bool_(is_mul)))
+        return y
+    C = a.shape[-1]
+    rows = n // C
+    vec = vec_ok(a, b, y) and C % E == 0
+    name = f"bcast_{tags}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
-    units = rows * (F // E) if vec else n
-    grid = launch_grid(k, (FAMILY, name), -(-units // UNROLL))
-    k((grid,), (THREADS, 1, 1), (a, b, y, np.int64(rows), np.int64(F), np.int64(ld_b), al, np.bool_(is_mul)))
+    Cu = C // E if vec else C
+    for r0, nr in row_chunks(rows, Cu, "a"):
+        grid = launch_grid(k, (FAMILY, name), -(-(nr * Cu) // UNROLL))
+        k((grid,), (THREADS, 1, 1),
+          (ptr(a, r0 * C), b, ptr(y, r0 * C), np.uint32(nr), np.uint32(C), al, np.bool_(is_mul)))
     return y
 
 
