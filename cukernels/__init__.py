@@ -3,16 +3,17 @@ from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
 from .blas import matmul
 from .ops.rms_norm import rms_norm, rms_norm_backward
-from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
-from . import graph, optim
-from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embedding_error
-from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
 from .ops.layer_norm import layer_norm, layer_norm_backward
 from .ops.softmax import attn_softmax, attn_softmax_backward, softmax, softmax_backward
-
-__version__ = "0.1.0"
-# autograd, layers, autocast, LLaMA (issue 6)
+from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
+from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embedding_error
+from .ops.rope import rope, rope_backward, rope_cache
+from .ops.activations import gelu, gelu_backward, swiglu, swiglu_backward, swiglu_packed, swiglu_packed_backward
+from .ops.elementwise import add, cast, mul
+from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
 from .autograd import Function, Tensor, no_grad, tensor
-from . import functional, nn, amp
 from .amp import autocast
 from .models.llama import Llama, LlamaConfig
+from . import amp, checkpoint, functional, graph, nn, optim
+
+__version__ = "0.1.0"

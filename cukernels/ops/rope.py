@@ -1,0 +1,212 @@
+"""Rotary position embedding: ``ck.rope_cache``, ``ck.rope``, ``ck.rope_backward``. Kernels: ``kernels_cu/rope.cu``."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+from .elementwise import THREADS, launch_grid, vec_ok
+
+FAMILY = "rope"
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _inv_freq(head_dim, theta, scaling):
+    """inv_freq[i] = theta^(-2i / head_dim), i < head_dim / 2, float64, with Hugging Face's rope_scaling applied."""
+    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv
+    if not isinstance(scaling, dict):
+        raise TypeError(f"scaling: expected None or a dict in Hugging Face's rope_scaling form; got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind != "llama3":
+        raise ValueError(f"scaling: rope_type {kind!r} is not supported (use 'llama3', 'linear' or 'default')")
+    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"scaling: rope_type 'llama3' needs keys {list(_LLAMA3_KEYS)}; missing {missing}")
+    # transformers.modeling_rope_utils._compute_llama3_parameters, in float64.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    if high_freq_factor == low_freq_factor:
+        raise ValueError("scaling: high_freq_factor must differ from low_freq_factor")
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    # wavelen < high_freq_wavelen: unchanged; wavelen > low_freq_wavelen: divided by factor
+    inv_llama = np.where(wavelen > low_freq_wavelen, inv / factor, inv)
+    # in between: interpolate smoothly
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, inv_llama)
+
+
+def rope_cache(seq_len, head_dim, theta=500000.0, scaling=None, *, xp=None):
+    """The cos/sin tables for :func:`rope`.
+
+    ``inv_freq[i] = theta ** (-2i / head_dim)`` for ``i < head_dim / 2`` (optionally rescaled, below), and
+    ``cos[p, i] = cos(p * inv_freq[i])``, ``sin[p, i] = sin(p * inv_freq[i])``, computed in float64 on the host
+    and rounded once to float32.
+
+    Layout: ``[seq_len, head_dim // 2]``, one column per frequency, used by both RoPE layouts (Hugging Face's
+    ``cos`` of ``[seq_len, head_dim]`` is this table concatenated with itself along the last axis).
+
+    Args:
+        seq_len: number of positions (rows), >= 1.
+        head_dim: even, >= 2.
+        theta: the base (LLaMA-3: 500000; LLaMA-2: 10000).
+        scaling: None (plain RoPE), or Hugging Face's ``rope_scaling`` dict: ``{"rope_type": "llama3",
+            "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}`` (LLaMA-3.1/3.2; transformers'
+            ``_compute_llama3_parameters``: wavelengths above ``orig / low_freq_factor`` are divided by
+            ``factor``, below ``orig / high_freq_factor`` kept, smoothly interpolated in between), also
+            ``{"rope_type": "linear", "factor": f}`` and ``{"rope_type": "default"}``.
+        xp: ``numpy`` or ``cupy``: the module of the returned arrays (default: cupy when a GPU is visible).
+
+    Returns:
+        ``(cos, sin)``, float32 ``[seq_len, head_dim // 2]``.
+
+    Example::
+
+        >>> cos, sin = ck.rope_cache(8192, 64, 500000.0, {"rope_type": "llama3", "factor": 32.0,
+        ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len: expected an integer >= 1; got {seq_len!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim: expected an even integer >= 2; got {head_dim!r}")
+    if not (np.isfinite(theta) and theta > 0):
+        raise ValueError(f"theta: expected a finite number > 0; got {theta!r}")
+    inv = _inv_freq(int(head_dim), theta, scaling)
+    ang = np.arange(int(seq_len), dtype=np.float64)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    if xp is None:
+        xp = B._cupy() if B.gpu_available() else np
+    if xp is np:
+        return cos, sin
+    return xp.asarray(cos), xp.asarray(sin)
+
+
+def _validate(xn, x, cos, sin, positions):
+    B.check_dtype(xn, x, B.FLOATS)
+    if x.ndim != 4:
+        raise ValueError(f"{xn}: expected 4 dimensions [batch, seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    Bsz, S, H, D = (int(v) for v in x.shape)
+    if D < 2 or D % 2:
+        raise ValueError(f"{xn}: head_dim (last axis) must be even and >= 2; got shape {tuple(x.shape)}")
+    B.check_contiguous(xn, x)
+    for name, t in (("cos", cos), ("sin", sin)):
+        B.check_dtype(name, t, (np.float32,))
+        if t.ndim != 2 or t.shape[1] != D // 2 or t.shape[0] < 1:
+            raise ValueError(f"{name}: expected shape (L, {D // 2}) = (positions, head_dim // 2) with L >= 1; "
+                             f"got {tuple(t.shape)}")
+        B.check_contiguous(name, t)
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin: expected shape {tuple(cos.shape)} (the shape of cos); got {tuple(sin.shape)}")
+    L = int(cos.shape[0])
+    if positions is None:
+        if S > L:
+            raise ValueError(f"cos: has {L} positions but {xn} has seq = {S} (pass a longer cache, or positions=)")
+        mode = 0
+    else:
+        B.check_dtype("positions", positions, (np.int32, np.int64))
+        if tuple(positions.shape) == (S,):
+            mode = 1
+        elif tuple(positions.shape) == (Bsz, S):
+            mode = 2
+        else:
+            raise ValueError(f"positions: expected shape ({S},) or ({Bsz}, {S}); got {tuple(positions.shape)}")
+        B.check_contiguous("positions", positions)
+    return Bsz, S, H, D, L, mode
+
+
+def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
+    xp = B.array_module(**{xn: x}, cos=cos, sin=sin, positions=positions, out=out)
+    Bsz, S, H, D, L, mode = _validate(xn, x, cos, sin, positions)
+    y = B.empty(xp, x.shape, x.dtype, out)
+    half = D // 2
+    if xp is np:
+        if positions is None:
+            pos = np.arange(S)[None, :]
+        else:
+            pos = positions.astype(np.int64)
+            pos = pos[None, :] if pos.ndim == 1 else pos
+            if pos.size and (pos.min() < 0 or pos.max() >= L):
+                raise ValueError(f"positions: values must lie in [0, {L}) (the rows of cos); "
+                                 f"got min {pos.min()}, max {pos.max()}")
+        c = cos.astype(np.float64)[pos][:, :, None, :]  # (1 or B, S, 1, D/2)
+        s = sgn * sin.astype(np.float64)[pos][:, :, None, :]
+        xf = x.astype(np.float64)
+        if interleaved:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            r = np.empty_like(xf)
+            r[..., 0::2] = x1 * c - x2 * s
+            r[..., 1::2] = x2 * c + x1 * s
+        else:
+            x1, x2 = xf[..., :half], xf[..., half:]
+            r = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        y[...] = r.astype(x.dtype)
+        return y
+
+    ntok = Bsz * S
+    if ntok * H == 0:
+        return y
+    E = 16 // x.itemsize
+    vec = vec_ok(x, y) and (D % E == 0 if interleaved else half % E == 0)
+    pe = E if vec else (2 if interleaved else 1)  # elements per unit, per head
+    units = ntok * ((D if interleaved else half) // pe)
+    cs_vec = vec_ok(cos, sin) and half % 4 == 0
+    ptag = B.DTYPE_TAG[positions.dtype] if positions is not None else "i32"
+    name = f"rope_{B.DTYPE_TAG[x.dtype]}_{ptag}_{'i' if interleaved else 'h'}_{'v' if vec else 's'}"
+    k = get_function(FAMILY, name)
+    grid = launch_grid(k, (FAMILY, name), units)
+    k((grid,), (THREADS, 1, 1),
+      (x, y, cos, sin, positions if positions is not None else B.NULL, np.int64(ntok), np.int32(S), np.int32(H),
+       np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec)))
+    return y
+
+
+def rope(x, cos, sin, *, positions=None, interleaved=False, out=None):
+    """Apply rotary position embedding to ``x`` [batch, seq, heads, head_dim] (fp32 math).
+
+    For token (b, s) at position ``p`` and frequency ``i < D/2`` with ``c = cos[p, i]``, ``sn = sin[p, i]``, the
+    pair ``(x1, x2)`` becomes ``(x1 c - x2 sn, x2 c + x1 sn)``; the pairs are ``(i, i + D/2)`` when
+    ``interleaved=False`` (Hugging Face's rotate-half layout: ``x * cos + rotate_half(x) * sin``, so HF
+    checkpoints work unchanged) and ``(2i, 2i + 1)`` when ``interleaved=True`` (the original RoPE / Meta layout).
+
+    Args:
+        x: ``[batch, seq, heads, head_dim]`` float32 or bfloat16, C-contiguous, head_dim even.
+        cos, sin: float32 ``[L, head_dim // 2]`` from :func:`rope_cache`.
+        positions: optional int32/int64 ``[seq]`` or ``[batch, seq]``: each token's position (row of cos/sin).
+            Default ``arange(seq)`` (then L >= seq is required). Values must lie in ``[0, L)``: the NumPy path
+            raises otherwise; the kernel clamps them into the table (it never reads outside it, and cannot
+            check without a host sync).
+        interleaved: the pair layout (above).
+        out: optional output like ``x``; ``out=x`` rotates in place.
+
+    Returns:
+        ``y`` like ``x``.
+
+    Example::
+
+        >>> cos, sin = ck.rope_cache(4096, 64)
+        >>> q = ck.rope(q, cos, sin, out=q)          # q: [batch, seq, heads, 64], in place
+    """
+    return _rope("x", x, cos, sin, positions, bool(interleaved), out, 1.0)
+
+
+def rope_backward(dy, cos, sin, *, positions=None, interleaved=False, out=None):
+    """Gradient of :func:`rope`: the inverse (transposed) rotation, ``(dy1 c + dy2 sn, dy2 c - dy1 sn)``.
+
+    Same arguments as :func:`rope` with ``dy`` in place of ``x``; ``out=dy`` works in place. Because the
+    rotation is orthogonal, ``<rope(x), y> == <x, rope_backward(y)>``.
+    """
+    return _rope("dy", dy, cos, sin, positions, bool(interleaved), out, -1.0)

@@ -1,0 +1,194 @@
+// Activations: SwiGLU (LLaMA's MLP) and GELU with the tanh approximation (GPT-2).
+//
+//   silu(g)   = g * s,  s = sigmoid(g) = 1 / (1 + e^-g)
+//   swiglu    y = silu(g) * u
+//   backward  dg = dy * u * s * (1 + g * (1 - s))      (d silu / dg = s + g s (1 - s))
+//             du = dy * silu(g)
+//   gelu      y = 0.5 x (1 + tanh(k (x + 0.044715 x^3))),  k = sqrt(2 / pi)
+//             = x * sigmoid(2 u), u = k (x + 0.044715 x^3)   (0.5 (1 + tanh u) = sigmoid(2u): no tanh, and no
+//               cancellation in 1 + tanh u for u << 0)
+//   backward  dx = dy * (s + 2 x s (1 - s) k (1 + 3 * 0.044715 x^2)),  s = sigmoid(2u)
+//
+// Stability: sigmoid2() (common/pointwise.cuh) gives s and 1 - s = e^-z s without NaN for every finite z
+// (e^-z = inf -> s = 0, 1 - s = 1), so inputs of +-1e4 (and far beyond for SwiGLU) give finite outputs:
+// silu(-1e4) = -0, silu(1e4) = 1e4, gelu(+-1e4) = 1e4 / -0; x^3 stays finite up to |x| ~ 7e12.
+//
+// Layout: separate gate/up (any shape) are flat arrays: run_flat (common/pointwise.cuh), any n, a 16-byte body
+// and a scalar tail. The packed gu [..., 2F] layout uses the same ops through run_rows: gate row r at
+// gu + r * 2F, up row r F further, y/dy rows F apart (16-byte path when F % (16 / sizeof(T)) == 0, else element
+// accesses). Memory-bound: bf16 SwiGLU forward moves 6 B/element, backward 10 B, GELU 4 B / 6 B; at ~4.2 TB/s
+// that is ~0.7 G elements/ms forward, and the fp32 math (one __expf, one division, a few FMAs: ~25
+// instructions/element) stays under the SM issue budget at that rate (~45 instructions/element forward, ~80
+// backward, 132 SMs x 128 lanes x ~1.9 GHz).
+// Each thread keeps U = 4 units of 16 bytes per operand in flight; bf16 stays packed two per 32-bit register
+// and is rounded with cvt.rn.bf16x2 (Chunk), which with __launch_bounds__(256, 2) keeps every kernel at
+// <= 96 registers (ptxas, sm_90): >= 2 blocks of 256 threads per SM, so >= 512 threads x 4 units x 16 B x
+// operands (~100 KB for swiglu backward) are in flight per SM, ~3x what Little's law asks at 4.2 TB/s.
+// grid = SMs x resident blocks (launcher), grid-stride beyond.
+#include "common/vec.cuh"
+#include "common/pointwise.cuh"
+
+constexpr float GELU_K = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float GELU_C = 0.044715f;
+
+__device__ __forceinline__ float silu_f(float g) {
+  float s, oms;
+  sigmoid2(g, s, oms);
+  return g * s;
+}
+__device__ __forceinline__ void silu_grad(float g, float& silu, float& dsilu) {
+  float s, oms;
+  sigmoid2(g, s, oms);
+  silu = g * s;
+  dsilu = s * (1.f + g * oms);
+}
+__device__ __forceinline__ float gelu_f(float x) {
+  float s, oms;
+  sigmoid2(2.f * GELU_K * (x + GELU_C * x * x * x), s, oms);
+  return x * s;
+}
+__device__ __forceinline__ float gelu_grad(float x) {
+  float s, oms;
+  const float x2 = x * x;
+  sigmoid2(2.f * GELU_K * (x + GELU_C * x2 * x), s, oms);
+  return s + 2.f * x * (s * oms) * GELU_K * (1.f + 3.f * GELU_C * x2);
+}
+
+template <typename T, int E, bool VEC, int U>
+struct SwigluFwd {
+  const T* g;
+  const T* u;
+  T* y;
+  long long ld_in, ld_out;
+  Chunk<T, E, VEC> cg[U], cu[U];
+  __device__ __forceinline__ void load(int k, long long r, long long c) {
+    cg[k].load(g + r * ld_in + c);
+    cu[k].load(u + r * ld_in + c);
+  }
+  __device__ __forceinline__ void store(int k, long long r, long long c) {
+    float f[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = silu_f(cg[k].get(i)) * cu[k].get(i);
+    Chunk<T, E, VEC> o;
+    o.pack(f);
+    o.store(y + r * ld_out + c);
+  }
+};
+
+template <typename T, int E, bool VEC, int U>
+struct SwigluBwd {
+  const T* g;
+  const T* u;
+  const T* dy;
+  T* dg;
+  T* du;
+  long long ld_in, ld_out;  // gate/up/dgate/dup rows ld_in apart, dy rows ld_out apart
+  Chunk<T, E, VEC> cg[U], cu[U], cd[U];
+  __device__ __forceinline__ void load(int k, long long r, long long c) {
+    cg[k].load(g + r * ld_in + c);
+    cu[k].load(u + r * ld_in + c);
+    cd[k].load(dy + r * ld_out + c);
+  }
+  __device__ __forceinline__ void store(int k, long long r, long long c) {
+    float fg[E], fu[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      float silu, dsilu;
+      silu_grad(cg[k].get(i), silu, dsilu);
+      const float d = cd[k].get(i);
+      fg[i] = d * cu[k].get(i) * dsilu;
+      fu[i] = d * silu;
+    }
+    Chunk<T, E, VEC> og, ou;
+    og.pack(fg);
+    ou.pack(fu);
+    og.store(dg + r * ld_in + c);
+    ou.store(du + r * ld_in + c);
+  }
+};
+
+template <typename T, int E, bool VEC, int U>
+struct GeluFwd {
+  const T* x;
+  T* y;
+  Chunk<T, E, VEC> cx[U];
+  __device__ __forceinline__ void load(int k, long long, long long c) { cx[k].load(x + c); }
+  __device__ __forceinline__ void store(int k, long long, long long c) {
+    float f[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = gelu_f(cx[k].get(i));
+    Chunk<T, E, VEC> o;
+    o.pack(f);
+    o.store(y + c);
+  }
+};
+
+template <typename T, int E, bool VEC, int U>
+struct GeluBwd {
+  const T* x;
+  const T* dy;
+  T* dx;
+  Chunk<T, E, VEC> cx[U], cd[U];
+  __device__ __forceinline__ void load(int k, long long, long long c) {
+    cx[k].load(x + c);
+    cd[k].load(dy + c);
+  }
+  __device__ __forceinline__ void store(int k, long long, long long c) {
+    float f[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = cd[k].get(i) * gelu_grad(cx[k].get(i));
+    Chunk<T, E, VEC> o;
+    o.pack(f);
+    o.store(dx + c);
+  }
+};
+
+constexpr int ACT_U = 4;
+
+// Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
+// accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
+#define ACT_KERNELS(T, TN, VEC, VS)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      swiglu_fwd_##TN##_##VS(const T* g, const T* u, T* y, long long n) {                                   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, 0, 0};                                                          \
+    SwigluFwd<T, 1, false, 1> tail{g, u, y, 0, 0};                                                          \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_fwd_rows_##TN##_##VS(                             \
+      const T* g, const T* u, T* y, unsigned int rows, unsigned int F, long long ld_in) {                   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, ld_in, F};                                                      \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      swiglu_bwd_##TN##_##VS(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {              \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, 0, 0};                                                 \
+    SwigluBwd<T, 1, false, 1> tail{g, u, dy, dg, du, 0, 0};                                                 \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_rows_##TN##_##VS(                             \
+      const T* g, const T* u, const T* dy, T* dg, T* du, unsigned int rows, unsigned int F, long long ld_in) { \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, ld_in, F};                                             \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2) gelu_fwd_##TN##_##VS(const T* x, T* y, long long n) {   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    GeluFwd<T, E, VEC, ACT_U> op{x, y};                                                                     \
+    GeluFwd<T, 1, false, 1> tail{x, y};                                                                     \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      gelu_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                                   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    GeluBwd<T, E, VEC, ACT_U> op{x, dy, dx};                                                                \
+    GeluBwd<T, 1, false, 1> tail{x, dy, dx};                                                                \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }
+
+ACT_KERNELS(float, f32, true, v)
+ACT_KERNELS(float, f32, false, s)
+ACT_KERNELS(bf16, bf16, true, v)
+ACT_KERNELS(bf16, bf16, false, s)
