@@ -177,15 +177,22 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
-def startup_times(families):
-    """Cold (empty CuPy cache) and warm start: import + compile/load every family, in fresh processes."""
+def startup_times(families, cache_dir=None):
+    """Cold (empty CuPy cache) and warm start: import + compile/load every family, in fresh processes.
+    ``cache_dir`` (emptied first) is left warm for later runs; default: a temporary folder."""
     code = (
         "import time; t=time.perf_counter(); import cukernels as ck; from cukernels import _loader;"
         f"[_loader.get_module(f) for f in {families!r}]; import cupy; cupy.cuda.Device().synchronize();"
         "print(time.perf_counter()-t)"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = cache_dir or tmp
+        if cache_dir:
+            import shutil
+
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d, exist_ok=True)
         env["CUPY_CACHE_DIR"] = d
         out = []
         for _ in range(2):
@@ -202,6 +209,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     ap.add_argument("--json", default="", help="save the rows to this file")
     ap.add_argument("--no-startup", action="store_true", help="skip the cold/warm start measurement")
+    ap.add_argument("--startup-only", action="store_true", help="only the cold/warm start measurement")
+    ap.add_argument("--startup-cache", default="", help="CuPy cache folder for the start-up measurement "
+                    "(emptied, then left warm); default: a temporary folder")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -216,9 +226,11 @@ def main(argv=None):
     print(f"device: {name}, {dev.attributes['MultiProcessorCount']} SMs, L2 {dev.attributes['L2CacheSize'] >> 20} MiB; "
           f"CuPy {cp.__version__}")
     if not args.no_startup:
-        cold, warm = startup_times([f for f in _loader.families()])
+        cold, warm = startup_times(_loader.families(), args.startup_cache or None)
         print(f"start-up (import + load all {len(_loader.families())} kernel families): cold {cold:.2f} s "
-              f"(NVRTC compile), warm {warm:.2f} s (CuPy disk cache)")
+              f"(NVRTC compile), warm {warm:.2f} s (CuPy disk cache)", flush=True)
+        if args.startup_only:
+            return []
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)")
 

@@ -148,7 +148,8 @@ def grad_arrays(model):
 def clip_and_scale(grads, max_norm, accum, fused, xp):
     """(grad norm of the averaged gradient, the scale the optimizer applies): device 0-d arrays, no host read."""
     if fused:
-        norm = ck.global_norm(grads) * (1.0 / accum)
+        norm = ck.global_norm(grads)
+        norm *= 1.0 / accum  # in place: stays a 0-d array on both paths
         scale = ck.clip_scale(norm, max_norm) if max_norm else xp.ones((), np.float32)
     else:
         sq = xp.zeros((), np.float32)

@@ -12,7 +12,11 @@ from cukernels.nn import CompositeAdamW, CausalSelfAttention
 from test_autograd import numgrad
 
 KERNEL_OPS = ["rms_norm", "attn_softmax", "cross_entropy_fused", "embedding", "rope", "swiglu"]
-needs_kernels = pytest.mark.skipif(not all(hasattr(ck, o) for o in KERNEL_OPS), reason="kernel ops not merged yet")
+assert all(hasattr(ck, o) for o in KERNEL_OPS)
+
+
+def needs_kernels(f):
+    return f
 
 
 def tiny_cfg(**kw):
