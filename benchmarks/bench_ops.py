@@ -149,8 +149,26 @@ def _time_torch_graph(torch, fn, nsets, calls, repeats):
     return statistics.median(times)
 
 
-def timeit(fn, nsets, calls=20, repeats=15, torch=None):
+def _budget(fn, nsets, torch=None):
+    """(calls per graph, repeats) sized from one warm eager call: >= ~2 ms per timed region, ~0.3 s in all."""
+    import cupy as cp
+
+    for i in range(nsets):
+        fn(i)
+    sync = torch.cuda.synchronize if torch is not None else cp.cuda.Device().synchronize
+    sync()
+    t0 = time.perf_counter()
+    fn(0)
+    sync()
+    one = max(time.perf_counter() - t0, 1e-6)
+    calls = int(min(20, max(1, 2e-3 // one)))
+    repeats = int(min(15, max(3, 0.3 // (one * calls))))
+    return calls, repeats
+
+
+def timeit(fn, nsets, torch=None):
     """(ms per call, how): graph-replayed when capture works, eager otherwise."""
+    calls, repeats = _budget(fn, nsets, torch)
     try:
         if torch is not None:
             return _time_torch_graph(torch, fn, nsets, calls, repeats), "graph"
@@ -239,32 +257,50 @@ def main(argv=None):
     hdr = f"{'op':<28} {'shape':<20} {'dtype':<5} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'x cupy':>7} {'x torch':>8} {'eager ms':>9}  bytes"
     print(hdr)
     print("-" * len(hdr))
+    def safe(fn, *a, **k):
+        try:
+            return fn(*a, **k)[0]
+        except Exception as e:  # a baseline that cannot run this case: shown as "-", with the reason
+            print(f"    ({getattr(fn, '__name__', 'timing')} failed: {type(e).__name__}: {str(e)[:160]})")
+            return None
+
     for fam in fams:
-        mod = importlib.import_module(f"cases.{fam}")
-        for c in mod.cases(ctx):
+        try:
+            mod = importlib.import_module(f"cases.{fam}")
+            cases = mod.cases(ctx)
+        except Exception as e:
+            print(f"{fam}: could not build cases: {type(e).__name__}: {e}")
+            continue
+        for c in cases:
             nsets = c.extra.get("nsets", 1)
-            ms, how = timeit(c.ours, nsets)
-            eager, _ = timeit_eager(c.ours, nsets)
-            comp = timeit(c.composite, nsets)[0] if c.composite else None
-            tor = timeit(c.torch, nsets, torch=ctx.torch)[0] if (c.torch and ctx.torch) else None
+            try:
+                ms, how = timeit(c.ours, nsets)
+                eager, _ = timeit_eager(c.ours, nsets)
+            except Exception as e:
+                print(f"{c.op:<28} {c.shape:<20} {c.dtype:<5} FAILED: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            comp = safe(timeit, c.composite, nsets) if c.composite else None
+            tor = safe(timeit, c.torch, nsets, torch=ctx.torch) if (c.torch and ctx.torch) else None
             gbs = c.nbytes / (ms * 1e-3) / 1e9
             row = dict(op=c.op, shape=c.shape, dtype=c.dtype, ms=ms, gbs=gbs, pct_copy=100 * gbs / bw,
                        x_cupy=(comp / ms) if comp else None, x_torch=(tor / ms) if tor else None,
                        cupy_ms=comp, torch_ms=tor, eager_ms=eager, bytes=c.nbytes, formula=c.formula,
                        timing=how, note=c.note)
             rows.append(row)
-            f = lambda v, fmt: (fmt % v) if v is not None else "-"
+            f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
             print(f"{c.op:<28} {c.shape:<20} {c.dtype:<5} {ms:9.4f} {gbs:7.0f} {row['pct_copy']:5.0f}% "
                   f"{f(row['x_cupy'], '%6.2fx'):>7} {f(row['x_torch'], '%7.2fx'):>8} {eager:9.4f}  {c.formula}"
                   + (f"  [{how}]" if how != "graph" else "") + (f"  {c.note}" if c.note else ""), flush=True)
-            cp.get_default_memory_pool().free_all_blocks()
+        del cases
+        cp.get_default_memory_pool().free_all_blocks()
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=name, copy_gbs=bw, rows=rows), indent=1))
     return rows
 
 
 def timeit_eager(fn, nsets):
-    return _time_eager(fn, nsets, 20, 10), "eager"
+    calls, repeats = _budget(fn, nsets)
+    return _time_eager(fn, nsets, calls, repeats), "eager"
 
 
 if __name__ == "__main__":
