@@ -277,7 +277,7 @@ def hf_to_state(tensors: dict, config, where, expected: dict) -> dict:
             continue  # tied: the embedding table is the output projection
         sd[k] = a
     for k, a in sd.items():
-        if a.dtype.kind != "f":
+        if a.dtype.kind != "f" and a.dtype != bfloat16:
             raise HFFormatError(f"{where}: {k}: dtype {a.dtype}; expected a floating-point tensor")
     try:
         check_compatible(where, {k: _Shape(a.shape) for k, a in sd.items()},
