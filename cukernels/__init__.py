@@ -4,9 +4,11 @@ from ._loader import KernelCompileError
 from .blas import matmul
 from .ops.rms_norm import rms_norm, rms_norm_backward
 from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
-from . import optim
+from . import graph, optim
 from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embedding_error
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
+from .ops.layer_norm import layer_norm, layer_norm_backward
+from .ops.softmax import attn_softmax, attn_softmax_backward, softmax, softmax_backward
 
 __version__ = "0.1.0"
 # autograd, layers, autocast, LLaMA (issue 6)

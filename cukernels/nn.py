@@ -346,9 +346,12 @@ class CompositeAdamW:
     ``m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (wd p + m_hat / (sqrt(v_hat) + eps))`` with bias
     corrections; ``grad_scale`` (a 0-d device array or a float) multiplies the gradients first (clipping and
     accumulation averaging without a host read). Same interface subset: step, zero_grad, set_lr, state_dict.
+    ``shadow_dtype=ck.bfloat16`` keeps a low-precision copy of every parameter, rewritten by a cast after each
+    update (``shadow(p)``), so autocast reads it instead of casting per use (the ablation's "shadow" row).
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, no_decay=()):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, no_decay=(),
+                 shadow_dtype=None):
         self.params = list(params)
         nd = {id(p) for p in no_decay}
         self.wd = [0.0 if id(p) in nd else weight_decay for p in self.params]
@@ -356,6 +359,12 @@ class CompositeAdamW:
         self.m = [p.xp.zeros_like(p.data) for p in self.params]
         self.v = [p.xp.zeros_like(p.data) for p in self.params]
         self.t = 0
+        self._shadow = ({id(p): p.data.astype(shadow_dtype) for p in self.params}
+                        if shadow_dtype is not None else {})
+
+    def shadow(self, p):
+        """The low-precision copy of ``p`` (KeyError without ``shadow_dtype``)."""
+        return self._shadow[id(p)]
 
     def set_lr(self, lr):
         self.lr = float(lr)
@@ -381,6 +390,8 @@ class CompositeAdamW:
             if wd:
                 p.data *= 1.0 - self.lr * wd
             p.data -= self.lr * (m / bc1) / (xp.sqrt(v / bc2) + self.eps)
+            if id(p) in self._shadow:
+                self._shadow[id(p)][...] = p.data.astype(self._shadow[id(p)].dtype)
 
     def state_dict(self):
         return {"t": self.t, "m": list(self.m), "v": list(self.v), "lr": self.lr}

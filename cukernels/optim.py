@@ -90,6 +90,7 @@ class _Group:
         self.P = self.G = self.M = self.V = self.S = None
         self.rows = self.row_count = None  # sparse: device rows / count registered with set_rows
         self.last_rows = False  # sparse: the last step updated only the listed rows
+        self.sparse_grad = None  # sparse: the ck.SparseRowGrad over G (attach_sparse)
 
 
 def _matcher(spec, what):
@@ -352,6 +353,25 @@ class AdamW:
         _A._check_rows(rows, row_count)
         g.rows, g.row_count = rows, row_count
 
+    def attach_sparse(self, p):
+        """Give sparse parameter ``p`` a ``ck.SparseRowGrad`` over this optimizer's gradient buffer of it
+        (``p.sparse_grad``): the embedding backward accumulates the touched rows there and lists them on the
+        device, ``step()`` updates only those rows, and ``zero_grad()`` clears only them (and resets the row
+        list). Returns the SparseRowGrad."""
+        from .ops.embedding import SparseRowGrad
+
+        s = self._slot(p)
+        g = s.group
+        if not g.sparse or len(s.shape) != 2:
+            raise ValueError(f"{s.name}: not a 2-D sparse parameter (name it in AdamW(..., sparse=...))")
+        self._zero(g.G)
+        sg = SparseRowGrad(s.shape[0], s.shape[1], xp=self.xp, grad=g.G)
+        self.set_rows(p, sg.rows, sg.count)
+        g.sparse_grad = sg
+        if s.obj is not None:
+            s.obj.sparse_grad = sg
+        return sg
+
     # ------------------------------------------------------------------------------------------ the step
     def step(self, grad_scale=None):
         """One AdamW step for every parameter: advance the device step (and the scheduled lr), then one
@@ -380,7 +400,9 @@ class AdamW:
         backward overwrites the rows buffer."""
         self._sync()
         for g in self._groups:
-            if g.sparse and g.last_rows and g.rows is not None:
+            if getattr(g, "sparse_grad", None) is not None:
+                g.sparse_grad.zero()  # clears the listed rows, empties the list, new generation
+            elif g.sparse and g.last_rows and g.rows is not None:
                 _A.zero_rows(g.G, g.rows, g.row_count)
             else:
                 self._zero(g.G)

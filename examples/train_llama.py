@@ -155,6 +155,8 @@ def make_optimizer(cfg, model, xp):
             kw["sparse"] = sparse
         opt = ck.optim.AdamW(params, lr=cfg["lr"], betas=betas, eps=cfg["eps"], weight_decay=cfg["weight_decay"],
                              **kw)
+        for p in sparse:
+            opt.attach_sparse(p)  # the embedding backward lists touched rows; Adam updates only those
         if cfg["autocast"]:
             ck.amp.attach_shadows(params, opt)
         return opt, True

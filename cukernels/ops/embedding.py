@@ -254,7 +254,10 @@ class SparseRowGrad:
         >>> g.zero()
     """
 
-    def __init__(self, vocab_size, dim, dtype=np.float32, *, xp=None):
+    def __init__(self, vocab_size, dim, dtype=np.float32, *, xp=None, grad=None):
+        if grad is not None:  # an existing (V, D) buffer, e.g. the optimizer's gradient buffer of the table
+            xp = B.array_module(grad=grad) if xp is None else xp
+            dtype = grad.dtype
         if xp is None:
             xp = B._cupy() if B.gpu_available() else np
         if xp is not np and (B._cupy() is None or xp is not B._cupy()):
@@ -268,7 +271,11 @@ class SparseRowGrad:
         if dt not in B.FLOATS:
             raise TypeError(f"dtype: expected float32 or bfloat16; got {dt}")
         self.xp, self.vocab_size, self.dim, self.dtype = xp, V, D, dt
-        self.grad = xp.zeros((V, D), dtype=dt)
+        if grad is not None:
+            B.check_out("grad", grad, (V, D), dt)
+            self.grad = grad  # kept all-zero outside the listed rows by the caller's contract, as ours
+        else:
+            self.grad = xp.zeros((V, D), dtype=dt)
         self.rows = xp.zeros((V,), dtype=np.int32)
         self.count = xp.zeros((), dtype=np.int32)
         self.stamps = xp.zeros((V,), dtype=np.int32)

@@ -1,0 +1,271 @@
+"""Whole training step: LLaMA-3.2-1B shape, bf16 autocast, fp32 master weights, AdamW, gradient clipping.
+
+    PYTHONPATH=. python benchmarks/bench_train.py [--configs b4t64,b8t1024] [--ablation] [--vs-torch eager,compile]
+
+Model: vocab 128256, 16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, untied embeddings (1.50e9
+parameters). Synthetic uniformly random tokens (a fresh batch copied into the step's input buffers before
+every step). Prints ms/step (median of steady-state steps), tok/s, model TFLOP/s ((6 N + 12 L H D T) per token,
+N = parameters in matmuls) and peak memory, and with ``--ablation`` the seed report's ablation table at
+B4xT64: the unfused baseline, then each optimisation switched on, with its gain. ``--vs-torch`` runs the same
+model (Hugging Face ``transformers.LlamaForCausalLM`` when importable) through PyTorch in the same process:
+eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` as asked.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                tie_word_embeddings=False, max_position_embeddings=131072)
+CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024)}
+
+# Ablation rows in the seed report's order; each row switches one more optimisation on.
+FEATURES = ["shadow", "adam", "memset", "rmsnorm", "sparse_emb", "fused_ce", "fused_rest", "graph"]
+ROW_NAMES = {
+    None: "unfused baseline (composite ops, per-use weight casts)",
+    "shadow": "+ bf16 shadow weights (no per-use casts)",
+    "adam": "+ fused vectorised AdamW (shadow in the same pass)",
+    "memset": "+ memset gradient zeroing",
+    "rmsnorm": "+ fused RMSNorm",
+    "sparse_emb": "+ sparse-row embedding grad + Adam",
+    "fused_ce": "+ fused cross-entropy",
+    "fused_rest": "+ fused RoPE / SwiGLU / attention softmax",
+    "graph": "+ CUDA graph of the whole step",
+}
+
+
+def model_flops_per_token(cfg, T):
+    L, H, hd = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    d, f, V, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_key_value_heads"]
+    n_mm = L * (d * d * 2 + 2 * d * kv * hd + 3 * d * f) + V * d  # matmul parameters (lm_head, not the gather)
+    return 6 * n_mm + 12 * L * H * hd * T
+
+
+class OurStep:
+    """One cukernels training step with features switched on or off (see FEATURES)."""
+
+    def __init__(self, B, T, feats, *, accum=1, seed=0, mcfg=None):
+        import cupy as cp
+
+        import cukernels as ck
+        from cukernels.nn import CompositeAdamW, Embedding, Linear, RMSNorm
+
+        self.cp, self.ck = cp, ck
+        mcfg = dict(mcfg or LLAMA_1B)
+        self.mcfg, self.B, self.T, self.accum = mcfg, B, T, accum
+        f = set(feats)
+        model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
+                         sparse_embedding="sparse_emb" in f)
+        # Which modules run their kernels: Linear's "fused" means "read the shadow weight" (no per-use cast).
+        for m in model.modules():
+            if isinstance(m, Linear) or isinstance(m, Embedding):
+                m.fused = "shadow" in f
+            elif isinstance(m, RMSNorm):
+                m.fused = "rmsnorm" in f
+            elif m is model:
+                m.fused = "fused_ce" in f
+            else:
+                m.fused = "fused_rest" in f
+        params = model.parameters()
+        no_decay = [p for p in params if p.ndim < 2]
+        if "adam" in f:
+            sparse = [model.model.embed_tokens.weight] if "sparse_emb" in f else None
+            opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                 shadow_dtype=ck.bfloat16, no_decay=no_decay, sparse=sparse)
+            if sparse:
+                opt.attach_sparse(sparse[0])
+        else:
+            opt = CompositeAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                 no_decay=no_decay, shadow_dtype=ck.bfloat16 if "shadow" in f else None)
+        if "shadow" in f:
+            ck.amp.attach_shadows(params, opt)
+        self.model, self.opt, self.feats = model, opt, f
+        self.ids = cp.zeros((accum, B, T), dtype=cp.int32)
+        self.tgt = cp.zeros((accum, B, T), dtype=cp.int32)
+        self.params = params
+        self.nparams = sum(p.data.size for p in params)
+        self.step = ck.graph.CapturedStep(self._step, warmup=2, graph="graph" in f)
+
+    def _zero(self):
+        if "memset" in self.feats:
+            self.opt.zero_grad()
+        else:  # a fill kernel per parameter gradient, as the seed's baseline did
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.fill(0)
+            sg = getattr(self.model.model.embed_tokens.weight, "sparse_grad", None)
+            if sg is not None:
+                sg.zero()
+
+    def _step(self):
+        ck = self.ck
+        self._zero()
+        total = None
+        for i in range(self.accum):
+            with ck.autocast(ck.bfloat16):
+                loss = self.model(self.ids[i], self.tgt[i])
+            loss.backward()
+            total = loss.data if total is None else total + loss.data
+        if "adam" in self.feats:
+            norm, scale = self.opt.clip_grad_norm(1.0)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            sq = sum((g.astype(np.float32) ** 2).sum() for g in grads)
+            norm = self.cp.sqrt(sq)
+            scale = self.cp.minimum(1.0, 1.0 / (norm + 1e-6)).astype(np.float32)
+        self.opt.step(grad_scale=scale * (1.0 / self.accum) if self.accum > 1 else scale)
+        return total, norm
+
+    def new_batch(self, rng):
+        V = self.mcfg["vocab_size"]
+        self.ids.set(rng.integers(0, V, self.ids.shape, dtype=np.int32))
+        self.tgt.set(rng.integers(0, V, self.tgt.shape, dtype=np.int32))
+
+    def run(self, steps, warm=3):
+        cp = self.cp
+        rng = np.random.default_rng(0)
+        times, losses = [], []
+        for i in range(warm + steps):
+            self.new_batch(rng)
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            loss, _ = self.step()
+            self.step.synchronize()
+            dt = time.perf_counter() - t0
+            if i >= warm:
+                times.append(dt * 1e3)
+                losses.append(float(loss))
+        return statistics.median(times), losses
+
+
+def peak_gib():
+    import cupy as cp
+
+    return cp.get_default_memory_pool().total_bytes() / 2**30
+
+
+def run_ours(B, T, feats, steps, accum=1):
+    import cupy as cp
+
+    s = OurStep(B, T, feats, accum=accum)
+    ms, losses = s.run(steps)
+    mem = peak_gib() + s.step.pool.total_bytes() / 2**30
+    n = s.nparams
+    del s
+    gc.collect()
+    cp.get_default_memory_pool().free_all_blocks()
+    return ms, losses, mem, n
+
+
+def run_torch(B, T, mode, steps):
+    import torch
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**LLAMA_1B)
+        model = LlamaForCausalLM(cfg).to(dev)
+        impl = "transformers"
+    except Exception as e:  # pragma: no cover - transformers missing
+        return None, f"transformers unavailable: {e}"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    fwd = model
+    if mode == "compile":
+        fwd = torch.compile(model)
+    elif mode == "reduce-overhead":
+        fwd = torch.compile(model, mode="reduce-overhead")
+    V = LLAMA_1B["vocab_size"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    for i in range(5 + steps):
+        ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(ids)
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append((time.perf_counter() - t0) * 1e3)
+    mem = torch.cuda.max_memory_allocated() / 2**30
+    del model, opt, fwd
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return (statistics.median(times), mem), impl
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="b4t64,b8t1024")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
+    ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"device: {name}; model: LLaMA-3.2-1B shape, untied, bf16 autocast, fp32 master, AdamW, clip 1.0")
+    out = {"device": name, "rows": [], "ablation": [], "torch": []}
+    for c in [c for c in args.configs.split(",") if c]:
+        B, T = CONFIGS[c]
+        ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps)
+        tok = B * T
+        tf = model_flops_per_token(LLAMA_1B, T) * tok / (ms * 1e-3) / 1e12
+        print(f"cukernels  B{B}xT{T}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
+              f"peak {mem:6.1f} GiB  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
+        out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
+        for mode in [m for m in args.vs_torch.split(",") if m]:
+            r, impl = run_torch(B, T, mode, args.steps)
+            if r is None:
+                print(f"torch {mode}: {impl}")
+                continue
+            tms, tmem = r
+            print(f"torch {mode:<15s} B{B}xT{T}: {tms:8.2f} ms/step  {tok / tms * 1e3:10,.0f} tok/s  "
+                  f"peak {tmem:6.1f} GiB  ({impl}) -> cukernels is {tms / ms:.2f}x faster", flush=True)
+            out["torch"].append(dict(config=c, mode=mode, ms=tms, peak_gib=tmem, ratio=tms / ms))
+    if args.ablation:
+        B, T = CONFIGS["b4t64"]
+        print(f"\nAblation, B{B}xT{T} ({B * T} tokens/step), ms/step median of {args.steps}:")
+        print(f"{'configuration':<58} {'ms/step':>9} {'tok/s':>10} {'gain':>7} {'vs baseline':>12}")
+        prev = base = None
+        feats = []
+        for f in [None] + FEATURES:
+            if f is not None:
+                feats.append(f)
+            ms, losses, mem, _ = run_ours(B, T, feats, args.steps)
+            gain = f"{prev / ms:6.2f}x" if prev else "-"
+            base = base or ms
+            print(f"{ROW_NAMES[f]:<58} {ms:9.2f} {B * T / ms * 1e3:10,.0f} {gain:>7} {base / ms:11.2f}x", flush=True)
+            out["ablation"].append(dict(row=ROW_NAMES[f], ms=ms, losses=losses, peak_gib=mem))
+            prev = ms
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

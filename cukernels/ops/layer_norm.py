@@ -1,0 +1,199 @@
+"""LayerNorm: ``ck.layer_norm`` / ``ck.layer_norm_backward``. Kernels: ``kernels_cu/layer_norm.cu``."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+
+FAMILY = "layer_norm"
+# 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
+# Packs per thread the planner aims at: 2 measured best for rms_norm's identical structure on the H200
+# (benchmarks/tune_rms_norm.py) and keeps the backward at 512 threads without spills.
+TARGET_VPT = 2
+
+
+def _validate(x, gamma, beta=None, eps=None):
+    B.check_dtype("x", x, B.FLOATS)
+    B.check_dtype("gamma", gamma, B.FLOATS)
+    B.check_ndim("x", x, 1)
+    C = x.shape[-1]
+    if C < 1:
+        raise ValueError(f"x: the normalised (last) axis must have at least 1 element; got shape {tuple(x.shape)}")
+    if gamma.ndim != 1 or gamma.shape[0] != C:
+        raise ValueError(f"gamma: expected shape ({C},) to match x's last axis; got {tuple(gamma.shape)}")
+    B.check_contiguous("x", x)
+    B.check_contiguous("gamma", gamma)
+    if beta is not None:
+        B.check_dtype("beta", beta, (gamma.dtype,))
+        if beta.ndim != 1 or beta.shape[0] != C:
+            raise ValueError(f"beta: expected shape ({C},) to match x's last axis; got {tuple(beta.shape)}")
+        B.check_contiguous("beta", beta)
+    if eps is not None and not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0; got {eps}")
+    return C
+
+
+def _plan(C: int, itemsize: int, vec: bool, backward: bool):
+    """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
+
+    Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
+    TARGET_VPT packs. Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
+    packs) a thread, so rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
+    """
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    max_tpr = 512 if backward else 1024
+    tpr = 1
+    while tpr < max_tpr and units > tpr * TARGET_VPT:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    # Vector packs: forward up to 4 a thread; backward up to 2 (x, dy and two accumulators at 4 packs need
+    # more than the 128 registers a 512-thread block allows: ptxas spilled). Element packs up to 8.
+    if vpt > ((2 if backward else 4) if vec else 8):
+        return None
+    return tpr, vpt, max(1, 256 // tpr)
+
+
+@functools.lru_cache(maxsize=None)
+def _wave(name: str, threads: int, dev: int) -> int:
+    """Blocks in one wave of kernel `name` (cached: no attribute queries on the hot path or during capture)."""
+    return B.sm_count() * B.blocks_per_sm(get_function(FAMILY, name), threads)
+
+
+def _tag(x, gamma):
+    return f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[gamma.dtype]}"
+
+
+def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
+    """Layer normalisation over the last axis.
+
+    ``mean = mean(x)``, ``rstd = 1 / sqrt(mean((x - mean)**2) + eps)``,
+    ``y = (x - mean) * rstd * gamma + beta``; fp32 math, one rounding to x's dtype.
+
+    Args:
+        x: ``(..., C)`` float32 or bfloat16, C-contiguous; any number of rows (including 0), C >= 1.
+        gamma, beta: ``(C,)``, float32 or bfloat16 (both the same dtype).
+        eps: added to the variance.
+        return_stats: also return ``mean`` and ``rstd``, float32, shape ``x.shape[:-1]`` (what
+            :func:`layer_norm_backward` needs).
+        out: optional output buffer, same shape and dtype as ``x``.
+
+    Returns:
+        ``y`` (dtype of ``x``), or ``(y, mean, rstd)``.
+
+    Example::
+
+        >>> x = cp.random.standard_normal((8, 2048), dtype=cp.float32).astype(ck.bfloat16)
+        >>> g, b = cp.ones(2048, cp.float32), cp.zeros(2048, cp.float32)
+        >>> y, mean, rstd = ck.layer_norm(x, g, b, return_stats=True)
+    """
+    xp = B.array_module(x=x, gamma=gamma, beta=beta, out=out)
+    if beta is None:
+        raise TypeError("beta: expected an array of shape (C,); got None")
+    C = _validate(x, gamma, beta, eps)
+    y = B.empty(xp, x.shape, x.dtype, out)
+    rows = x.size // C
+    if xp is np:
+        xf = x.astype(np.float64)
+        mu = xf.mean(axis=-1)
+        var = ((xf - mu[..., None]) ** 2).mean(axis=-1)
+        mean = mu.astype(np.float32)
+        rstd = (1.0 / np.sqrt(var + eps)).astype(np.float32)
+        y[...] = ((x.astype(np.float32) - mean[..., None]) * rstd[..., None] * gamma.astype(np.float32)
+                  + beta.astype(np.float32)).astype(x.dtype)
+        return (y, mean, rstd) if return_stats else y
+
+    mean = xp.empty(x.shape[:-1], dtype=np.float32) if return_stats else None
+    rstd = xp.empty(x.shape[:-1], dtype=np.float32) if return_stats else None
+    if rows:
+        vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
+        w_vec = B.aligned16(gamma, beta)
+        plan = _plan(C, x.itemsize, vec, backward=False)
+        vs = "v" if vec else "s"
+        if plan is not None:
+            tpr, vpt, rpb = plan
+            k = get_function(FAMILY, f"ln_fwd_{_tag(x, gamma)}_{vpt}{vs}")
+            grid, block = (rows + rpb - 1) // rpb, (tpr, rpb, 1)
+        else:
+            k = get_function(FAMILY, f"ln_fwd_loop_{_tag(x, gamma)}_{vs}")
+            grid, block = rows, (1024, 1, 1)
+        k((min(grid, 2**31 - 1),), block,
+          (x, gamma, beta, y, mean if mean is not None else B.NULL, rstd if rstd is not None else B.NULL,
+           np.int64(rows), np.int32(C), np.float32(eps), np.bool_(w_vec)))
+    return (y, mean, rstd) if return_stats else y
+
+
+def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
+    """Gradients of :func:`layer_norm`.
+
+    With ``xh = (x - mean) * rstd`` and ``g = dy * gamma``:
+    ``dx = rstd * (g - mean(g, axis=-1) - xh * mean(g * xh, axis=-1))``,
+    ``dgamma = sum(dy * xh, over all rows)``, ``dbeta = sum(dy, over all rows)``. dgamma and dbeta are
+    reduced in two stages (per-block partials, then a fixed-order sum): bit-identical from run to run.
+
+    Args:
+        dy: gradient of y, same shape and dtype as ``x``.
+        x, gamma: the forward inputs (beta is not needed).
+        mean, rstd: float32, shape ``x.shape[:-1]``, from ``layer_norm(..., return_stats=True)``.
+        out: optional buffer for ``dx``.
+
+    Returns:
+        ``(dx, dgamma, dbeta)``: dx like ``x``, dgamma and dbeta like ``gamma``.
+
+    Example::
+
+        >>> y, mean, rstd = ck.layer_norm(x, g, b, return_stats=True)
+        >>> dx, dg, db = ck.layer_norm_backward(dy, x, g, mean, rstd)
+    """
+    xp = B.array_module(dy=dy, x=x, gamma=gamma, mean=mean, rstd=rstd, out=out)
+    C = _validate(x, gamma)
+    B.check_dtype("dy", dy, (x.dtype,))
+    B.check_shape("dy", dy, x.shape, " (the shape of x)")
+    B.check_contiguous("dy", dy)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        B.check_dtype(name, a, (np.float32,))
+        B.check_shape(name, a, x.shape[:-1], " (x.shape[:-1])")
+        B.check_contiguous(name, a)
+    dx = B.empty(xp, x.shape, x.dtype, out)
+    rows = x.size // C
+    if xp is np:
+        xf, gf = x.astype(np.float64), dy.astype(np.float64)
+        xh = (xf - mean.astype(np.float64)[..., None]) * rstd.astype(np.float64)[..., None]
+        g = gf * gamma.astype(np.float64)
+        dx[...] = (rstd.astype(np.float64)[..., None]
+                   * (g - g.mean(axis=-1, keepdims=True) - xh * (g * xh).mean(axis=-1, keepdims=True))).astype(x.dtype)
+        dgamma = (gf * xh).reshape(-1, C).sum(axis=0).astype(gamma.dtype)
+        dbeta = gf.reshape(-1, C).sum(axis=0).astype(gamma.dtype)
+        return dx, dgamma, dbeta
+
+    dgamma = xp.empty((C,), dtype=gamma.dtype)
+    dbeta = xp.empty((C,), dtype=gamma.dtype)
+    if rows == 0:
+        return dx, B.zero_(dgamma), B.zero_(dbeta)
+    vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx)
+    w_vec = B.aligned16(gamma)
+    plan = _plan(C, x.itemsize, vec, backward=True)
+    vs = "v" if vec else "s"
+    if plan is not None:
+        tpr, vpt, rpb = plan
+        name = f"ln_bwd_{_tag(x, gamma)}_{vpt}{vs}"
+        k = get_function(FAMILY, name)
+        block = (tpr, rpb, 1)
+        # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
+        nblocks = min((rows + rpb - 1) // rpb, _wave(name, tpr * rpb, x.device.id))
+    else:
+        k = get_function(FAMILY, f"ln_bwd_loop_{_tag(x, gamma)}_{vs}")
+        block = (1024, 1, 1)
+        nblocks = min(rows, B.sm_count())  # 1 block per SM keeps the partial rows few (they are read-modify-write)
+    part = xp.empty((2 * nblocks, C), dtype=np.float32)
+    if plan is None:
+        B.zero_(part)  # the loop kernel accumulates into its partial rows
+    k((nblocks,), block, (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+    fin = get_function(FAMILY, f"ln_finalize_{B.DTYPE_TAG[gamma.dtype]}")
+    fin(((C + 31) // 32, 2, 1), (32, 16, 1), (part, dgamma, dbeta, np.int32(nblocks), np.int32(C)))
+    return dx, dgamma, dbeta

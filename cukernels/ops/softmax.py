@@ -1,0 +1,233 @@
+"""Softmax and attention softmax: ``ck.softmax`` / ``ck.softmax_backward`` / ``ck.attn_softmax`` /
+``ck.attn_softmax_backward``. Kernels: ``kernels_cu/softmax.cu`` (one forward kernel serves both ops: plain
+softmax is attention softmax with scale 1, no mask, not causal)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+
+FAMILY = "softmax"
+# 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
+TARGET_VPT = 4
+_MASK_TAG = {None: "none", np.dtype(np.bool_): "u8", B.float32: "f32", B.bfloat16: "bf16"}
+
+
+def _plan(C: int, itemsize: int, vec: bool, backward: bool):
+    """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
+
+    Forward caches the row as fp32: at most 32 floats a thread, 16 at 1024 threads per row (register limits,
+    see softmax.cu); backward holds VPT packs of y and dy with up to 512 threads per row, VPT <= 8.
+    """
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    max_tpr = 512 if backward else 1024
+    tpr = 1
+    while tpr < max_tpr and units > tpr * TARGET_VPT:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    if backward:
+        ok = vpt <= 8
+    else:
+        ok = vpt <= 8 and vpt * E <= (16 if tpr > 512 else 32)
+    return (tpr, vpt, max(1, 256 // tpr)) if ok else None
+
+
+def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
+    vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
+    mvec = bool(mvec and vec)
+    plan = _plan(C, x.itemsize, vec, backward=False)
+    tag = f"{B.DTYPE_TAG[x.dtype]}_{_MASK_TAG[None if mask is None else mask.dtype]}"
+    vs = "v" if vec else "s"
+    if plan is not None:
+        tpr, vpt, rpb = plan
+        k = get_function(FAMILY, f"sm_fwd_{tag}_{vpt}{vs}")
+        grid, block = (rows + rpb - 1) // rpb, (tpr, rpb, 1)
+    else:
+        k = get_function(FAMILY, f"sm_fwd_loop_{tag}_{vs}")
+        grid, block = rows, (512, 1, 1)
+    k((min(grid, 2**31 - 1),), block,
+      (x, mask if mask is not None else B.NULL, y, np.int64(rows), np.int32(C), np.int32(Q), np.int64(HQ),
+       np.float32(scale), np.bool_(causal), np.bool_(mvec)))
+
+
+def _launch_bwd(y, dy, dx, rows, C, scale):
+    vec = C % (16 // y.itemsize) == 0 and B.aligned16(y, dy, dx)
+    plan = _plan(C, y.itemsize, vec, backward=True)
+    vs = "v" if vec else "s"
+    if plan is not None:
+        tpr, vpt, rpb = plan
+        k = get_function(FAMILY, f"sm_bwd_{B.DTYPE_TAG[y.dtype]}_{vpt}{vs}")
+        grid, block = (rows + rpb - 1) // rpb, (tpr, rpb, 1)
+    else:
+        k = get_function(FAMILY, f"sm_bwd_loop_{B.DTYPE_TAG[y.dtype]}_{vs}")
+        grid, block = rows, (512, 1, 1)
+    k((min(grid, 2**31 - 1),), block, (y, dy, dx, np.int64(rows), np.int32(C), np.float32(scale)))
+
+
+def _ref_softmax(z64, out_dtype):
+    """Row softmax of float64 logits (-inf = masked) on the last axis; all-masked rows give zeros."""
+    m = z64.max(axis=-1, keepdims=True) if z64.shape[-1] else np.zeros(z64.shape[:-1] + (1,))
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(z64 - m)
+    s = e.sum(axis=-1, keepdims=True)
+    return (e / np.where(s > 0, s, 1.0)).astype(out_dtype)
+
+
+def _check_axis(x, axis):
+    if not isinstance(axis, (int, np.integer)) or axis not in (-1, x.ndim - 1):
+        raise ValueError(f"axis: only the last axis is supported (-1 or {x.ndim - 1}); got {axis!r}")
+
+
+def softmax(x, axis=-1, *, out=None):
+    """Softmax over the last axis: ``y = exp(x - max(x)) / sum(exp(x - max(x)))``, fp32 math.
+
+    Args:
+        x: ``(..., C)`` float32 or bfloat16, C-contiguous; any number of rows, any C (a row of 0 elements
+            gives an empty result).
+        axis: must be the last axis (-1 or ``x.ndim - 1``); other axes raise ValueError (transpose first).
+        out: optional output buffer, same shape and dtype as ``x`` (``out=x`` works in place).
+
+    Returns:
+        ``y``, like ``x``.
+
+    Example::
+
+        >>> p = ck.softmax(cp.random.standard_normal((4, 1000), dtype=cp.float32))
+    """
+    xp = B.array_module(x=x, out=out)
+    B.check_dtype("x", x, B.FLOATS)
+    B.check_ndim("x", x, 1)
+    _check_axis(x, axis)
+    B.check_contiguous("x", x)
+    y = B.empty(xp, x.shape, x.dtype, out)
+    C = x.shape[-1]
+    if xp is np:
+        y[...] = _ref_softmax(x.astype(np.float32).astype(np.float64), x.dtype)
+        return y
+    rows = x.size // C if C else 0
+    if rows:
+        _launch_fwd(x, y, None, False, rows, C, 1, 1, 1.0, False)
+    return y
+
+
+def _check_backward(y, dy, names):
+    B.check_dtype(names[0], y, B.FLOATS)
+    B.check_ndim(names[0], y, 1)
+    B.check_contiguous(names[0], y)
+    B.check_dtype(names[1], dy, (y.dtype,))
+    B.check_shape(names[1], dy, y.shape, f" (the shape of {names[0]})")
+    B.check_contiguous(names[1], dy)
+
+
+def softmax_backward(y, dy, *, out=None):
+    """Gradient of :func:`softmax`: ``dx = y * (dy - sum(dy * y, axis=-1))``.
+
+    Args:
+        y: the forward output ``(..., C)``, float32 or bfloat16, C-contiguous.
+        dy: gradient of y, same shape and dtype.
+        out: optional buffer for ``dx``.
+
+    Returns:
+        ``dx``, like ``y``.
+    """
+    return _softmax_backward(y, dy, 1.0, out, ("y", "dy"))
+
+
+def _softmax_backward(y, dy, scale, out, names):
+    xp = B.array_module(**{names[0]: y, names[1]: dy, "out": out})
+    _check_backward(y, dy, names)
+    dx = B.empty(xp, y.shape, y.dtype, out)
+    C = y.shape[-1]
+    if xp is np:
+        yf, gf = y.astype(np.float64), dy.astype(np.float64)
+        dx[...] = (scale * yf * (gf - (gf * yf).sum(axis=-1, keepdims=True))).astype(y.dtype)
+        return dx
+    rows = y.size // C if C else 0
+    if rows:
+        _launch_bwd(y, dy, dx, rows, C, scale)
+    return dx
+
+
+def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
+    """Masked, scaled softmax of attention scores over the keys.
+
+    ``z = scores * scale (+ key_mask if additive)``; keys where a boolean ``key_mask`` is False, and with
+    ``causal`` keys ``j > i + (k_len - q_len)`` of query ``i``, are excluded; ``probs = softmax(z, axis=-1)``.
+    A row with every key excluded (or every additive mask value -inf) is all zeros, never NaN. fp32 math.
+    With ``causal`` the masked tail of a row is written as zeros without being read.
+
+    Args:
+        scores: ``[batch, heads, q_len, k_len]`` float32 or bfloat16, C-contiguous.
+        key_mask: optional ``[batch, k_len]`` key-padding mask, broadcast over heads and queries: bool
+            (True = keep) or an additive float mask (float32, or the dtype of ``scores``).
+        causal: mask keys after the query, the diagonal aligned at the end (needs ``q_len <= k_len``).
+        scale: multiplies the scores before the mask is added and before the max.
+        out: optional output buffer like ``scores``; ``out=scores`` works in place.
+
+    Returns:
+        ``probs``, like ``scores``.
+
+    Example::
+
+        >>> s = cp.random.standard_normal((2, 8, 128, 128), dtype=cp.float32).astype(ck.bfloat16)
+        >>> keep = cp.ones((2, 128), dtype=cp.bool_)
+        >>> p = ck.attn_softmax(s, key_mask=keep, causal=True, scale=128 ** -0.5)
+    """
+    xp = B.array_module(scores=scores, key_mask=key_mask, out=out)
+    B.check_dtype("scores", scores, B.FLOATS)
+    if scores.ndim != 4:
+        raise ValueError(f"scores: expected shape [batch, heads, q_len, k_len] (4 dimensions); got {tuple(scores.shape)}")
+    B.check_contiguous("scores", scores)
+    Bn, H, Q, K = (int(d) for d in scores.shape)
+    if key_mask is not None:
+        B.check_dtype("key_mask", key_mask, sorted({np.dtype(np.bool_), B.float32, scores.dtype}, key=str))
+        B.check_shape("key_mask", key_mask, (Bn, K), " ([batch, k_len] of scores)")
+        B.check_contiguous("key_mask", key_mask)
+    causal = bool(causal)
+    if causal and Q > K:
+        raise ValueError(f"causal: needs q_len <= k_len (the diagonal is aligned at the end); got q_len {Q} > k_len {K}")
+    scale = B.scalar_f32("scale", scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number; got {scale}")
+    y = B.empty(xp, scores.shape, scores.dtype, out)
+    if xp is np:
+        z = (scores.astype(np.float32) * scale).astype(np.float32)
+        if key_mask is not None:
+            if key_mask.dtype == np.bool_:
+                z = np.where(key_mask[:, None, None, :], z, -np.inf)
+            else:
+                z = (z + key_mask.astype(np.float32)[:, None, None, :]).astype(np.float32)
+        if causal:
+            keep = np.arange(K)[None, :] <= np.arange(Q)[:, None] + (K - Q)
+            z = np.where(keep, z, -np.inf)
+        y[...] = _ref_softmax(z.astype(np.float64), scores.dtype)
+        return y
+    rows = Bn * H * Q
+    if rows and K:
+        _launch_fwd(scores, y, key_mask, key_mask is not None and B.aligned16(key_mask), rows, K, max(Q, 1), H * Q,
+                    float(scale), causal)
+    return y
+
+
+def attn_softmax_backward(probs, dprobs, *, scale=1.0, out=None):
+    """Gradient of :func:`attn_softmax` with respect to the scores.
+
+    ``dscores = scale * probs * (dprobs - sum(dprobs * probs, axis=-1))``: masked keys have probs 0 and so
+    get 0; an all-masked row gets zeros.
+
+    Args:
+        probs: the forward output, ``[batch, heads, q_len, k_len]`` (any leading shape works), float32 or
+            bfloat16, C-contiguous.
+        dprobs: gradient of probs, same shape and dtype.
+        scale: the forward's ``scale``.
+        out: optional buffer for the result.
+
+    Returns:
+        ``dscores``, like ``probs``.
+    """
+    scale = B.scalar_f32("scale", scale)
+    return _softmax_backward(probs, dprobs, float(scale), out, ("probs", "dprobs"))

@@ -1,0 +1,414 @@
+// LayerNorm over the last axis: rows of C elements, affine parameters gamma, beta of C elements.
+//
+//   forward   mu = mean(x)                 var = mean((x - mu)^2)        r = 1 / sqrt(var + eps)
+//             xh = (x - mu) * r            y = xh * gamma + beta         (mu, r: one fp32 each per row, saved)
+//   backward  g = dy * gamma
+//             dx = r * (g - mean(g) - xh * mean(g * xh))
+//             dgamma = sum over rows of dy * xh          dbeta = sum over rows of dy
+//
+// Design (numbers for 8192 x 2048 on an H200, copy ceiling ~4.2 TB/s; the structure is rms_norm.cu's):
+// - "reg" kernels keep the row in registers, so x (and dy) are read exactly once: forward moves
+//   2 * C * sizeof(T) per row (+ 8 B of stats), backward 3 * C * sizeof(T) (+ 8 B). A row is split over
+//   TPR = blockDim.x threads (1 .. 1024, a power of two) with VPT packs of 16 bytes each; rows of fewer than
+//   256 threads share a block (TPR x RPB = 256), and below 32 threads several rows share a warp
+//   (common/rows.cuh reduces within a row's lanes), so C = 1 .. 64 still fills the machine.
+//   8192 x 2048: forward and backward bf16 TPR 64 x VPT 4, fp32 TPR 128 x VPT 4 (4 rows / 2 rows a block).
+//   Backward blocks stop at 512 threads (128 registers: packs of x and dy plus the dgamma/dbeta accumulators,
+//   2 * VPT * 8 floats); vector packs stop at 4 a thread (element packs at 8). In registers: forward up to
+//   1024 x 4 packs (fp32 C <= 16384, bf16 C <= 32768), backward 512 x 4 packs (fp32 8192, bf16 16384).
+// - Mean and variance from registers: the exact two-level form (sum, then sum of (x - mu)^2 over the same
+//   registers) is as stable as Welford and costs one extra in-register pass. The "loop" kernels (longer
+//   rows, one 1024-thread block per row) merge per-pack (count, mean, M2) with Chan's formula in one pass and
+//   write in a second pass that mostly hits L2.
+// - Rows are visited in groups of RPB with a block-uniform trip count (rows past the end are masked, not
+//   skipped), so every thread reaches every shuffle and barrier.
+// - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned x / y (dy, dx):
+//   checked by the launcher. VEC=false: element accesses, any C, any alignment. gamma/beta take 16-byte
+//   loads when `w_vec` (their own alignment) says so.
+// - dgamma/dbeta are deterministic, two stages: each block accumulates its rows' dy * xh and dy in
+//   registers (a thread owns the same columns for every row it visits), writes one fp32 partial row of each
+//   per block (part[blk] and part[nblocks + blk]), and ln_finalize sums the partials in a fixed order. The
+//   launcher sizes the grid to one wave (~264 blocks at 8192 x 2048): 2 x 264 x C x 4 B = 4.3 MB of
+//   partials, written and re-read through L2 (4 % of the fp32 backward's bytes, 8 % of bf16's).
+//   The loop kernel accumulates into its (memset-zeroed) partial rows instead, one block per SM.
+#include "common/vec.cuh"
+#include "common/rows.cuh"
+
+template <typename T, typename W, int VPT, bool VEC>
+__device__ __forceinline__ void ln_fwd_reg(const T* __restrict__ x, const W* __restrict__ gamma,
+                                           const W* __restrict__ beta, T* __restrict__ y,
+                                           float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                           long long rows, int C, float eps, bool w_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float scratch[16 * 32];
+  const int units = C / E;
+  const float inv_c = 1.f / (float)C;
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += (long long)gridDim.x * blockDim.y) {
+    const long long row = base + threadIdx.y;
+    const bool ok = row < rows;
+    const T* xr = x + row * C;
+    Pack<T, E> xv[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) xv[k] = load_pack<T, E>(xr + u * E);
+    }
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok && threadIdx.x + k * blockDim.x < units)
+#pragma unroll
+        for (int i = 0; i < E; ++i) s += to_f32(xv[k].v[i]);
+    const float mu = seg_sum(s, scratch) * inv_c;
+    float q = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok && threadIdx.x + k * blockDim.x < units)
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          const float d = to_f32(xv[k].v[i]) - mu;
+          q += d * d;
+        }
+    const float r = rsqrtf(seg_sum(q, scratch) * inv_c + eps);
+    if (!ok) continue;  // block-uniform from here on: no barrier below
+    if (threadIdx.x == 0) {
+      if (mean_out != nullptr) mean_out[row] = mu;
+      if (rstd_out != nullptr) rstd_out[row] = r;
+    }
+    T* yr = y + row * C;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units) {
+        float gf[E], bf[E];
+        load_f32<E>(gamma + u * E, gf, w_vec);
+        load_f32<E>(beta + u * E, bf, w_vec);
+        Pack<T, E> o;
+#pragma unroll
+        for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>((to_f32(xv[k].v[i]) - mu) * r * gf[i] + bf[i]);
+        store_pack<T, E>(yr + u * E, o);
+      }
+    }
+  }
+}
+
+// Chan et al.'s merge of (count, mean, M2) statistics: (n, m, M2) <- (n, m, M2) + (nb, mb, M2b).
+__device__ __forceinline__ void chan_merge(float& n, float& m, float& M2, float nb, float mb, float M2b) {
+  if (nb == 0.f) return;
+  const float nn = n + nb;
+  const float f = __fdividef(nb, nn);  // counts <= C < 2^31: no slow-path IEEE division (it costs a stack frame)
+  const float d = mb - m;
+  m += d * f;
+  M2 += M2b + d * d * n * f;
+  n = nn;
+}
+
+// Long rows: one block per row (block-stride over rows), blockDim.x threads, blockDim.y == 1.
+// Pass 1 merges per-pack statistics; pass 2 re-reads the row (L2) and writes y.
+template <typename T, typename W, bool VEC>
+__device__ __forceinline__ void ln_fwd_loop(const T* __restrict__ x, const W* __restrict__ gamma,
+                                            const W* __restrict__ beta, T* __restrict__ y,
+                                            float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                            long long rows, int C, float eps, bool w_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float3 red[32];
+  const int units = C / E;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * C;
+    float n = 0.f, m = 0.f, M2 = 0.f;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> v = load_pack<T, E>(xr + u * E);
+      float pm = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) pm += to_f32(v.v[i]);
+      pm *= 1.f / E;
+      float pq = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const float d = to_f32(v.v[i]) - pm;
+        pq += d * d;
+      }
+      chan_merge(n, m, M2, (float)E, pm, pq);
+    }
+    // Warp: butterfly with the lower lane's statistics always merged first, so both lanes of a pair compute
+    // the same bits. Then every thread merges the warps' results in warp order.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float n2 = __shfl_xor_sync(0xffffffffu, n, o), m2 = __shfl_xor_sync(0xffffffffu, m, o),
+                  q2 = __shfl_xor_sync(0xffffffffu, M2, o);
+      if (lane & o) {
+        float a = n2, b = m2, c = q2;
+        chan_merge(a, b, c, n, m, M2);
+        n = a, m = b, M2 = c;
+      } else {
+        chan_merge(n, m, M2, n2, m2, q2);
+      }
+    }
+    __syncthreads();  // red may still be read for the previous row
+    if (lane == 0) red[warp] = make_float3(n, m, M2);
+    __syncthreads();
+    n = 0.f, m = 0.f, M2 = 0.f;
+    for (int w = 0; w < nwarps; ++w) {
+      const float3 t = red[w];
+      chan_merge(n, m, M2, t.x, t.y, t.z);
+    }
+    const float mu = m;
+    const float r = rsqrtf(M2 / (float)C + eps);
+    if (threadIdx.x == 0) {
+      if (mean_out != nullptr) mean_out[row] = mu;
+      if (rstd_out != nullptr) rstd_out[row] = r;
+    }
+    T* yr = y + row * C;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> v = load_pack<T, E>(xr + u * E);
+      float gf[E], bf[E];
+      load_f32<E>(gamma + u * E, gf, w_vec);
+      load_f32<E>(beta + u * E, bf, w_vec);
+      Pack<T, E> o;
+#pragma unroll
+      for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>((to_f32(v.v[i]) - mu) * r * gf[i] + bf[i]);
+      store_pack<T, E>(yr + u * E, o);
+    }
+  }
+}
+
+// Writes `acc` (this thread's columns) into the block's partial row `part`, summing the block's RPB row
+// groups in threadIdx.y order through shared memory. Every thread of the block calls it.
+template <int VPT, int E>
+__device__ __forceinline__ void ln_write_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
+                                                 float* combine) {
+  if (blockDim.y == 1) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units)
+#pragma unroll
+        for (int i = 0; i < E; ++i) part[u * E + i] = acc[k][i];
+    }
+    return;
+  }
+  // blockDim.y > 1 only when blockDim.x * blockDim.y == 256: combine holds 256 * E floats.
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < E; ++i) combine[tid * E + i] = acc[k][i];
+    __syncthreads();
+    const int u = threadIdx.x + k * blockDim.x;
+    if (threadIdx.y == 0 && u < units) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        float s = 0.f;
+        for (int j = 0; j < (int)blockDim.y; ++j) s += combine[(j * blockDim.x + threadIdx.x) * E + i];
+        part[u * E + i] = s;
+      }
+    }
+  }
+}
+
+// part: 2 * gridDim.x fp32 rows of C: dgamma partials, then dbeta partials; fully overwritten.
+template <typename T, typename W, int VPT, bool VEC>
+__device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
+                                           const W* __restrict__ gamma, const float* __restrict__ mean,
+                                           const float* __restrict__ rstd, T* __restrict__ dx,
+                                           float* __restrict__ part, long long rows, int C, bool w_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float2 scratch[16 * 32];
+  __shared__ float combine[256 * 8];
+  const int units = C / E;
+  const float inv_c = 1.f / (float)C;
+  float acc_g[VPT][E], acc_b[VPT][E];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc_g[k][i] = acc_b[k][i] = 0.f;
+
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += (long long)gridDim.x * blockDim.y) {
+    const long long row = base + threadIdx.y;
+    const bool ok = row < rows;
+    const long long off = row * C;
+    Pack<T, E> xv[VPT], gv[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) {
+        xv[k] = load_pack<T, E>(x + off + u * E);
+        gv[k] = load_pack<T, E>(dy + off + u * E);
+      }
+    }
+    const float mu = ok ? mean[row] : 0.f, r = ok ? rstd[row] : 0.f;
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) {
+        float wf[E];
+        load_f32<E>(gamma + u * E, wf, w_vec);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          const float g = to_f32(gv[k].v[i]) * wf[i];
+          sg += g;
+          sgx += g * ((to_f32(xv[k].v[i]) - mu) * r);
+        }
+      }
+    }
+    seg_sum2(sg, sgx, scratch);
+    const float a = sg * inv_c, b = sgx * inv_c;
+    if (ok) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int u = threadIdx.x + k * blockDim.x;
+        if (u < units) {
+          float wf[E];
+          load_f32<E>(gamma + u * E, wf, w_vec);
+          Pack<T, E> o;
+#pragma unroll
+          for (int i = 0; i < E; ++i) {
+            const float xh = (to_f32(xv[k].v[i]) - mu) * r, d = to_f32(gv[k].v[i]);
+            o.v[i] = from_f32<T>(r * (d * wf[i] - a - xh * b));
+            acc_g[k][i] += d * xh;
+            acc_b[k][i] += d;
+          }
+          store_pack<T, E>(dx + off + u * E, o);
+        }
+      }
+    }
+  }
+  ln_write_partial<VPT, E>(acc_g, part + (long long)blockIdx.x * C, units, combine);
+  ln_write_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, combine);
+}
+
+// Long rows: one block per row (block-stride), two passes; dgamma/dbeta accumulate into the block's partial
+// rows (zeroed by the launcher). A thread owns the same columns for every row: no two threads touch one
+// partial element and the order is fixed.
+template <typename T, typename W, bool VEC>
+__device__ __forceinline__ void ln_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x,
+                                            const W* __restrict__ gamma, const float* __restrict__ mean,
+                                            const float* __restrict__ rstd, T* __restrict__ dx,
+                                            float* __restrict__ part, long long rows, int C, bool w_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float2 scratch[16 * 32];
+  const int units = C / E;
+  const float inv_c = 1.f / (float)C;
+  float* pg = part + (long long)blockIdx.x * C;
+  float* pb = part + (long long)(gridDim.x + blockIdx.x) * C;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const long long off = row * C;
+    const float mu = mean[row], r = rstd[row];
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> xv = load_pack<T, E>(x + off + u * E), gv = load_pack<T, E>(dy + off + u * E);
+      float wf[E];
+      load_f32<E>(gamma + u * E, wf, w_vec);
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const float g = to_f32(gv.v[i]) * wf[i];
+        sg += g;
+        sgx += g * ((to_f32(xv.v[i]) - mu) * r);
+      }
+    }
+    seg_sum2(sg, sgx, scratch);
+    const float a = sg * inv_c, b = sgx * inv_c;
+#pragma unroll 2
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> xv = load_pack<T, E>(x + off + u * E), gv = load_pack<T, E>(dy + off + u * E);
+      float wf[E];
+      load_f32<E>(gamma + u * E, wf, w_vec);
+      Pack<T, E> o;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const float xh = (to_f32(xv.v[i]) - mu) * r, d = to_f32(gv.v[i]);
+        o.v[i] = from_f32<T>(r * (d * wf[i] - a - xh * b));
+        pg[u * E + i] += d * xh;
+        pb[u * E + i] += d;
+      }
+      store_pack<T, E>(dx + off + u * E, o);
+    }
+  }
+}
+
+// dgamma[c] = sum_p part[p, c] (blockIdx.y == 0), dbeta[c] = sum_p part[nparts + p, c] (blockIdx.y == 1), p
+// in order. Block (32, 16): a warp reads 32 consecutive columns of one partial row (128 B, coalesced); the
+// 16 warps split the partial rows and are combined through shared memory in a fixed order.
+template <typename W>
+__device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* __restrict__ dgamma,
+                                            W* __restrict__ dbeta, int nparts, int C) {
+  __shared__ float s[16][33];
+  const float* p0 = part + (long long)blockIdx.y * nparts * C;
+  W* out = blockIdx.y == 0 ? dgamma : dbeta;
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < C)
+    for (int p = threadIdx.y; p < nparts; p += 16) acc += p0[(long long)p * C + c];
+  s[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) t += s[j][threadIdx.x];
+    out[c] = from_f32<W>(t);
+  }
+}
+
+// ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are
+// reported not to be kept, cupy/cupy#9667). Names: ln_<fwd|bwd>_<x dtype>_<param dtype>_<VPT><v|s>.
+// Forward blocks go up to 1024 threads (64 registers: the row is VPT x 4 registers of packs); backward up to
+// 512 (128 registers: packs of x and dy plus the two accumulators).
+#define LN_FWD(T, W, TN, WN, VPT, VEC, VS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ln_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* gamma, const W* beta, T* y, float* mean, float* rstd, \
+                                     long long rows, int C, float eps, bool w_vec) {                           \
+    ln_fwd_reg<T, W, VPT, VEC>(x, gamma, beta, y, mean, rstd, rows, C, eps, w_vec);                            \
+  }
+#define LN_BWD(T, W, TN, WN, VPT, VEC, VS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      ln_bwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* gamma, const float* mean,                \
+                                     const float* rstd, T* dx, float* part, long long rows, int C,            \
+                                     bool w_vec) {                                                             \
+    ln_bwd_reg<T, W, VPT, VEC>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                            \
+  }
+#define LN_LOOP(T, W, TN, WN, VEC, VS)                                                                          \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ln_fwd_loop_##TN##_##WN##_##VS(const T* x, const W* gamma, const W* beta, T* y, float* mean,              \
+                                     float* rstd, long long rows, int C, float eps, bool w_vec) {              \
+    ln_fwd_loop<T, W, VEC>(x, gamma, beta, y, mean, rstd, rows, C, eps, w_vec);                                \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                                           \
+      ln_bwd_loop_##TN##_##WN##_##VS(const T* dy, const T* x, const W* gamma, const float* mean,                \
+                                     const float* rstd, T* dx, float* part, long long rows, int C,            \
+                                     bool w_vec) {                                                             \
+    ln_bwd_loop<T, W, VEC>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                                \
+  }
+// VPT 8 only on the element path (forward: the launcher reaches VPT 8 only at 1024 threads per row, where
+// vector packs stop at 4; backward: E = 1 keeps 16 accumulators); vector packs stop at VPT 4 forward and 2
+// backward (at 4, x, dy and the two accumulators spilled past 128 registers).
+#define LN_ALL_VEC(T, W, TN, WN)                                                                                \
+  LN_FWD(T, W, TN, WN, 1, true, v) LN_FWD(T, W, TN, WN, 2, true, v) LN_FWD(T, W, TN, WN, 4, true, v)            \
+  LN_BWD(T, W, TN, WN, 1, true, v) LN_BWD(T, W, TN, WN, 2, true, v)                                            \
+  LN_LOOP(T, W, TN, WN, true, v)
+#define LN_ALL_SCALAR(T, W, TN, WN)                                                                             \
+  LN_FWD(T, W, TN, WN, 1, false, s) LN_FWD(T, W, TN, WN, 2, false, s) LN_FWD(T, W, TN, WN, 4, false, s)         \
+  LN_FWD(T, W, TN, WN, 8, false, s)                                                                            \
+  LN_BWD(T, W, TN, WN, 1, false, s) LN_BWD(T, W, TN, WN, 2, false, s) LN_BWD(T, W, TN, WN, 4, false, s)         \
+  LN_BWD(T, W, TN, WN, 8, false, s)                                                                            \
+  LN_LOOP(T, W, TN, WN, false, s)
+#define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN)
+
+LN_ALL(float, float, f32, f32)
+LN_ALL(float, bf16, f32, bf16)
+LN_ALL(bf16, float, bf16, f32)
+LN_ALL(bf16, bf16, bf16, bf16)
+
+extern "C" __global__ void __launch_bounds__(512) ln_finalize_f32(const float* part, float* dgamma, float* dbeta,
+                                                                  int nparts, int C) {
+  ln_finalize<float>(part, dgamma, dbeta, nparts, C);
+}
+extern "C" __global__ void __launch_bounds__(512) ln_finalize_bf16(const float* part, bf16* dgamma, bf16* dbeta,
+                                                                   int nparts, int C) {
+  ln_finalize<bf16>(part, dgamma, dbeta, nparts, C);
+}

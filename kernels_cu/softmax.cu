@@ -1,0 +1,368 @@
+// Softmax over the last axis, plain and attention-masked, forward and backward.
+//
+//   forward   z_j = fl(fl(x_j * scale) + add_j)    add_j: 0, -inf where a boolean keep-mask is False or where
+//                                                  causal masks key j, or an additive float mask value
+//             m = max_j z_j      y_j = exp(z_j - m) / sum_k exp(z_k - m)
+//             a row with m = -inf (every key masked) is all zeros, never NaN.
+//   backward  dx_j = scale * y_j * (dy_j - sum_k dy_k * y_k)      (masked keys have y = 0, so dx = 0 there)
+//
+// Plain softmax is the same kernel with scale 1, no mask, no causal. Attention rows: scores are
+// [batch, heads, q_len, k_len] flattened to rows of C = k_len; row r has query q = r % q_len and batch
+// b = r / (heads * q_len); key_mask is [batch, k_len]; causal keeps keys j <= q + (k_len - q_len), so the row
+// has nvalid = min(C, q + k_len - q_len + 1) live keys.
+//
+// Design (numbers for [4, 32, 1024, 1024] on an H200, copy ceiling ~4.2 TB/s):
+// - "reg" kernels keep the row in registers as fp32 z (at most 32 floats a thread), so x is read once and y
+//   written once: 2 * C * sizeof(T) per row. A row gets TPR = blockDim.x threads (1 .. 1024) with VPT packs of
+//   16 bytes; short rows share a block (TPR x RPB = 256) and rows below 32 threads share a warp
+//   (common/rows.cuh). C = 1024: bf16 TPR 32 x VPT 4 (one warp per row: max and sum are 5 shuffles each, no
+//   barrier), fp32 TPR 64 x VPT 4 (two warps per row, one barrier pair per reduction). Rows up to 16384
+//   (fp32 and bf16) stay on chip, a block per row at the top end (kernels caching 32 floats a thread are
+//   built for <= 512 threads, 128 registers; at 1024 threads per row the cache is 16 floats).
+// - exp is exp2f((z - m) * log2 e) (MUFU ex2), once per live element: the fp32 z cache holds exp(z - m)
+//   after the sum, so the write is a multiply.
+// - Causal: packs entirely past nvalid are neither read nor exponentiated, only written as zeros; the pack
+//   that straddles nvalid is masked per element. Reads drop to ~(k_len + 1) / 2 per row at q_len = k_len:
+//   the op moves ~1.5 instead of 2 bytes of traffic per element.
+// - The key mask (one byte per key for bool, 4 or 2 bytes for additive) is loaded with the row (8-, 4- or
+//   16-byte loads when aligned); it is [batch, k_len], shared by heads x q_len rows, so it comes from L2.
+// - "loop" kernels take rows too long for registers: pass 1 keeps a running (max, sum) per thread (online
+//   softmax: sum *= exp(old max - new max) when a pack raises the max) and merges threads; pass 2 re-reads
+//   the row (mostly from L2: 512 threads x 132 SMs x one row in flight) and writes y. Three passes worth
+//   of traffic are never needed.
+// - Backward: y and dy in registers (VPT packs of each, up to 512 threads: 128 registers), one dot-product
+//   reduction, one write: 3 * C * sizeof(T) per row; the loop variant re-reads y and dy in pass 2.
+// - VEC=true: 16-byte loads/stores (C % (16 / sizeof(T)) == 0, x and y 16-byte aligned, checked by the
+//   launcher); VEC=false: element accesses, any C, any alignment. In place (y == x) is safe: every element
+//   is read before it is written, by the thread that writes it.
+// - Rows are visited in groups of RPB with a block-uniform trip count (rows past the end are masked), so
+//   every thread reaches every shuffle and barrier.
+#include "common/vec.cuh"
+#include "common/rows.cuh"
+
+#define CK_LOG2E 1.4426950408889634f
+
+// MASK: 0 none, 1 boolean keep-mask (1 byte per key, nonzero = keep), 2 additive fp32, 3 additive bf16.
+// Fills add[E] for keys col0 .. col0 + E - 1 of the batch row that starts at `mask`.
+template <int MASK, int E>
+__device__ __forceinline__ void load_add(const void* mask, long long col0, bool mvec, float (&add)[E]) {
+  if constexpr (MASK == 0) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) add[i] = 0.f;
+  } else if constexpr (MASK == 1) {
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(mask) + col0;
+    unsigned char b[E];
+    if constexpr (E == 8) {
+      if (mvec) {
+        const unsigned long long v = *reinterpret_cast<const unsigned long long*>(p);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = (unsigned char)(v >> (8 * i));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = p[i];
+      }
+    } else if constexpr (E == 4) {
+      if (mvec) {
+        const unsigned int v = *reinterpret_cast<const unsigned int*>(p);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = (unsigned char)(v >> (8 * i));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = p[i];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) b[i] = p[i];
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) add[i] = b[i] ? 0.f : -CK_INF;
+  } else if constexpr (MASK == 2) {
+    load_f32<E>(reinterpret_cast<const float*>(mask) + col0, add, mvec);
+  } else {
+    load_f32<E>(reinterpret_cast<const bf16*>(mask) + col0, add, mvec);
+  }
+}
+
+// Per-row geometry: live keys and the offset of the row's batch in the mask.
+struct RowGeo {
+  int nvalid;
+  long long moff;
+};
+template <int MASK>
+__device__ __forceinline__ RowGeo row_geo(long long row, int C, int Q, long long HQ, bool causal) {
+  RowGeo g;
+  g.nvalid = C;
+  if (causal) g.nvalid = (int)min((long long)C, row % Q + (long long)(C - Q) + 1);
+  g.moff = MASK ? (row / HQ) * C : 0;
+  return g;
+}
+
+// z = fl(fl(x * scale) + add): never contracted to an FMA, so it matches the reference bit for bit.
+__device__ __forceinline__ float make_z(float x, float scale, float add) {
+  return __fadd_rn(__fmul_rn(x, scale), add);
+}
+
+template <typename T, int MASK, int VPT, bool VEC>
+__device__ __forceinline__ void sm_fwd_reg(const T* __restrict__ x, const void* __restrict__ mask,
+                                           T* __restrict__ y, long long rows, int C, int Q, long long HQ,
+                                           float scale, bool causal, bool mvec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float scratch[16 * 32];
+  const int units = C / E;
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += (long long)gridDim.x * blockDim.y) {
+    const long long row = base + threadIdx.y;
+    const bool ok = row < rows;
+    RowGeo g{0, 0};
+    if (ok) g = row_geo<MASK>(row, C, Q, HQ, causal);
+    const int uvalid = (g.nvalid + E - 1) / E;  // packs holding at least one live key (0 when !ok)
+    const T* xr = x + row * C;
+    Pack<T, E> raw[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
+    }
+    float z[VPT][E];
+    float mx = -CK_INF;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < uvalid) {
+        float add[E];
+        load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          float v = make_z(to_f32(raw[k].v[i]), scale, add[i]);
+          if (u * E + i >= g.nvalid) v = -CK_INF;  // causal: the pack that straddles the diagonal
+          z[k][i] = v;
+          mx = fmaxf(mx, v);
+        }
+      }
+    }
+    mx = seg_max(mx, scratch);
+    const float ms = mx == -CK_INF ? 0.f : mx;  // all keys masked: exp2f(-inf) = 0 below, sum 0, row of zeros
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const float e = u < uvalid ? exp2f((z[k][i] - ms) * CK_LOG2E) : 0.f;
+        z[k][i] = e;
+        s += e;
+      }
+    }
+    s = seg_sum(s, scratch);
+    if (!ok) continue;  // the last group: every thread leaves the loop, no barrier follows
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    T* yr = y + row * C;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units) {
+        Pack<T, E> o;
+#pragma unroll
+        for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(z[k][i] * inv);
+        store_pack<T, E>(yr + u * E, o);
+      }
+    }
+  }
+}
+
+// Online (max, sum) state merge: commutative bit for bit (fmaxf and + are), so xor butterflies agree.
+__device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -CK_INF) {
+    m = mn;
+    s = 0.f;
+    return;
+  }
+  s = s * exp2f((m - mn) * CK_LOG2E) + s2 * exp2f((m2 - mn) * CK_LOG2E);
+  m = mn;
+}
+
+// Long rows: one block per row (block-stride over rows), blockDim = (threads, 1).
+template <typename T, int MASK, bool VEC>
+__device__ __forceinline__ void sm_fwd_loop(const T* __restrict__ x, const void* __restrict__ mask,
+                                            T* __restrict__ y, long long rows, int C, int Q, long long HQ,
+                                            float scale, bool causal, bool mvec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float2 red[32];
+  const int units = C / E;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal);
+    const int uvalid = (g.nvalid + E - 1) / E;
+    const T* xr = x + row * C;
+    float m = -CK_INF, s = 0.f;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < uvalid; u += blockDim.x) {
+      const Pack<T, E> v = load_pack<T, E>(xr + u * E);
+      float add[E], z[E];
+      load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+      float pm = -CK_INF;
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        z[i] = u * E + i < g.nvalid ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
+        pm = fmaxf(pm, z[i]);
+      }
+      if (pm > m) {
+        s *= exp2f((m - pm) * CK_LOG2E);  // m = -inf: s is 0 and stays 0
+        m = pm;
+      }
+      if (m != -CK_INF)
+#pragma unroll
+        for (int i = 0; i < E; ++i) s += exp2f((z[i] - m) * CK_LOG2E);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      ms_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    __syncthreads();  // red may still be read for the previous row
+    if (lane == 0) red[warp] = make_float2(m, s);
+    __syncthreads();
+    m = -CK_INF, s = 0.f;
+    for (int w = 0; w < nwarps; ++w) ms_merge(m, s, red[w].x, red[w].y);  // same order in every thread
+    const float ms = m == -CK_INF ? 0.f : m;
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    T* yr = y + row * C;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      Pack<T, E> o;
+      if (u < uvalid) {
+        const Pack<T, E> v = load_pack<T, E>(xr + u * E);
+        float add[E];
+        load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          const float z = u * E + i < g.nvalid ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
+          o.v[i] = from_f32<T>(exp2f((z - ms) * CK_LOG2E) * inv);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(0.f);
+      }
+      store_pack<T, E>(yr + u * E, o);
+    }
+  }
+}
+
+template <typename T, int VPT, bool VEC>
+__device__ __forceinline__ void sm_bwd_reg(const T* __restrict__ yv_, const T* __restrict__ dy,
+                                           T* __restrict__ dx, long long rows, int C, float scale) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float scratch[16 * 32];
+  const int units = C / E;
+  for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += (long long)gridDim.x * blockDim.y) {
+    const long long row = base + threadIdx.y;
+    const bool ok = row < rows;
+    const long long off = row * C;
+    Pack<T, E> yv[VPT], gv[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) {
+        yv[k] = load_pack<T, E>(yv_ + off + u * E);
+        gv[k] = load_pack<T, E>(dy + off + u * E);
+      }
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok && threadIdx.x + k * blockDim.x < units)
+#pragma unroll
+        for (int i = 0; i < E; ++i) dot += to_f32(yv[k].v[i]) * to_f32(gv[k].v[i]);
+    dot = seg_sum(dot, scratch);
+    if (!ok) continue;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units) {
+        Pack<T, E> o;
+#pragma unroll
+        for (int i = 0; i < E; ++i)
+          o.v[i] = from_f32<T>(scale * to_f32(yv[k].v[i]) * (to_f32(gv[k].v[i]) - dot));
+        store_pack<T, E>(dx + off + u * E, o);
+      }
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void sm_bwd_loop(const T* __restrict__ yv_, const T* __restrict__ dy,
+                                            T* __restrict__ dx, long long rows, int C, float scale) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float scratch[16 * 32];
+  const int units = C / E;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const long long off = row * C;
+    float dot = 0.f;
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> a = load_pack<T, E>(yv_ + off + u * E), b = load_pack<T, E>(dy + off + u * E);
+#pragma unroll
+      for (int i = 0; i < E; ++i) dot += to_f32(a.v[i]) * to_f32(b.v[i]);
+    }
+    dot = seg_sum(dot, scratch);
+#pragma unroll 4
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+      const Pack<T, E> a = load_pack<T, E>(yv_ + off + u * E), b = load_pack<T, E>(dy + off + u * E);
+      Pack<T, E> o;
+#pragma unroll
+      for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(scale * to_f32(a.v[i]) * (to_f32(b.v[i]) - dot));
+      store_pack<T, E>(dx + off + u * E, o);
+    }
+  }
+}
+
+// ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are
+// reported not to be kept, cupy/cupy#9667). Names: sm_fwd_<x dtype>_<mask>_<VPT><v|s> with mask one of
+// none, u8 (bool keep-mask), f32, bf16 (additive); sm_bwd_<dtype>_<VPT><v|s>; *_loop_* for long rows.
+// Backward blocks up to 512 threads (128 registers: VPT packs of y and of dy).
+// Kernels caching 32 floats a thread get 128 registers (blocks of <= 512 threads); the others 64 (<= 1024).
+#define SM_LB(T, VPT, VEC) ((VEC ? VPT * (16 / (int)sizeof(T)) : VPT) >= 32 ? 512 : 1024)
+#define SM_FWD(T, TN, MASK, MN, VPT, VEC, VS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(SM_LB(T, VPT, VEC))                                             \
+      sm_fwd_##TN##_##MN##_##VPT##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+                                     long long HQ, float scale, bool causal, bool mvec) {                      \
+    sm_fwd_reg<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                            \
+  }
+#define SM_FWD_LOOP(T, TN, MASK, MN, VEC, VS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      sm_fwd_loop_##TN##_##MN##_##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+                                     long long HQ, float scale, bool causal, bool mvec) {                      \
+    sm_fwd_loop<T, MASK, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                                \
+  }
+// z is cached as VPT * E floats: at most 32 (bf16 packs of 8 up to VPT 4; fp32 packs of 4 stop at VPT 4 too,
+// because the launcher only reaches VPT 8 at 1024 threads per row, where 16 floats is the limit).
+#define SM_FWD_MASK(T, TN, MASK, MN)                                                                            \
+  SM_FWD(T, TN, MASK, MN, 1, true, v) SM_FWD(T, TN, MASK, MN, 2, true, v) SM_FWD(T, TN, MASK, MN, 4, true, v)   \
+  SM_FWD(T, TN, MASK, MN, 1, false, s) SM_FWD(T, TN, MASK, MN, 2, false, s)                                     \
+  SM_FWD(T, TN, MASK, MN, 4, false, s) SM_FWD(T, TN, MASK, MN, 8, false, s)                                     \
+  SM_FWD_LOOP(T, TN, MASK, MN, true, v) SM_FWD_LOOP(T, TN, MASK, MN, false, s)
+#define SM_BWD(T, TN, VPT, VEC, VS)                                                                             \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      sm_bwd_##TN##_##VPT##VS(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {             \
+    sm_bwd_reg<T, VPT, VEC>(y, dy, dx, rows, C, scale);                                                        \
+  }
+#define SM_BWD_ALL(T, TN)                                                                                       \
+  SM_BWD(T, TN, 1, true, v) SM_BWD(T, TN, 2, true, v) SM_BWD(T, TN, 4, true, v) SM_BWD(T, TN, 8, true, v)       \
+  SM_BWD(T, TN, 1, false, s) SM_BWD(T, TN, 2, false, s) SM_BWD(T, TN, 4, false, s)                              \
+  SM_BWD(T, TN, 8, false, s)                                                                                    \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      sm_bwd_loop_##TN##_v(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {                \
+    sm_bwd_loop<T, true>(y, dy, dx, rows, C, scale);                                                           \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      sm_bwd_loop_##TN##_s(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {                \
+    sm_bwd_loop<T, false>(y, dy, dx, rows, C, scale);                                                          \
+  }
+
+SM_FWD_MASK(float, f32, 0, none)
+SM_FWD_MASK(float, f32, 1, u8)
+SM_FWD_MASK(float, f32, 2, f32)
+SM_FWD_MASK(bf16, bf16, 0, none)
+SM_FWD_MASK(bf16, bf16, 1, u8)
+SM_FWD_MASK(bf16, bf16, 2, f32)
+SM_FWD_MASK(bf16, bf16, 3, bf16)
+SM_BWD_ALL(float, f32)
+SM_BWD_ALL(bf16, bf16)

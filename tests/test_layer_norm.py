@@ -1,0 +1,223 @@
+import numpy as np
+import pytest
+
+import cukernels as ck
+from helpers import DTYPES, TOL, assert_close, device_copy, poisoned, randn, to_host
+
+
+def f64_forward(x, g, b, eps):
+    x = x.astype(np.float64)
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    r = 1.0 / np.sqrt(var + eps)
+    return (x - mu) * r * g.astype(np.float64) + b.astype(np.float64), mu[..., 0], r[..., 0]
+
+
+def f64_loss_grad(x, g, b, dy, eps):
+    """Gradients of sum(y * dy) by central finite differences in float64 (small shapes only)."""
+    h = 1e-6
+
+    def loss(x_, g_, b_):
+        return (f64_forward(x_, g_, b_, eps)[0] * dy).sum()
+
+    def fd(a, f):
+        out = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            ap, am = a.copy(), a.copy()
+            ap[i] += h
+            am[i] -= h
+            out[i] = (f(ap) - f(am)) / (2 * h)
+        return out
+
+    return (fd(x, lambda v: loss(v, g, b)), fd(g, lambda v: loss(x, v, b)), fd(b, lambda v: loss(x, g, v)))
+
+
+# ---------------------------------------------------------------- CPU: the reference against float64 math
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 130), (0, 16), (4, 4097)])
+def test_reference_forward_matches_f64(rng, shape):
+    x = randn(rng, shape, np.float32, scale=2.0) + 0.5
+    g = randn(rng, shape[-1:], np.float32)
+    b = randn(rng, shape[-1:], np.float32)
+    y, mean, rstd = ck.layer_norm(x, g, b, eps=1e-5, return_stats=True)
+    y64, m64, r64 = f64_forward(x, g, b, 1e-5)
+    np.testing.assert_allclose(y, y64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mean, m64, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rstd, r64, rtol=1e-6)
+    assert mean.dtype == rstd.dtype == np.float32 and mean.shape == rstd.shape == shape[:-1]
+
+
+def test_reference_backward_matches_finite_differences(rng):
+    x = rng.standard_normal((3, 6)) * 2 + 1
+    g, b = rng.standard_normal(6), rng.standard_normal(6)
+    dy = rng.standard_normal((3, 6))
+    gx, gg, gb = f64_loss_grad(x, g, b, dy, 1e-5)
+    f = lambda a: a.astype(np.float32)
+    _, mean, rstd = ck.layer_norm(f(x), f(g), f(b), 1e-5, return_stats=True)
+    dx, dg, db = ck.layer_norm_backward(f(dy), f(x), f(g), mean, rstd)
+    np.testing.assert_allclose(dx, gx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dg, gg, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(db, gb, rtol=1e-4, atol=1e-4)
+    assert dg.dtype == db.dtype == np.float32
+
+
+def test_reference_bf16_and_large_offset(rng):
+    # A large common offset: the variance must come from (x - mean), not from E[x^2] - E[x]^2.
+    x = (randn(rng, (5, 64), np.float32) + 1e4).astype(np.float32)
+    g, b = np.ones(64, ck.bfloat16), np.zeros(64, ck.bfloat16)
+    y = ck.layer_norm(x.astype(ck.bfloat16), g, b)
+    y64, _, _ = f64_forward(x.astype(ck.bfloat16), g, b, 1e-5)
+    assert y.dtype == ck.bfloat16
+    np.testing.assert_allclose(y.astype(np.float64), y64, rtol=2**-7, atol=2**-7)
+
+
+def test_out_is_used(rng):
+    x = randn(rng, (3, 8), np.float32)
+    out = np.full_like(x, np.nan)
+    y = ck.layer_norm(x, np.ones(8, np.float32), np.zeros(8, np.float32), out=out)
+    assert y is out and not np.isnan(out).any()
+
+
+# ---------------------------------------------------------------- bad input
+F, BF = np.float32, ck.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: ck.layer_norm(np.ones((2, 4), np.float64), np.ones(4, F), np.ones(4, F)), TypeError, "x: expected dtype"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(5, F), np.ones(4, F)), ValueError, r"gamma: expected shape \(4,\)"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(4, F), np.ones(3, F)), ValueError, r"beta: expected shape \(4,\)"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(4, F), np.ones(4, BF)), TypeError, "beta: expected dtype float32"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(4, F), None), TypeError, "beta"),
+        (lambda: ck.layer_norm(np.ones((4, 2), F).T, np.ones(4, F), np.ones(4, F)), ValueError, "x: expected a C-contiguous"),
+        (lambda: ck.layer_norm(np.ones((2, 0), F), np.ones(0, F), np.ones(0, F)), ValueError, "at least 1 element"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(4, F), np.ones(4, F), eps=-1), ValueError, "eps"),
+        (lambda: ck.layer_norm(np.ones((2, 4), F), np.ones(4, F), np.ones(4, F), out=np.ones((2, 4), BF)), TypeError, "out: expected dtype"),
+        (lambda: ck.layer_norm_backward(np.ones((2, 4), F), np.ones((2, 4), F), np.ones(4, F), np.ones(2, F), np.ones(3, F)), ValueError, "rstd: expected shape"),
+        (lambda: ck.layer_norm_backward(np.ones((2, 4), F), np.ones((2, 4), F), np.ones(4, F), np.ones(2, np.float64), np.ones(2, F)), TypeError, "mean: expected dtype"),
+        (lambda: ck.layer_norm_backward(np.ones((2, 4), BF), np.ones((2, 4), F), np.ones(4, F), np.ones(2, F), np.ones(2, F)), TypeError, "dy: expected dtype"),
+        (lambda: ck.layer_norm_backward(np.ones((2, 5), F), np.ones((2, 4), F), np.ones(4, F), np.ones(2, F), np.ones(2, F)), ValueError, "dy: expected shape"),
+    ],
+)
+def test_bad_input_messages(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+@pytest.mark.gpu
+def test_mixing_numpy_and_cupy_is_a_type_error():
+    import cupy as cp
+
+    with pytest.raises(TypeError, match="gamma: is a numpy array but x is a cupy array"):
+        ck.layer_norm(cp.ones((2, 4), cp.float32), np.ones(4, np.float32), np.ones(4, np.float32))
+
+
+# ---------------------------------------------------------------- GPU: kernel against the reference
+# 1..64: rows share a warp; 1000/2048: vector reg kernel; 4097: element path; 8192 fp32 / 16384: the
+# backward's largest reg rows; 32768 fp32, 65536: the loop kernels (Welford forward, two-pass backward).
+COLS = [1, 3, 64, 127, 1000, 2048, 4097, 16384, 65536]
+
+
+def _check(rng, rows, C, dtype, wdtype, misalign, scale=3.0, offset=0.0, ytol=(None, None)):
+    x = (randn(rng, (rows, C), np.float32, scale=scale) + offset).astype(dtype)
+    g = randn(rng, (C,), wdtype)
+    b = randn(rng, (C,), wdtype)
+    dy = randn(rng, (rows, C), dtype)
+    y_ref, m_ref, r_ref = ck.layer_norm(x, g, b, eps=1e-5, return_stats=True)
+    dx_ref, dg_ref, db_ref = ck.layer_norm_backward(dy, x, g, m_ref, r_ref)
+
+    xd, gd, bd, dyd = (device_copy(a, misalign) for a in (x, g, b, dy))
+    out = poisoned(x.shape, dtype, misalign)
+    y, m, r = ck.layer_norm(xd, gd, bd, eps=1e-5, return_stats=True, out=out)
+    assert y is out
+    assert_close(y, y_ref, dtype, rtol=ytol[0], atol=ytol[1], what="y")
+    assert_close(m, m_ref, np.float32, rtol=1e-5, atol=1e-5 * max(1.0, abs(offset)), what="mean")
+    assert_close(r, r_ref, np.float32, rtol=1e-4, atol=0, what="rstd")
+    dxo = poisoned(x.shape, dtype, misalign)
+    dx, dg, db = ck.layer_norm_backward(dyd, xd, gd, m, r, out=dxo)
+    assert dx is dxo and dg.dtype == db.dtype == np.dtype(wdtype)
+    assert_close(dx, dx_ref, dtype, rtol=TOL[np.dtype(dtype)][0] * 5, atol=TOL[np.dtype(dtype)][1] * 5, what="dx")
+    # dgamma/dbeta sum `rows` terms: fp32 summation-order error grows like sqrt(rows).
+    rt, at = TOL[np.dtype(wdtype)]
+    assert_close(dg, dg_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dgamma")
+    assert_close(db, db_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dbeta")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", COLS)
+@pytest.mark.parametrize("rows", [0, 1, 199])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_matches_reference(rng, rows, C, dtype, misalign):
+    if rows * C > 199 * 4096:
+        rows = 7 if misalign else 23  # long rows: few of them (the host reference is the slow part)
+    wdtype = np.float32 if C % 2 else ck.bfloat16  # both parameter dtypes get exercised
+    _check(rng, rows, C, dtype, wdtype, misalign)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", [8192, 32768])
+def test_gpu_fp32_reg_and_loop_boundaries(rng, C):
+    _check(rng, 37, C, np.float32, np.float32, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("C", [512, 65536])
+def test_gpu_large_offset_large_values_and_determinism(rng, dtype, C):
+    # mean ~1e4, spread ~1e2: a one-pass E[x^2] - E[x]^2 would lose the variance; ours stays exact.
+    rows = 301 if C == 512 else 5
+    # fp32 x carries ~1e-7 * 1e4 absolute error, ~1e-5 after dividing by the spread: y gets a wider tolerance.
+    ytol = (2e-4, 2e-4) if dtype == np.float32 else (None, None)
+    _check(rng, rows, C, dtype, np.float32, False, scale=100.0, offset=1e4, ytol=ytol)
+    x = device_copy(randn(rng, (rows, C), dtype, scale=1e4))
+    g = device_copy(randn(rng, (C,), np.float32))
+    b = device_copy(randn(rng, (C,), np.float32))
+    dy = device_copy(randn(rng, (rows, C), dtype))
+    y, m, r = ck.layer_norm(x, g, b, return_stats=True)
+    assert np.isfinite(to_host(y).astype(np.float32)).all()
+    dx1, dg1, db1 = ck.layer_norm_backward(dy, x, g, m, r)
+    dx2, dg2, db2 = ck.layer_norm_backward(dy, x, g, m, r)
+    assert np.array_equal(to_host(dg1), to_host(dg2)) and np.array_equal(to_host(db1), to_host(db2)), \
+        "dgamma/dbeta must be bit-identical run to run"
+    assert np.array_equal(to_host(dx1).view(np.uint8), to_host(dx2).view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_leading_dims(rng):
+    x = randn(rng, (2, 3, 37, 96), ck.bfloat16)
+    g, b = randn(rng, (96,), ck.bfloat16), randn(rng, (96,), ck.bfloat16)
+    y, m, r = ck.layer_norm(device_copy(x), device_copy(g), device_copy(b), return_stats=True)
+    y_ref, m_ref, _ = ck.layer_norm(x, g, b, return_stats=True)
+    assert m.shape == (2, 3, 37)
+    assert_close(y, y_ref, ck.bfloat16, what="y")
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_current_stream_and_captures(rng):
+    """Forward and backward are graph-capturable: no host sync, no H2D copy, launches on the current stream."""
+    import cupy as cp
+
+    x = device_copy(randn(rng, (64, 1024), ck.bfloat16))
+    g = device_copy(randn(rng, (1024,), np.float32))
+    b = device_copy(randn(rng, (1024,), np.float32))
+    dy = device_copy(randn(rng, (64, 1024), ck.bfloat16))
+    y, dx = cp.empty_like(x), cp.empty_like(x)
+    _, m, r = ck.layer_norm(x, g, b, out=y, return_stats=True)  # compile + warm up outside capture
+    ck.layer_norm_backward(dy, x, g, m, r, out=dx)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        ck.layer_norm(x, g, b, out=y)
+        _, dgc, dbc = ck.layer_norm_backward(dy, x, g, m, r, out=dx)
+        gr = s.end_capture()
+    y.fill(np.nan)
+    dx.fill(np.nan)
+    gr.launch(s)
+    s.synchronize()
+    xh, gh, bh, dyh = to_host(x), to_host(g), to_host(b), to_host(dy)
+    y_ref, m_ref, r_ref = ck.layer_norm(xh, gh, bh, return_stats=True)
+    assert_close(y, y_ref, ck.bfloat16)
+    dx_ref, dg_ref, _ = ck.layer_norm_backward(dyh, xh, gh, m_ref, r_ref)
+    assert_close(dx, dx_ref, ck.bfloat16, rtol=0.05, atol=0.05)
+    assert_close(dgc, dg_ref, np.float32, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,301 @@
+import numpy as np
+import pytest
+
+import cukernels as ck
+from helpers import DTYPES, TOL, assert_close, device_copy, poisoned, randn, to_host
+
+F, BF = np.float32, ck.bfloat16
+
+
+def f64_softmax(z):
+    """Independent float64 softmax; -inf entries are masked; all-masked rows are zeros."""
+    z = np.asarray(z, np.float64)
+    out = np.zeros_like(z)
+    for idx in np.ndindex(z.shape[:-1]):
+        row = z[idx]
+        live = ~np.isneginf(row)
+        if live.any():
+            e = np.exp(row[live] - row[live].max())
+            out[idx][live] = e / e.sum()
+    return out
+
+
+def f64_attn(scores, key_mask, causal, scale):
+    B, H, Q, K = scores.shape
+    z = scores.astype(np.float64) * float(np.float32(scale))
+    if key_mask is not None:
+        if key_mask.dtype == np.bool_:
+            z = np.where(key_mask[:, None, None, :], z, -np.inf)
+        else:
+            z = z + key_mask.astype(np.float64)[:, None, None, :]
+    if causal:
+        for i in range(Q):
+            z[:, :, i, i + (K - Q) + 1:] = -np.inf
+    return f64_softmax(z)
+
+
+def f64_softmax_grad_fd(x, dy):
+    """d/dx of sum(softmax(x) * dy) by central differences (tiny shapes)."""
+    h = 1e-6
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        xp_, xm_ = x.copy(), x.copy()
+        xp_[i] += h
+        xm_[i] -= h
+        g[i] = ((f64_softmax(xp_) * dy).sum() - (f64_softmax(xm_) * dy).sum()) / (2 * h)
+    return g
+
+
+# ---------------------------------------------------------------- CPU: the reference against float64 math
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 130), (0, 16), (4, 4097), (3, 0)])
+def test_reference_softmax_matches_f64(rng, shape):
+    x = randn(rng, shape, F, scale=3.0)
+    y = ck.softmax(x)
+    np.testing.assert_allclose(y, f64_softmax(x), rtol=1e-6, atol=1e-7)
+    assert y.dtype == F and y.shape == shape
+
+
+def test_reference_softmax_large_inputs_and_bf16(rng):
+    x = randn(rng, (4, 33), F, scale=1e4)
+    y = ck.softmax(x)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-6)
+    xb = randn(rng, (5, 64), BF)
+    yb = ck.softmax(xb)
+    assert yb.dtype == BF
+    np.testing.assert_allclose(yb.astype(np.float64), f64_softmax(xb.astype(np.float64)), rtol=2**-8, atol=1e-6)
+
+
+def test_reference_softmax_backward_matches_finite_differences(rng):
+    x = rng.standard_normal((3, 6))
+    dy = rng.standard_normal((3, 6))
+    y = ck.softmax(x.astype(F))
+    dx = ck.softmax_backward(y, dy.astype(F))
+    np.testing.assert_allclose(dx, f64_softmax_grad_fd(x, dy), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "f32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_attn_matches_f64(rng, mask_kind, causal):
+    B, H, Q, K = 2, 3, 5, 9
+    dt = BF if mask_kind == "bf16" else F
+    s = randn(rng, (B, H, Q, K), dt, scale=2.0)
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((B, K)) > 0.3
+        mask[1] = False  # batch 1: every key masked -> zeros
+    elif mask_kind is not None:
+        mask = np.where(rng.random((B, K)) > 0.3, 0.0, -np.inf).astype(F if mask_kind == "f32" else BF)
+        mask[0, :3] = -1.5  # finite additive values too
+    p = ck.attn_softmax(s, key_mask=mask, causal=causal, scale=0.7)
+    ref = f64_attn(s, mask, causal, 0.7)
+    rt, at = (1e-6, 1e-7) if dt == F else (2**-8, 1e-6)
+    np.testing.assert_allclose(p.astype(np.float64), ref, rtol=rt, atol=at)
+    assert np.isfinite(p.astype(np.float64)).all()
+    if mask_kind == "bool":
+        assert (p[1] == 0).all()
+    if causal:
+        assert (p[:, :, 0, K - Q + 1:] == 0).all()
+
+
+def test_reference_attn_backward_matches_finite_differences(rng):
+    s = rng.standard_normal((1, 2, 3, 5))
+    dp = rng.standard_normal(s.shape)
+    scale = 0.5
+    mask = np.array([[True, True, False, True, True]])
+    p = ck.attn_softmax(s.astype(F), key_mask=mask, causal=True, scale=scale)
+    ds = ck.attn_softmax_backward(p, dp.astype(F), scale=scale)
+    h = 1e-6
+    fd = np.zeros_like(s)
+    for i in np.ndindex(s.shape):
+        sp, sm = s.copy(), s.copy()
+        sp[i] += h
+        sm[i] -= h
+        fd[i] = ((f64_attn(sp, mask, True, scale) * dp).sum() - (f64_attn(sm, mask, True, scale) * dp).sum()) / (2 * h)
+    np.testing.assert_allclose(ds, fd, rtol=1e-4, atol=1e-5)
+    assert (ds[..., 2] == 0).all()  # a masked key gets zero gradient
+
+
+def test_in_place_and_out(rng):
+    s = randn(rng, (1, 2, 4, 4), F)
+    ref = ck.attn_softmax(s.copy(), causal=True)
+    p = ck.attn_softmax(s, causal=True, out=s)
+    assert p is s
+    np.testing.assert_array_equal(s, ref)
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: ck.softmax(np.ones((2, 4), np.float64)), TypeError, "x: expected dtype"),
+        (lambda: ck.softmax(np.ones((2, 4), F), axis=0), ValueError, "axis: only the last axis"),
+        (lambda: ck.softmax(np.ones((4, 2), F).T), ValueError, "x: expected a C-contiguous"),
+        (lambda: ck.softmax(np.ones((2, 4), F), out=np.ones((2, 4), BF)), TypeError, "out: expected dtype"),
+        (lambda: ck.softmax(np.ones((2, 4), F), out=np.ones((2, 5), F)), ValueError, "out: expected shape"),
+        (lambda: ck.softmax_backward(np.ones((2, 4), F), np.ones((2, 5), F)), ValueError, "dy: expected shape"),
+        (lambda: ck.softmax_backward(np.ones((2, 4), F), np.ones((2, 4), BF)), TypeError, "dy: expected dtype"),
+        (lambda: ck.attn_softmax(np.ones((2, 4, 4), F)), ValueError, r"scores: expected shape \[batch, heads, q_len, k_len\]"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), key_mask=np.ones((2, 5), bool)), ValueError, r"key_mask: expected shape \(2, 4\)"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), key_mask=np.ones((1, 4), bool)), ValueError, r"key_mask: expected shape \(2, 4\)"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), key_mask=np.ones((2, 4), np.int32)), TypeError, "key_mask: expected dtype"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), key_mask=np.ones((2, 4), BF)), TypeError, "key_mask: expected dtype"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 5, 4), F), causal=True), ValueError, "q_len 5 > k_len 4"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), scale=float("nan")), ValueError, "scale"),
+        (lambda: ck.attn_softmax(np.ones((2, 1, 4, 4), F), scale="x"), TypeError, "scale"),
+        (lambda: ck.attn_softmax_backward(np.ones((2, 1, 4, 4), F), np.ones((2, 1, 4, 3), F)), ValueError, "dprobs: expected shape"),
+    ],
+)
+def test_bad_input_messages(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+@pytest.mark.gpu
+def test_mixing_numpy_and_cupy_is_a_type_error():
+    import cupy as cp
+
+    with pytest.raises(TypeError, match="key_mask: is a numpy array but scores is a cupy array"):
+        ck.attn_softmax(cp.ones((2, 1, 4, 4), cp.float32), key_mask=np.ones((2, 4), bool))
+
+
+# ---------------------------------------------------------------- GPU: kernel against the reference
+# 1..16: rows share a warp; 1000/1024: one warp per row; 4097: element path; 8192/16384: block per row in
+# registers; 32768, 65536: the online (running max/sum) loop kernels.
+COLS = [1, 3, 16, 127, 1000, 1024, 4097, 16384, 32768, 65536]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", COLS)
+@pytest.mark.parametrize("rows", [0, 1, 199])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_softmax_matches_reference(rng, rows, C, dtype, misalign):
+    if rows * C > 199 * 4096:
+        rows = 7 if misalign else 23
+    x = randn(rng, (rows, C), dtype, scale=3.0)
+    dy = randn(rng, (rows, C), dtype)
+    y_ref = ck.softmax(x)
+    xd, dyd = device_copy(x, misalign), device_copy(dy, misalign)
+    out = poisoned(x.shape, dtype, misalign)
+    y = ck.softmax(xd, out=out)
+    assert y is out
+    # Probabilities are <= 1: an absolute tolerance scaled to the row's typical value 1/C.
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(y, y_ref, dtype, rtol=rt, atol=at / max(1, C ** 0.5), what="y")
+    dx_ref = ck.softmax_backward(to_host(y), dy)
+    dxo = poisoned(x.shape, dtype, misalign)
+    dx = ck.softmax_backward(y, dyd, out=dxo)
+    assert dx is dxo
+    assert_close(dx, dx_ref, dtype, what="dx")
+
+
+def _mask(rng, kind, Bn, K, dtype):
+    if kind is None:
+        return None
+    keep = rng.random((Bn, K)) > 0.25
+    keep[-1] = False  # the last batch has every key masked: its rows must be zeros
+    if kind == "bool":
+        return keep
+    m = np.where(keep, rng.standard_normal((Bn, K)), -np.inf)
+    return m.astype(F if kind == "f32" else dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 3, 5, 9), (2, 2, 64, 64), (3, 2, 37, 1000), (2, 1, 17, 4097), (2, 1, 3, 32768)])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "f32", "same"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_attn_matches_reference(rng, shape, mask_kind, causal, dtype):
+    Bn, H, Q, K = shape
+    s = randn(rng, shape, dtype, scale=3.0)
+    mask = _mask(rng, mask_kind, Bn, K, dtype)
+    scale = 0.35
+    p_ref = ck.attn_softmax(s, key_mask=mask, causal=causal, scale=scale)
+    out = poisoned(shape, dtype)
+    p = ck.attn_softmax(device_copy(s), key_mask=None if mask is None else device_copy(mask), causal=causal,
+                        scale=scale, out=out)
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(p, p_ref, dtype, rtol=rt, atol=at / max(1, K ** 0.5), what="probs")
+    ph = to_host(p).astype(np.float64)
+    assert np.isfinite(ph).all()
+    if mask_kind is not None:
+        assert (ph[-1] == 0).all(), "an all-masked row must be zeros"
+    if causal:
+        tri = np.arange(K)[None, :] > np.arange(Q)[:, None] + (K - Q)
+        assert (ph[:, :, tri] == 0).all()
+    dp = randn(rng, shape, dtype)
+    ds_ref = ck.attn_softmax_backward(to_host(p), dp, scale=scale)
+    ds = ck.attn_softmax_backward(p, device_copy(dp), scale=scale, out=poisoned(shape, dtype))
+    assert_close(ds, ds_ref, dtype, what="dscores")
+    if mask_kind is not None:
+        assert (to_host(ds).astype(np.float64)[-1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("K", [64, 1000, 32768])
+def test_gpu_attn_misaligned_and_in_place(rng, dtype, K):
+    shape = (2, 2, 3, K)
+    s = randn(rng, shape, dtype, scale=2.0)
+    keep = rng.random((2, K)) > 0.5
+    p_ref = ck.attn_softmax(s, key_mask=keep, causal=True, scale=1.5)
+    sd = device_copy(s, misalign=True)
+    p = ck.attn_softmax(sd, key_mask=device_copy(keep, misalign=True), causal=True, scale=1.5, out=sd)
+    assert p is sd
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(p, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="probs misaligned in place")
+    sd = device_copy(s)
+    ck.attn_softmax(sd, key_mask=device_copy(keep), causal=True, scale=1.5, out=sd)
+    assert_close(sd, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="probs in place")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("K", [128, 1024, 65536])
+def test_gpu_large_magnitudes_stay_finite(rng, dtype, K):
+    s = randn(rng, (1, 2, 4, K), dtype, scale=1e4)
+    s[0, 0, 0] = 1e4  # a row of equal large values: uniform
+    s[0, 1, 1] = -1e4
+    p = to_host(ck.attn_softmax(device_copy(s), causal=True)).astype(np.float64)
+    assert np.isfinite(p).all()
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=2e-2 if dtype == BF else 1e-5)
+    assert_close(p, ck.attn_softmax(s, causal=True), dtype, what="probs")
+    y = to_host(ck.softmax(device_copy(s.reshape(-1, K)))).astype(np.float64)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y[0], 1.0 / K, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_q_shorter_than_k(rng):
+    s = randn(rng, (1, 2, 5, 131), F)
+    p = ck.attn_softmax(device_copy(s), causal=True)
+    assert_close(p, ck.attn_softmax(s, causal=True), F)
+    ph = to_host(p)
+    assert (ph[:, :, 0, 127:] == 0).all() and (ph[:, :, 0, 126] > 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_current_stream_and_captures(rng):
+    """Forward and backward are graph-capturable: no host sync, no H2D copy, launches on the current stream."""
+    import cupy as cp
+
+    s = device_copy(randn(rng, (2, 4, 64, 256), BF))
+    keep = device_copy(rng.random((2, 256)) > 0.2)
+    dp = device_copy(randn(rng, (2, 4, 64, 256), BF))
+    p, ds = cp.empty_like(s), cp.empty_like(s)
+    ck.attn_softmax(s, key_mask=keep, causal=True, scale=0.125, out=p)  # compile + warm up outside capture
+    ck.attn_softmax_backward(p, dp, scale=0.125, out=ds)
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        st.begin_capture()
+        ck.attn_softmax(s, key_mask=keep, causal=True, scale=0.125, out=p)
+        ck.attn_softmax_backward(p, dp, scale=0.125, out=ds)
+        g = st.end_capture()
+    p.fill(np.nan)
+    ds.fill(np.nan)
+    g.launch(st)
+    st.synchronize()
+    p_ref = ck.attn_softmax(to_host(s), key_mask=to_host(keep), causal=True, scale=0.125)
+    assert_close(p, p_ref, BF)
+    assert_close(ds, ck.attn_softmax_backward(to_host(p), to_host(dp), scale=0.125), BF)
