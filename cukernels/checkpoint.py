@@ -24,6 +24,13 @@ from ._backend import bfloat16
 
 MAGIC = b"CKCKPT01"
 
+# Trainer checkpoints (examples/train_llama.py): meta["kind"] is TRAIN_KIND; arrays are the model parameters
+# under MODEL_PREFIX + their (Hugging Face) names, the optimizer moments under OPTIM_PREFIX, small training
+# state under "train/".
+TRAIN_KIND = "cukernels-train"
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+
 
 class CheckpointError(ValueError):
     """A checkpoint file is unreadable, corrupt, truncated, or does not match what it is loaded into."""
@@ -39,7 +46,7 @@ def save(path, arrays: dict, meta: dict | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     hosts, info, off = [], {}, 0
     for name, a in arrays.items():
-        h = np.ascontiguousarray(_to_host(a))
+        h = np.asarray(_to_host(a), order="C")  # (ascontiguousarray would turn 0-d into 1-d)
         info[name] = dict(dtype="bfloat16" if h.dtype == bfloat16 else h.dtype.str, shape=list(h.shape),
                           offset=off, nbytes=h.nbytes)
         off += h.nbytes
@@ -129,3 +136,25 @@ def latest(folder) -> Path | None:
         except ValueError:
             continue
     return max(cands)[1] if cands else None
+
+
+def step_path(folder, step) -> Path:
+    """``<folder>/step_<step, 8 digits>.ckpt``: the name :func:`latest` and :func:`prune` understand."""
+    return Path(folder) / f"step_{int(step):08d}.ckpt"
+
+
+def prune(folder, keep_last: int):
+    """Delete all but the ``keep_last`` newest ``step_*.ckpt`` files of ``folder`` (``keep_last <= 0``: keep
+    all). Only complete files carry that name (a write in progress has a ``.tmp-<pid>`` suffix)."""
+    if keep_last is None or keep_last <= 0:
+        return []
+    cands = []
+    for p in Path(folder).glob("step_*.ckpt"):
+        try:
+            cands.append((int(p.stem.split("_", 1)[1]), p))
+        except ValueError:
+            continue
+    gone = [p for _, p in sorted(cands)[:-keep_last]]
+    for p in gone:
+        p.unlink()
+    return gone

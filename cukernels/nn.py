@@ -226,7 +226,9 @@ class CausalSelfAttention(Module):
         self.v_proj = Linear(hidden, self.Hkv * self.D, **kw)
         self.o_proj = Linear(self.H * self.D, hidden, **kw)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv_cache=None):
+        if kv_cache is not None:
+            return self._forward_cached(x, cos, sin, kv_cache)
         Bsz, T, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         G = H // Hkv
@@ -243,6 +245,72 @@ class CausalSelfAttention(Module):
         o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, T)), v)  # [B, Hkv, G*T, D]
         o = F.reshape(F.contiguous(F.transpose(F.reshape(o, (Bsz, H, T, D)), (0, 2, 1, 3))), (Bsz, T, H * D))
         return self.o_proj(o)
+
+    def _forward_cached(self, x, cos, sin, cache):
+        """Inference with a :class:`LayerKVCache`: x holds the T new tokens (positions ``cache.pos ..
+        cache.pos + T - 1``; cos/sin are the rotary rows of exactly those positions). Their K/V are written into
+        the cache, then the T queries attend to all ``cache.pos + T`` cached keys -- the causal mask aligned at
+        the end (query i sees keys <= i + Tk - Tq) is exactly "up to my own position". Same operations as the
+        training forward (projections, rope, the grouped [B, Hkv, G*T, D] GEMM layout, attn_softmax), so a
+        prefill through the cache gives the training forward's numbers; no tape is recorded for the cache."""
+        Bsz, T, _ = x.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        G = H // Hkv
+        q = F.reshape(self.q_proj(x), (Bsz, T, H, D))
+        k = F.reshape(self.k_proj(x), (Bsz, T, Hkv, D))
+        v = F.reshape(self.v_proj(x), (Bsz, T, Hkv, D))
+        q = F.rope(q, cos, sin, fused=self.fused)
+        k = F.rope(k, cos, sin, fused=self.fused)
+        q = F.reshape(F.contiguous(F.transpose(q, (0, 2, 1, 3))), (Bsz, Hkv, G * T, D))
+        kk, vv = cache.append(F.contiguous(F.transpose(k, (0, 2, 1, 3))).data,
+                              F.contiguous(F.transpose(v, (0, 2, 1, 3))).data)
+        L = kk.shape[2]
+        s = F.reshape(F.matmul(q, Tensor(kk), trans_b=True), (Bsz, H, T, L))
+        p = F.attn_softmax(s, causal=True, scale=1.0 / math.sqrt(D), fused=self.fused)
+        o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, L)), Tensor(vv))
+        o = F.reshape(F.contiguous(F.transpose(F.reshape(o, (Bsz, H, T, D)), (0, 2, 1, 3))), (Bsz, T, H * D))
+        return self.o_proj(o)
+
+
+class LayerKVCache:
+    """One attention layer's keys and values for incremental decoding: ``k``, ``v`` of shape
+    [B, Hkv, max_len, D] (allocated at the first append, in the dtype of the keys), ``pos`` tokens filled.
+
+    :meth:`append` writes the new tokens' K/V at ``pos`` and returns the filled prefix [B, Hkv, pos + T, D] as
+    C-contiguous arrays for the GEMMs (``ck.matmul`` takes contiguous operands; the prefix is a view when
+    B * Hkv == 1, a copy of the cached K/V -- not a recomputation -- otherwise)."""
+
+    def __init__(self, max_len):
+        self.max_len = int(max_len)
+        self.k = self.v = None
+        self.pos = 0
+
+    def append(self, k, v):
+        Bsz, Hkv, T, D = k.shape
+        xp = _xp(k)
+        if self.pos + T > self.max_len:
+            raise ValueError(f"kv cache: {self.pos} cached + {T} new tokens exceed max_len {self.max_len}")
+        if self.k is None:
+            self.k = xp.zeros((Bsz, Hkv, self.max_len, D), dtype=k.dtype)
+            self.v = xp.zeros((Bsz, Hkv, self.max_len, D), dtype=v.dtype)
+        elif self.k.shape[:2] != (Bsz, Hkv) or self.k.shape[3] != D:
+            raise ValueError(f"kv cache: holds [B, Hkv, *, D] = {self.k.shape}; got keys {k.shape}")
+        self.k[:, :, self.pos:self.pos + T] = k
+        self.v[:, :, self.pos:self.pos + T] = v
+        self.pos += T
+        return (xp.ascontiguousarray(self.k[:, :, :self.pos]), xp.ascontiguousarray(self.v[:, :, :self.pos]))
+
+
+class KVCache:
+    """Keys/values of every layer (``layers[i]`` is a :class:`LayerKVCache`); ``pos`` = tokens cached."""
+
+    def __init__(self, num_layers, max_len):
+        self.max_len = int(max_len)
+        self.layers = [LayerKVCache(max_len) for _ in range(num_layers)]
+
+    @property
+    def pos(self):
+        return self.layers[0].pos if self.layers else 0
 
 
 class SwiGLUMLP(Module):
@@ -267,8 +335,8 @@ class LlamaBlock(Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, xp=xp)
         self.mlp = SwiGLUMLP(hidden, ffn, xp=xp, rng=rng, std=std)
 
-    def forward(self, x, cos, sin):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, kv_cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache=kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -335,5 +403,5 @@ class CompositeAdamW:
 
 
 __all__ = ["CompositeAdamW", "Module", "ModuleList", "Parameter", "Linear", "Embedding", "RMSNorm", "LayerNorm",
-           "CausalSelfAttention", "SwiGLUMLP", "LlamaBlock"]
+           "CausalSelfAttention", "SwiGLUMLP", "LlamaBlock", "KVCache", "LayerKVCache"]
 _ = (B, _xp)

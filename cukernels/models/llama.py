@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from .. import amp
 from .. import functional as F
 from ..autograd import Tensor
-from ..nn import Embedding, Linear, LlamaBlock, Module, ModuleList, RMSNorm
+from ..nn import Embedding, KVCache, Linear, LlamaBlock, Module, ModuleList, RMSNorm
 
 
 @dataclasses.dataclass
@@ -132,8 +133,10 @@ class Llama(Module):
             return F.linear(x, w)
         return self.lm_head(x)
 
-    def forward(self, ids, targets=None, *, ignore_index=-100):
+    def forward(self, ids, targets=None, *, ignore_index=-100, kv_cache=None):
         ids = ids.data if isinstance(ids, Tensor) else ids
+        if kv_cache is not None:
+            return self._forward_cached(ids, kv_cache)
         xp = Tensor(ids).xp
         Bsz, T = ids.shape
         cos, sin = self.rope_tables(T, xp)
@@ -147,3 +150,63 @@ class Llama(Module):
         targets = targets.data if isinstance(targets, Tensor) else targets
         return F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
                                fused=self.fused, inplace=True)
+
+    # ------------------------------------------------------------------------------------- inference
+    def new_kv_cache(self, max_len):
+        """An empty :class:`cukernels.nn.KVCache` for up to ``max_len`` positions (prompt + new tokens)."""
+        return KVCache(self.config.num_hidden_layers, max_len)
+
+    def _forward_cached(self, ids, cache):
+        """Logits [B, 1, V] of the last of the T new tokens ``ids`` [B, T], which take positions
+        ``cache.pos .. cache.pos + T - 1``; their keys and values are appended to ``cache``. No tape."""
+        xp = Tensor(ids).xp
+        Bsz, T = ids.shape
+        p0 = cache.pos
+        cos, sin = self.rope_tables(p0 + T, xp)
+        cos, sin = cos[p0:], sin[p0:]
+        from ..autograd import no_grad
+        with no_grad():
+            x = self.model.embed_tokens(ids)
+            for layer, lc in zip(self.model.layers, cache.layers):
+                x = layer(x, cos, sin, kv_cache=lc)
+            x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))  # only the last position's logits
+            return self.head(self.model.norm(x))
+
+    def generate(self, ids, max_new_tokens, **kw):
+        """Sample continuations of ``ids`` [B, T] (int): see :func:`cukernels.generation.generate`."""
+        from ..generation import generate
+        return generate(self, ids, max_new_tokens, **kw)
+
+    # ------------------------------------------------------------------------------------- Hugging Face
+    @classmethod
+    def from_pretrained(cls, path, *, xp=np, dtype=None, fused=True, **kw):
+        """Load a Hugging Face LLaMA checkpoint folder: ``config.json`` + ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json`` (bf16, fp16 or fp32 tensors; parameters become float32, or ``dtype``).
+        HF names map one to one (tied embeddings: ``lm_head.weight`` absent or ignored); rope_theta and LLaMA-3
+        rope_scaling come from the config. Every name and shape is checked before anything is copied
+        (``cukernels.hf.HFFormatError`` naming the file and what disagrees).
+
+        Example::
+
+            >>> model = ck.Llama.from_pretrained("Llama-3.2-1B", xp=cupy)
+        """
+        from .. import hf
+        config = hf.read_config(path)
+        tensors = hf.read_weights(path)
+        model = cls(config, xp=xp, fused=fused, **kw)
+        where = Path(path)
+        where = where / (hf.INDEX if (where / hf.INDEX).is_file() else hf.SAFE) if where.is_dir() else where
+        sd = hf.hf_to_state(tensors, config, where, model.state_dict())
+        model.load_state_dict(sd)
+        if dtype is not None:
+            for p in model.parameters():
+                p.data = p.data.astype(dtype)
+        return model
+
+    def save_pretrained(self, path, *, dtype=np.float32, max_shard_size=None):
+        """Write the Hugging Face layout into folder ``path``: ``config.json`` and ``model.safetensors`` (or
+        shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``), tensors in ``dtype``
+        (float32, or ck.bfloat16 / float16), so ``transformers.LlamaForCausalLM.from_pretrained(path)`` loads it.
+        """
+        from .. import hf
+        return hf.save_folder(path, self.config, self.state_dict(), dtype=dtype, max_shard_size=max_shard_size)

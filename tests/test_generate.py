@@ -1,0 +1,123 @@
+"""Generation: the KV-cache path gives the tokens (greedy) and logits of recomputing the whole sequence; the
+cached prefill equals the training forward; sampling is seeded; the CLI runs on our checkpoints and HF folders;
+on the GPU the kernels' greedy tokens match the NumPy path's."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cukernels as ck
+from cukernels.data import ByteTokenizer
+from cukernels.generation import generate, sample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = all(hasattr(ck, o) for o in ["rms_norm", "attn_softmax", "embedding", "rope", "swiglu"])
+
+
+def _model(xp=np, fused=False, seed=0, **kw):
+    d = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.15)
+    d.update(kw)
+    return ck.Llama(ck.LlamaConfig(**d), xp=xp, seed=seed, fused=fused)
+
+
+@pytest.mark.parametrize("B,tied", [(1, False), (2, True)])
+def test_kv_cache_greedy_equals_recompute(B, tied):
+    m = _model(tie_word_embeddings=tied)
+    prompt = np.random.default_rng(1).integers(0, 256, size=(B, 7))
+    a = generate(m, prompt, 24, temperature=0, use_cache=True)
+    b = generate(m, prompt, 24, temperature=0, use_cache=False)
+    assert a.shape == (B, 31)
+    np.testing.assert_array_equal(a[:, :7], prompt)
+    np.testing.assert_array_equal(a, b)
+    assert len(np.unique(a[:, 7:])) > 3  # not a degenerate constant continuation
+
+
+def test_kv_cache_logits_match_full_forward():
+    m = _model(seed=2)
+    seq = np.random.default_rng(2).integers(0, 256, size=(2, 12)).astype(np.int32)
+    with ck.no_grad():
+        full = m(seq).data  # [B, T, V], the training forward
+        cache = m.new_kv_cache(12)
+        pre = m(seq[:, :5], kv_cache=cache).data  # prefill: last position only
+        np.testing.assert_allclose(pre[:, 0], full[:, 4], rtol=0, atol=1e-5)
+        for t in range(5, 12):  # one token at a time
+            step = m(seq[:, t:t + 1], kv_cache=cache).data
+            np.testing.assert_allclose(step[:, 0], full[:, t], rtol=0, atol=1e-5)
+        assert cache.pos == 12
+        with pytest.raises(ValueError, match="exceed max_len 12"):
+            m(seq[:, :1], kv_cache=cache)
+
+
+def test_training_path_unchanged_by_cache_support():
+    m = _model(seed=4)
+    names = [n for n, _ in m.named_parameters()]
+    assert "model.layers.0.self_attn.q_proj.weight" in names and len(names) == 2 * 9 + 3
+    seq = np.random.default_rng(4).integers(0, 256, size=(2, 9)).astype(np.int32)
+    loss = m(seq[:, :-1], seq[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    m = _model(seed=3)
+    a = generate(m, [10, 20, 30], 16, temperature=1.0, top_k=5, seed=7)
+    b = generate(m, [10, 20, 30], 16, temperature=1.0, top_k=5, seed=7)
+    c = generate(m, [10, 20, 30], 16, temperature=1.0, top_k=5, seed=8)
+    np.testing.assert_array_equal(a, b)
+    assert a.ndim == 1 and len(a) == 19 and not np.array_equal(a, c)
+    lg = np.array([[0.0, 5.0, 4.0, -1.0, 3.0]])
+    rng = np.random.default_rng(0)
+    draws = {int(sample(lg, temperature=1.0, top_k=2, rng=rng)[0]) for _ in range(200)}
+    assert draws == {1, 2}
+    assert int(sample(lg, temperature=0)[0]) == 1
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        generate(m, [300], 2)
+
+
+def test_generate_cli_on_trainer_checkpoint_and_hf_folder(tmp_path):
+    from cukernels import checkpoint as C
+    m = _model(seed=5)
+    arrays = {C.MODEL_PREFIX + n: p for n, p in m.state_dict().items()}
+    ck_path = C.save(tmp_path / "run" / "checkpoints" / "step_00000010.ckpt", arrays,
+                     {"kind": C.TRAIN_KIND, "step": 10, "model_config": m.config.to_dict()})
+    m.save_pretrained(tmp_path / "hf")
+    want = generate(m, ByteTokenizer().encode("ROMEO:"), 12, temperature=0)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for src in (ck_path, tmp_path / "run", tmp_path / "hf"):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--checkpoint", str(src),
+                            "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu",
+                            "--fused", "false", "--print-ids"], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert [int(t) for t in r.stdout.split()] == want.tolist(), (r.stdout, want)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--checkpoint", str(ck_path),
+                        "--prompt", "ROMEO:", "--max-new-tokens", "12", "--seed", "1", "--device", "cpu",
+                        "--fused", "false"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ROMEO:"), (r.stdout, r.stderr)
+    # another vocabulary: ids in, ids out
+    m2 = _model(seed=6, vocab_size=300)
+    m2.save_pretrained(tmp_path / "hf300")
+    want = generate(m2, [1, 299, 5], 5, temperature=0)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--checkpoint",
+                        str(tmp_path / "hf300"), "--prompt-ids", "1 299 5", "--max-new-tokens", "5", "--temperature",
+                        "0", "--device", "cpu", "--fused", "false"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [int(t) for t in r.stdout.split()] == want.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not KERNELS, reason="kernel families not merged yet")
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_kv_cache_greedy_matches_numpy(fused):
+    import cupy
+    ref = _model(seed=9)
+    gpu = _model(xp=cupy, seed=9, fused=fused)
+    gpu.load_state_dict(ref.state_dict())
+    prompt = np.random.default_rng(9).integers(0, 256, size=(2, 11))
+    want = generate(ref, prompt, 32, temperature=0)
+    got = generate(gpu, prompt, 32, temperature=0)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(generate(gpu, prompt, 32, temperature=0, use_cache=False), want)
