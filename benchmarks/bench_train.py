@@ -82,11 +82,12 @@ class OurStep:
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
         if "adam" in f:
-            sparse = [model.model.embed_tokens.weight] if "sparse_emb" in f else None
+            emb = model.model.embed_tokens.weight
             opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                 shadow_dtype=ck.bfloat16, no_decay=no_decay, sparse=sparse)
-            if sparse:
-                opt.attach_sparse(sparse[0])
+                                 shadow_dtype=ck.bfloat16, no_decay={p.name for p in no_decay},
+                                 sparse={emb.name} if "sparse_emb" in f else None)
+            if "sparse_emb" in f:
+                opt.attach_sparse(emb)
         else:
             opt = CompositeAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                  no_decay=no_decay, shadow_dtype=ck.bfloat16 if "shadow" in f else None)

@@ -68,6 +68,7 @@ def entry_points(family: str) -> list[str]:
 
 
 _lock = threading.Lock()
+_family_locks: dict[tuple[str, int], threading.Lock] = {}
 _modules: dict[tuple[str, int], object] = {}
 
 
@@ -79,6 +80,8 @@ def get_module(family: str):
     mod = _modules.get(key)
     if mod is None:
         with _lock:
+            flock = _family_locks.setdefault(key, threading.Lock())
+        with flock:  # one compile per family; different families compile concurrently
             mod = _modules.get(key)
             if mod is None:
                 src = load_source(family)
@@ -89,6 +92,26 @@ def get_module(family: str):
                     raise KernelCompileError(f"kernels_cu/{family}.cu failed to compile:\n{e}") from None
                 _modules[key] = mod
     return mod
+
+
+def precompile(names=None, workers: int | None = None) -> list[str]:
+    """Compile (or load from CuPy's disk cache) every kernel family now, in parallel threads (NVRTC releases
+    the GIL), so the first op call does not pay for it. Returns the families loaded."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy
+
+    fams = list(names) if names else families()
+    dev = cupy.cuda.Device().id
+
+    def one(f):
+        with cupy.cuda.Device(dev):
+            get_module(f)
+
+    with ThreadPoolExecutor(workers or min(len(fams), os.cpu_count() or 1)) as ex:
+        list(ex.map(one, fams))
+    return fams
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,6 +102,10 @@ def _matcher(spec, what):
     if isinstance(spec, str):
         raise TypeError(f"{what}: expected a set of names or a callable(name, array); got the string {spec!r}")
     names = set(spec)
+    bad = [x for x in names if not isinstance(x, str)]
+    if bad:  # a set of Tensors would silently match nothing
+        raise TypeError(f"{what}: expected parameter names (str) or a callable(name, array); got "
+                        f"{type(bad[0]).__name__} elements (pass {{p.name for p in ...}})")
     return lambda name, a: name in names
 
 

@@ -109,6 +109,8 @@ class Llama(Module):
         if dtype is not None:
             for p in self.parameters():
                 p.data = p.data.astype(dtype)
+        for n, p in self.named_parameters():
+            p.name = n  # Hugging Face names: what the optimizer, checkpoints and from_pretrained key on
 
     def rope_tables(self, T, xp):
         key = xp.__name__
