@@ -174,6 +174,12 @@ def config_from_hf(d: dict, where="config.json"):
         if d.get(k):
             raise HFFormatError(f"{where}: {k}=true is not supported (no biases in this LLaMA)")
     rs = d.get("rope_scaling")
+    rp = d.get("rope_parameters")  # transformers >= 5 writes theta and scaling together under this key
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            d = dict(d, rope_theta=rp["rope_theta"])
+        if rs is None:
+            rs = {k: v for k, v in rp.items() if k != "rope_theta"}
     if rs is not None:
         rt = rs.get("rope_type", rs.get("type"))
         if rt not in _ROPE_TYPES:

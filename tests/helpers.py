@@ -39,7 +39,7 @@ def device_copy(a, misalign=False):
     """Copy a host array to the GPU; with misalign=True the result is a C-contiguous view whose data pointer is
     one element past a 256-byte-aligned allocation (so no 16-byte vector path can be taken)."""
     c = cp()
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # (ascontiguousarray would turn a 0-d array into shape (1,))
     if not misalign:
         return c.asarray(a)
     buf = c.empty(a.size + 1, dtype=a.dtype)

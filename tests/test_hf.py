@@ -9,7 +9,7 @@ import pytest
 
 import cukernels as ck
 from cukernels import hf
-from cukernels.models.llama import _rope_inv_freq
+from cukernels.ops.rope import _inv_freq as _rope_inv_freq
 
 
 def _config(**kw):
@@ -206,3 +206,18 @@ def test_transformers_loads_our_export(tmp_path, rng, tied, rope):
     ref.save_pretrained(str(tmp_path / "back"), safe_serialization=True)
     m2 = ck.Llama.from_pretrained(tmp_path / "back", fused=False)
     np.testing.assert_array_equal(_logits(m2, ids), _logits(m, ids))
+
+
+def test_transformers5_rope_parameters_are_read():
+    """transformers >= 5 writes rope_theta and the scaling under "rope_parameters"; both must be honoured."""
+    from cukernels import hf
+
+    d = dict(model_type="llama", vocab_size=11, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+             num_attention_heads=4, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 16})
+    c = hf.config_from_hf(d)
+    assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3" and c.rope_scaling["factor"] == 8.0
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
+    c = hf.config_from_hf(d)
+    assert c.rope_theta == 1234.0 and c.rope_scaling is None

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -51,26 +50,11 @@ class LlamaConfig:
         return dataclasses.asdict(self)
 
 
-def _rope_inv_freq(head_dim, theta, scaling):
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factor = scaling["factor"]
-        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old = scaling.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv
-        smooth = np.clip((old / wavelen - lo) / (hi - lo), 0.0, 1.0)
-        inv = np.where(wavelen < old / hi, inv, np.where(wavelen > old / lo, inv / factor,
-                                                          (1 - smooth) * inv / factor + smooth * inv))
-    return inv
-
-
 def rope_cache(seq_len, head_dim, theta, scaling, xp):
-    """(cos, sin) fp32 [seq_len, head_dim // 2]: ``ck.rope_cache`` when present, else the same formula here."""
-    import cukernels as ck
-    if hasattr(ck, "rope_cache"):
-        return ck.rope_cache(seq_len, head_dim, theta=theta, scaling=scaling, xp=xp)
-    ang = np.arange(seq_len, dtype=np.float64)[:, None] * _rope_inv_freq(head_dim, theta, scaling)[None, :]
-    return xp.asarray(np.cos(ang).astype(np.float32)), xp.asarray(np.sin(ang).astype(np.float32))
+    """(cos, sin) fp32 [seq_len, head_dim // 2] for this config: ``ck.rope_cache`` (HF llama3 scaling)."""
+    from ..ops.rope import rope_cache as _rc
+
+    return _rc(seq_len, head_dim, theta=theta, scaling=scaling, xp=xp)
 
 
 class LlamaModel(Module):
