@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,7 +227,12 @@ def main(argv=None):
     ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
     ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead")
     ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     args = ap.parse_args(argv)
+    global LLAMA_1B
+    if args.smoke:
+        LLAMA_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
     import cupy as cp
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -234,14 +240,22 @@ def main(argv=None):
     out = {"device": name, "rows": [], "ablation": [], "torch": []}
     for c in [c for c in args.configs.split(",") if c]:
         B, T = CONFIGS[c]
-        ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps)
+        try:
+            ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps)
+        except Exception:
+            traceback.print_exc()
+            continue
         tok = B * T
         tf = model_flops_per_token(LLAMA_1B, T) * tok / (ms * 1e-3) / 1e12
         print(f"cukernels  B{B}xT{T}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
               f"peak {mem:6.1f} GiB  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
         out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
         for mode in [m for m in args.vs_torch.split(",") if m]:
-            r, impl = run_torch(B, T, mode, args.steps)
+            try:
+                r, impl = run_torch(B, T, mode, args.steps)
+            except Exception as e:
+                traceback.print_exc()
+                r, impl = None, f"failed: {type(e).__name__}"
             if r is None:
                 print(f"torch {mode}: {impl}")
                 continue
@@ -252,16 +266,22 @@ def main(argv=None):
     if args.ablation:
         B, T = CONFIGS["b4t64"]
         print(f"\nAblation, B{B}xT{T} ({B * T} tokens/step), ms/step median of {args.steps}:")
-        print(f"{'configuration':<58} {'ms/step':>9} {'tok/s':>10} {'gain':>7} {'vs baseline':>12}")
+        print(f"{'configuration':<58} {'ms/step':>9} {'tok/s':>10} {'gain':>7} {'vs baseline':>12}  loss first..last")
         prev = base = None
         feats = []
         for f in [None] + FEATURES:
             if f is not None:
                 feats.append(f)
-            ms, losses, mem, _ = run_ours(B, T, feats, args.steps)
+            try:
+                ms, losses, mem, _ = run_ours(B, T, feats, args.steps)
+            except Exception:
+                print(f"{ROW_NAMES[f]:<58} FAILED")
+                traceback.print_exc()
+                continue
             gain = f"{prev / ms:6.2f}x" if prev else "-"
             base = base or ms
-            print(f"{ROW_NAMES[f]:<58} {ms:9.2f} {B * T / ms * 1e3:10,.0f} {gain:>7} {base / ms:11.2f}x", flush=True)
+            print(f"{ROW_NAMES[f]:<58} {ms:9.2f} {B * T / ms * 1e3:10,.0f} {gain:>7} {base / ms:11.2f}x  "
+                  f"{losses[0]:.4f}..{losses[-1]:.4f}", flush=True)
             out["ablation"].append(dict(row=ROW_NAMES[f], ms=ms, losses=losses, peak_gib=mem))
             prev = ms
     if args.json:

@@ -53,31 +53,35 @@ class CapturedStep:
     def __call__(self):
         import cupy as cp
 
-        cp.cuda.get_current_stream().synchronize()  # inputs copied on the caller's stream are complete
+        caller = cp.cuda.get_current_stream()
+        # The step's stream waits for what the caller queued (the batch copied into the input buffers), and
+        # the caller's stream waits for the step (its outputs): events, no host synchronisation.
+        self.stream.wait_event(caller.record())
         if self.graph is not None:
             self.graph.launch(self.stream)
-            return self.out
-        with self._ctx():
-            if not self.use_graph or self.calls < self.warmup:
-                self.calls += 1
-                self.out = self.fn()
-                return self.out
-            self.stream.synchronize()
-            self.stream.begin_capture()
-            try:
-                out = self.fn()
-            except BaseException:
-                try:
-                    self.stream.end_capture()
-                except Exception:
-                    pass
-                raise
-            self.graph = self.stream.end_capture()
-            self.graph.upload(self.stream)
-            self.out = out
-            self.calls += 1
-            self.graph.launch(self.stream)  # the captured call itself did not run: run it now
-            return self.out
+        else:
+            with self._ctx():
+                if not self.use_graph or self.calls < self.warmup:
+                    self.calls += 1
+                    self.out = self.fn()
+                else:
+                    self.stream.synchronize()
+                    self.stream.begin_capture()
+                    try:
+                        out = self.fn()
+                    except BaseException:
+                        try:
+                            self.stream.end_capture()
+                        except Exception:
+                            pass
+                        raise
+                    self.graph = self.stream.end_capture()
+                    self.graph.upload(self.stream)
+                    self.out = out
+                    self.calls += 1
+                    self.graph.launch(self.stream)  # the captured call itself did not run: run it now
+        caller.wait_event(self.stream.record())
+        return self.out
 
     def synchronize(self):
         self.stream.synchronize()

@@ -69,6 +69,7 @@ DEFAULTS = {
     "out_dir": "runs/llama",
     "log_format": "jsonl",       # jsonl | csv
     "plot": True,
+    "graph": False,              # replay each step from one captured CUDA graph (GPU, fused)
     "ckpt_every": 0,             # save a checkpoint every N steps (0: only at the end)
     "ckpt_final": True,          # save one at the end
     "ckpt_dir": None,            # default <out_dir>/checkpoints
@@ -106,11 +107,15 @@ def load_config(path, overrides=()):
 
 
 def lr_at(step, cfg):
-    """Linear warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps."""
+    """Linear warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio at max_steps.
+
+    Step ``step`` (0-based) is the optimizer's step ``t = step + 1``; the same function as
+    ``ck.optim.WarmupCosine`` (which computes it on the device inside the fused optimizer's step)."""
     lr, warm, total = cfg["lr"], cfg["warmup_steps"], cfg["max_steps"]
-    if step < warm:
-        return lr * (step + 1) / warm
-    frac = min(1.0, (step - warm) / max(1, total - warm))
+    t = step + 1
+    if t <= warm:
+        return lr * t / warm
+    frac = min(1.0, (t - warm) / max(1, total - warm))
     lo = lr * cfg["min_lr_ratio"]
     return lo + 0.5 * (lr - lo) * (1.0 + math.cos(math.pi * frac))
 
@@ -297,13 +302,25 @@ def train_step(run, step):
 
     Returns ``(sum of the micro-batch losses, grad norm)`` as device scalars: no host read. Everything a step
     depends on is the model, the optimizer state, the loader state and ``step``; all of them are checkpointed.
+    With ``graph: true`` the batches are copied into fixed device buffers and the rest of the step is replayed
+    from one CUDA graph (the fused optimizer computes the lr from its device step counter).
     """
+    batches = [run.train_loader.next_batch() for _ in range(run.accum)]
+    if run.graph is not None:
+        for i, (x, y) in enumerate(batches):
+            run.ids_buf[i][...] = x
+            run.tgt_buf[i][...] = y
+        return run.graph()
+    if not run.device_lr:
+        run.opt.set_lr(lr_at(step, run.cfg))
+    return _step_body(run, batches)
+
+
+def _step_body(run, batches):
     opt = run.opt
-    opt.set_lr(lr_at(step, run.cfg))
     opt.zero_grad()
     loss_sum = None
-    for _ in range(run.accum):
-        x, y = run.train_loader.next_batch()
+    for x, y in batches:
         with run.amp_ctx:
             loss = run.model(x, y)
         loss.backward()
@@ -311,6 +328,26 @@ def train_step(run, step):
     norm, scale = clip_and_scale(grad_arrays(run.model), run.cfg["grad_clip"], run.accum, run.opt_fused, run.xp)
     opt.step(grad_scale=scale)
     return loss_sum, norm
+
+
+def setup_graph(run):
+    """``graph: true``: fixed input buffers and a ck.graph.CapturedStep over the step body (GPU, fused only)."""
+    cfg, xp = run.cfg, run.xp
+    run.graph = None
+    # The fused optimizer computes the lr on the device from its step counter (same values as lr_at).
+    run.device_lr = bool(run.opt_fused)
+    if run.device_lr:
+        run.opt.set_schedule(ck.optim.WarmupCosine(cfg["lr"], cfg["max_steps"], cfg["warmup_steps"],
+                                                   cfg["lr"] * cfg["min_lr_ratio"]))
+    if not cfg.get("graph"):
+        return
+    if xp is np or not run.opt_fused:
+        raise SystemExit("graph: true needs the GPU and fused: true (the composite optimizer keeps host state)")
+    B, T = cfg["batch_size"], cfg["seq_len"]
+    run.ids_buf = xp.zeros((run.accum, B, T), dtype=np.int32)
+    run.tgt_buf = xp.zeros((run.accum, B, T), dtype=np.int32)
+    batches = [(run.ids_buf[i], run.tgt_buf[i]) for i in range(run.accum)]
+    run.graph = ck.graph.CapturedStep(lambda: _step_body(run, batches), warmup=2)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -463,6 +500,7 @@ def train(cfg, quiet=False, stop_after=None):
         tl = ckdata.TokenLoader(train_tok, B, T, xp)
     vl = ckdata.TokenLoader(val_tok, B, T, xp)
     run = Run(cfg, xp, model, opt, opt_fused, tl, accum)
+    setup_graph(run)
     start, loss_acc, n_acc, rows = 0, None, 0, []
     if resume is not None:
         arrays, meta = read_resume(resume, cfg, run, say)  # everything checked before anything is written
@@ -491,7 +529,8 @@ def train(cfg, quiet=False, stop_after=None):
             sync(xp)
             t_last, steps_since = time.perf_counter(), 0
         loss_sum, norm = train_step(run, step)
-        loss_acc = loss_sum if loss_acc is None else loss_acc + loss_sum
+        # (copy: with graph: true, loss_sum is the graph's output buffer, rewritten by every replay)
+        loss_acc = loss_sum.copy() if loss_acc is None else loss_acc + loss_sum
         n_acc += accum
         steps_since += 1
         if (step + 1) % cfg["log_every"] == 0 or last:

@@ -11,12 +11,9 @@
 //   exactly once: forward moves 2 * C * sizeof(T) per row, backward 3 * C * sizeof(T). A row is split over
 //   TPR threads with VPT packs of 16 bytes each; the launcher aims at 2 packs per thread (measured best of
 //   1/2/4/8 on the H200: benchmarks/tune_rms_norm.py), TPR <= 512 forward / 256 backward, VPT <= 8. Rows
-//   of fewer than 256 threads share a block (TPR x RPB = 256). The grid is persistent (one wave) and each
-//   block loads its next row group before reducing the current one, so loads stay in flight across the
-//   reduction's barriers.
-// - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once: 100 registers at VPT = 2
-//   bf16 with the prefetch, so its blocks are capped at 256 threads (__launch_bounds__(256)) and the
-//   prefetch is kept to VPT <= 2 (forward: VPT <= 4). No kernel spills (tests/test_compile.py checks ptxas).
+//   of fewer than 256 threads share a block (TPR x RPB = 256).
+// - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once, so its blocks are capped at
+//   256 threads (__launch_bounds__(256)). No kernel spills (tests/test_compile.py checks ptxas).
 // - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the
 //   launcher checks); VEC=false: element accesses, any C, any alignment (misaligned views).
 // - "loop" kernels take rows too long for registers (forward: fp32 C > 16384, bf16 C > 32768, unaligned
@@ -40,27 +37,21 @@ __device__ __forceinline__ void load_row(Pack<T, E> (&v)[VPT], const T* __restri
   }
 }
 
-// Persistent grid: the block walks row groups base, base + stride, ... The loop bound is the same for every
-// thread of the block (row_sum synchronises the block when a row spans several warps); threads whose row is
-// past the end compute on garbage and store nothing. The next group's packs are loaded before this group's
-// reduction, so a block always has loads in flight (+7-15 % measured at 8192 x 2048).
+// The block walks row groups base, base + stride, ... (forward: one group per block, the hardware schedules
+// the blocks; backward: a persistent one-wave grid). The loop bound is the same for every thread of the block
+// (row_sum synchronises the block when a row spans several warps); threads whose row is past the end compute
+// on garbage and store nothing. (A one-group prefetch was tried: 5-10 % slower, NOTES.md.)
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                                             float* __restrict__ rstd, long long rows, int C, float eps, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
   const int units = C / E;
-  // Prefetch costs VPT more packs of registers: kept to VPT <= 4 (<= 64 registers, no spills).
-  constexpr bool PF = VPT <= 4;
   const long long stride = (long long)gridDim.x * blockDim.y;
-  Pack<T, E> xv[VPT], nx[VPT];
-  if (PF) load_row<T, E, VPT>(xv, x, (long long)blockIdx.x * blockDim.y + threadIdx.y, rows, C, units);
+  Pack<T, E> xv[VPT];
   for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += stride) {
     const long long row = base + threadIdx.y;
-    if (PF)
-      load_row<T, E, VPT>(nx, x, row + stride, rows, C, units);
-    else
-      load_row<T, E, VPT>(xv, x, row, rows, C, units);
+    load_row<T, E, VPT>(xv, x, row, rows, C, units);
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -90,9 +81,6 @@ __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __
         }
       }
     }
-    if (PF)
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) xv[k] = nx[k];
   }
 }
 
@@ -129,8 +117,8 @@ __device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const W* _
   }
 }
 
-// dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten. Same block-uniform persistent loop
-// and one-group prefetch as the forward.
+// dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten. Same block-uniform loop as the
+// forward, over a persistent grid.
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ w, const float* __restrict__ rstd,
@@ -148,26 +136,13 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
 
-  // Prefetch doubles the x/dy registers on top of the dw accumulator: only for VPT <= 2 (100 registers at
-  // bf16); larger VPT loads at the top of each iteration.
-  constexpr bool PF = VPT <= 2;
   const long long stride = (long long)gridDim.x * blockDim.y;
-  Pack<T, E> xv[VPT], gv[VPT], nx[VPT], ng[VPT];
-  if (PF) {
-    const long long row0 = (long long)blockIdx.x * blockDim.y + threadIdx.y;
-    load_row<T, E, VPT>(xv, x, row0, rows, C, units);
-    load_row<T, E, VPT>(gv, dy, row0, rows, C, units);
-  }
+  Pack<T, E> xv[VPT], gv[VPT];
   for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += stride) {
     const long long row = base + threadIdx.y;
     const bool active = row < rows;
-    if (PF) {
-      load_row<T, E, VPT>(nx, x, row + stride, rows, C, units);
-      load_row<T, E, VPT>(ng, dy, row + stride, rows, C, units);
-    } else {
-      load_row<T, E, VPT>(xv, x, row, rows, C, units);
-      load_row<T, E, VPT>(gv, dy, row, rows, C, units);
-    }
+    load_row<T, E, VPT>(xv, x, row, rows, C, units);
+    load_row<T, E, VPT>(gv, dy, row, rows, C, units);
     const float r = active ? rstd[row] : 0.f;
     float dot = 0.f;
 #pragma unroll
@@ -198,12 +173,6 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
         store_pack<T, E>(dx + row * C + u * E, o);
       }
     }
-    if (PF)
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        xv[k] = nx[k];
-        gv[k] = ng[k];
-      }
   }
 
   float* part = dw_part + (long long)blockIdx.x * C;

@@ -89,8 +89,8 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
         if kind == "reg":
             k = get_function(FAMILY, f"rms_fwd_{tag}_{vpt}{vs}")
             block = (tpr, rpb, 1)
-            # Persistent grid, one wave (the kernel prefetches the next row group while it reduces this one).
-            grid = min((rows + rpb - 1) // rpb, B.sm_count() * B.blocks_per_sm(k, tpr * rpb))
+            # One row group per block: measured faster than a persistent one-wave grid (NOTES.md, run 4).
+            grid = (rows + rpb - 1) // rpb
         else:
             k = get_function(FAMILY, f"rms_fwd_loop_{tag}_{vs}")
             grid, block = rows, (1024, 1, 1)

@@ -162,6 +162,9 @@ __device__ __forceinline__ void run_rows(Op& op, unsigned int rows, unsigned int
 // NaN for any finite z: e^-z overflows to +inf for z < -88, giving s = 0 and (1 - s) = 1 exactly.
 __device__ __forceinline__ void sigmoid2(float z, float& s, float& oms) {
   const float e = __expf(-z);
-  s = 1.f / (1.f + e);
+  // Fast reciprocal (MUFU.RCP + one multiply, <= 2 ulp): the IEEE division's refinement and slow-path check
+  // made GELU forward issue-bound (2.9 TB/s bf16, slower than PyTorch, run 4 in benchmarks/NOTES.md).
+  // e = inf gives 1 / inf = 0, as needed.
+  s = __fdividef(1.f, 1.f + e);
   oms = e < CK_INF ? e * s : 1.f;
 }
