@@ -86,7 +86,8 @@ __device__ __forceinline__ void adam_one(float* __restrict__ p, const G* __restr
   if (sh != nullptr) sh[o] = from_f32<bf16>(pf);
 }
 
-// Eight elements at offset o (o % 8 == 0, every pointer 16-byte aligned): 16-byte accesses on every stream.
+// Eight elements at offset o (o % 8 == 0, every pointer 16-byte aligned): 16-byte accesses on every stream
+// (the sparse-row kernel: one row's columns per group of threads).
 template <typename G>
 __device__ __forceinline__ void adam_eight(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
                                            float* __restrict__ v, bf16* __restrict__ sh, long long o,
@@ -118,6 +119,45 @@ __device__ __forceinline__ void adam_eight(float* __restrict__ p, const G* __res
   if (sh != nullptr) store_pack<bf16, 8>(sh + o, so);
 }
 
+// Two groups of four elements at offsets o0 and o1 (multiples of 4, every pointer 16-byte aligned): 16-byte
+// accesses on the fp32 streams, 8 or 16 bytes on the grad and shadow. The launcher's threads take consecutive
+// groups, so every load instruction of a warp covers 512 contiguous bytes (the first version gave each thread
+// 8 consecutive elements, 32 bytes apart per instruction: 82 % of the copy bandwidth at 1.5e9 parameters).
+// All loads of both groups are issued before any arithmetic (8 x 16-byte loads in flight per thread).
+template <typename G>
+__device__ __forceinline__ void adam_two_fours(float* __restrict__ p, const G* __restrict__ g,
+                                               float* __restrict__ m, float* __restrict__ v,
+                                               bf16* __restrict__ sh, long long o0, long long o1, bool has1,
+                                               const AdamCoef& c) {
+  Pack<float, 4> pp[2], mm[2], vv[2];
+  Pack<G, 4> gg[2];
+  const long long o[2] = {o0, o1};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j == 0 || has1) {
+      pp[j] = load_pack<float, 4>(p + o[j]);
+      mm[j] = load_pack<float, 4>(m + o[j]);
+      vv[j] = load_pack<float, 4>(v + o[j]);
+      gg[j] = load_pack<G, 4>(g + o[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j == 0 || has1) {
+      Pack<bf16, 4> so;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        adam_elem(pp[j].v[i], to_f32(gg[j].v[i]), mm[j].v[i], vv[j].v[i], c);
+        so.v[i] = from_f32<bf16>(pp[j].v[i]);
+      }
+      store_pack<float, 4>(p + o[j], pp[j]);
+      store_pack<float, 4>(m + o[j], mm[j]);
+      store_pack<float, 4>(v + o[j], vv[j]);
+      if (sh != nullptr) store_pack<bf16, 4>(sh + o[j], so);
+    }
+  }
+}
+
 template <typename G, bool VEC>
 __device__ __forceinline__ void adam_dense(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
                                            float* __restrict__ v, bf16* __restrict__ sh, long long n,
@@ -126,9 +166,10 @@ __device__ __forceinline__ void adam_dense(float* __restrict__ p, const G* __res
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   long long done = 0;
   if constexpr (VEC) {
-    const long long units = n >> 3;
-    for (long long u = tid; u < units; u += stride) adam_eight<G>(p, g, m, v, sh, u << 3, c);
-    done = units << 3;
+    const long long units = n >> 2;  // groups of 4; each iteration takes groups u and u + stride
+    for (long long u = tid; u < units; u += 2 * stride)
+      adam_two_fours<G>(p, g, m, v, sh, u << 2, (u + stride) << 2, u + stride < units, c);
+    done = units << 2;
   }
   for (long long i = done + tid; i < n; i += stride) adam_one<G>(p, g, m, v, sh, i, c);
 }
