@@ -69,6 +69,7 @@ class Tensor:
         self.name = name
         self.shadow = None
         self.sparse_grad = None
+        self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
         self._node = None  # (Function class, ctx, inputs) for a non-leaf
 
     # -- array-like -----------------------------------------------------------------------------------------
@@ -140,6 +141,19 @@ class Context:
             return t.grad
         return None
 
+    def leaf_grad_write(self, i):
+        """``(buffer, accumulate)`` for a Function that writes input i's gradient straight into its ``.grad``:
+        ``accumulate`` is False when the buffer holds stale values (``grad_stale``, set by an optimizer's lazy
+        ``zero_grad``), so the first write of a step overwrites (a GEMM with beta = 0: no zeroing pass and no
+        read of the old gradient) and later ones add. ``(None, False)`` when there is no buffer."""
+        buf = self.leaf_grad(i)
+        if buf is None:
+            return None, False
+        t = self.inputs[i]
+        acc = not t.grad_stale
+        t.grad_stale = False
+        return buf, acc
+
 
 class Function:
     """Base class. Subclasses define ``forward(ctx, *args, **kw)`` and ``backward(ctx, grad)``."""
@@ -167,6 +181,9 @@ def _accumulate_leaf(t, g):
     if t.grad is None:
         dt = t.data.dtype if t.data.dtype.kind == "f" or t.data.dtype == B.bfloat16 else g.dtype
         t.grad = g.astype(dt, copy=True)  # own storage: g may be shared with another input
+    elif t.grad_stale:  # logically zero (lazy zero_grad): overwrite instead of adding
+        t.grad[...] = g
+        t.grad_stale = False
     else:
         t.grad += g  # in place: the optimizer's flat-buffer view stays bound
 

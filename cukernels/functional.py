@@ -408,7 +408,8 @@ class Linear(Function):
         if ctx.needs_input_grad[1]:
             buf = ctx.leaf_grad(1)
             if buf is not None and buf.flags.c_contiguous:
-                gemm(g2, x2, trans_a=True, out=buf, accumulate=True)
+                buf, acc = ctx.leaf_grad_write(1)  # beta = 0 on the first write of a lazily zeroed step
+                gemm(g2, x2, trans_a=True, out=buf, accumulate=acc)
             else:
                 gw = gemm(g2, x2, trans_a=True)
         return gx, gw, None
@@ -526,9 +527,9 @@ class EmbeddingF(Function):
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
         ck, g = _ck(), _contig(g)
-        buf = ctx.leaf_grad(0)
+        buf, acc = ctx.leaf_grad_write(0)
         if buf is not None:
-            ck.embedding_backward(ids, g, ctx.V, out=buf, accumulate=True)
+            ck.embedding_backward(ids, g, ctx.V, out=buf, accumulate=acc)
             return None, None
         return ck.embedding_backward(ids, g, ctx.V), None
 

@@ -386,6 +386,7 @@ class AdamW:
                 :meth:`clip_grad_norm`, or an inverse loss scale).
         """
         self._sync()
+        self.flush_stale()
         _A.tick(self._step, self._lr, increment=1,
                 schedule=self._schedule.as_tuple() if self._schedule is not None else None)
         b1, b2 = self.betas
@@ -398,12 +399,22 @@ class AdamW:
                 _A.adam_step(g.P, g.G, g.M, g.V, weight_decay=g.wd, shadow=g.S, **kw)
                 g.last_rows = False
 
-    def zero_grad(self):
+    def zero_grad(self, lazy=False):
         """Zero every gradient: ``cudaMemsetAsync`` of each flat gradient buffer; a sparse parameter whose last
         step was a row update gets only its listed rows zeroed (``zero_rows``), so call this before the next
-        backward overwrites the rows buffer."""
+        backward overwrites the rows buffer.
+
+        ``lazy=True`` (parameters given as autograd Tensors): dense gradients are not touched, only marked
+        ``grad_stale``; the first backward write of the step then overwrites instead of adding (the weight-
+        gradient GEMM runs with beta = 0), which saves the zeroing pass and one read of every gradient. A
+        gradient nothing wrote is zeroed by :meth:`flush_stale`, which :meth:`grad_norm` and :meth:`step` call.
+        """
         self._sync()
         for g in self._groups:
+            if lazy and not g.sparse and all(s.obj is not None for s in g.slots):
+                for s in g.slots:
+                    s.obj.grad_stale = True
+                continue
             if getattr(g, "sparse_grad", None) is not None:
                 g.sparse_grad.zero()  # clears the listed rows, empties the list, new generation
             elif g.sparse and g.last_rows and g.rows is not None:
@@ -411,11 +422,22 @@ class AdamW:
             else:
                 self._zero(g.G)
 
+    def flush_stale(self):
+        """Zero the gradients still marked stale by a lazy :meth:`zero_grad` (parameters no backward wrote),
+        so every gradient buffer holds this step's gradient. Called by :meth:`grad_norm` and :meth:`step`;
+        call it before reading gradients any other way."""
+        for g in self._groups:
+            for s in g.slots:
+                if s.obj is not None and getattr(s.obj, "grad_stale", False):
+                    self._zero(s.grad)
+                    s.obj.grad_stale = False
+
     def grad_norm(self):
         """Global L2 norm of all gradients (0-d float32 device array): one partial launch per flat buffer plus
         one final reduce. A sparse parameter's whole (V, D) gradient buffer is read. The result and the
         partials live in buffers the optimizer allocates once, so the same array comes back every call (safe
         inside a captured graph; copy it if you keep values across steps)."""
+        self.flush_stale()
         if self._norm is None:
             self._norm = self.xp.zeros((), dtype=np.float32)
             self._scale = self.xp.ones((), dtype=np.float32)

@@ -98,6 +98,11 @@ def load_config(path, overrides=()):
             raise SystemExit(f"override {o!r}: expected key=value")
         k, v = o.split("=", 1)
         v = yaml.safe_load(v)
+        if isinstance(v, str):  # YAML 1.1 reads "3e-3" (no dot) as a string: take it as the number meant
+            try:
+                v = float(v)
+            except ValueError:
+                pass
         d = cfg
         *parents, leaf = k.split(".")
         for p in parents:
@@ -318,13 +323,17 @@ def train_step(run, step):
 
 def _step_body(run, batches):
     opt = run.opt
-    opt.zero_grad()
+    # Fused optimizer: lazy zeroing -- the first backward write of each gradient overwrites it (weight-grad
+    # GEMMs with beta = 0), so no zeroing pass; flush_stale zeroes any gradient nothing wrote.
+    opt.zero_grad(lazy=True) if run.opt_fused else opt.zero_grad()
     loss_sum = None
     for x, y in batches:
         with run.amp_ctx:
             loss = run.model(x, y)
         loss.backward()
         loss_sum = loss.data if loss_sum is None else loss_sum + loss.data
+    if run.opt_fused:
+        opt.flush_stale()
     norm, scale = clip_and_scale(grad_arrays(run.model), run.cfg["grad_clip"], run.accum, run.opt_fused, run.xp)
     opt.step(grad_scale=scale)
     return loss_sum, norm
