@@ -116,7 +116,8 @@ def lr_at(step, cfg):
 
     Step ``step`` (0-based) is the optimizer's step ``t = step + 1``; the same function as
     ``ck.optim.WarmupCosine`` (which computes it on the device inside the fused optimizer's step)."""
-    lr, warm, total = cfg["lr"], cfg["warmup_steps"], cfg["max_steps"]
+    lr, total = cfg["lr"], cfg["max_steps"]
+    warm = min(cfg["warmup_steps"], total)
     t = step + 1
     if t <= warm:
         return lr * t / warm
@@ -346,7 +347,7 @@ def setup_graph(run):
     # The fused optimizer computes the lr on the device from its step counter (same values as lr_at).
     run.device_lr = bool(run.opt_fused)
     if run.device_lr:
-        run.opt.set_schedule(ck.optim.WarmupCosine(cfg["lr"], cfg["max_steps"], cfg["warmup_steps"],
+        run.opt.set_schedule(ck.optim.WarmupCosine(cfg["lr"], cfg["max_steps"], min(cfg["warmup_steps"], cfg["max_steps"]),
                                                    cfg["lr"] * cfg["min_lr_ratio"]))
     if not cfg.get("graph"):
         return
