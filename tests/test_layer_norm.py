@@ -139,7 +139,11 @@ def _check(rng, rows, C, dtype, wdtype, misalign, scale=3.0, offset=0.0, ytol=(N
     assert_close(dx, dx_ref, dtype, rtol=TOL[np.dtype(dtype)][0] * 5, atol=TOL[np.dtype(dtype)][1] * 5, what="dx")
     # dgamma/dbeta sum `rows` terms: fp32 summation-order error grows like sqrt(rows).
     rt, at = TOL[np.dtype(wdtype)]
-    assert_close(dg, dg_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dgamma")
+    # With a large offset the two fp32 means (kernel, reference) may differ by an ulp of the offset
+    # (~6e-8 * offset), which moves every x_hat of the row by that / scale; dgamma sums `rows` such shifts
+    # with random-sign dy: ~sqrt(rows) * 6e-8 * offset / scale (1e-4 at offset 1e4, scale 100, 301 rows).
+    at_dg = max(at, 1e-4) + 4 * np.sqrt(max(rows, 1)) * 6e-8 * abs(offset) / scale
+    assert_close(dg, dg_ref, wdtype, rtol=max(rt, 1e-4), atol=at_dg, what="dgamma")
     assert_close(db, db_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dbeta")
 
 
