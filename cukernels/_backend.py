@@ -7,6 +7,7 @@ what was expected and what came.
 from __future__ import annotations
 
 import functools
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -165,3 +166,23 @@ def scalar_f32(name, v):
         return np.float32(v)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a real number; got {type(v).__name__}") from None
+
+
+_err_words: dict[tuple[str, int], object] = {}
+_err_lock = threading.Lock()
+
+
+def error_word(family: str):
+    """A per-(family, device) 0-d int32 CuPy array that kernels OR error flags into (clamped bad ids or
+    targets): checked by the caller whenever a host sync is acceptable, never by the op itself."""
+    import cupy
+
+    key = (family, cupy.cuda.Device().id)
+    w = _err_words.get(key)
+    if w is None:
+        with _err_lock:
+            w = _err_words.get(key)
+            if w is None:
+                w = _err_words[key] = cupy.zeros((), dtype=np.int32)
+    return w
+

@@ -70,15 +70,20 @@ def save(path, arrays: dict, meta: dict | None = None) -> Path:
     finally:
         if tmp.exists():
             tmp.unlink()
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(folder) -> None:
+    """fsync a folder so a rename into it survives a crash (best effort: not every filesystem allows it)."""
     try:
-        fd = os.open(path.parent, os.O_RDONLY)
+        fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     except OSError:
         pass
-    return path
 
 
 def load(path) -> tuple[dict, dict]:

@@ -100,15 +100,10 @@ def read_safetensors(path, names=None) -> dict:
 
 
 def _fsync_replace(tmp: Path, path: Path):
+    from .checkpoint import fsync_dir
+
     os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    fsync_dir(path.parent)
 
 
 def write_safetensors(path, arrays: dict, metadata: dict | None = None):

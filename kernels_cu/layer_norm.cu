@@ -175,41 +175,6 @@ __device__ __forceinline__ void ln_fwd_loop(const T* __restrict__ x, const W* __
   }
 }
 
-// Writes `acc` (this thread's columns) into the block's partial row `part`, summing the block's RPB row
-// groups in threadIdx.y order through shared memory. Every thread of the block calls it.
-template <int VPT, int E>
-__device__ __forceinline__ void ln_write_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
-                                                 float* combine) {
-  if (blockDim.y == 1) {
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + k * blockDim.x;
-      if (u < units)
-#pragma unroll
-        for (int i = 0; i < E; ++i) part[u * E + i] = acc[k][i];
-    }
-    return;
-  }
-  // blockDim.y > 1 only when blockDim.x * blockDim.y == 256: combine holds 256 * E floats.
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < E; ++i) combine[tid * E + i] = acc[k][i];
-    __syncthreads();
-    const int u = threadIdx.x + k * blockDim.x;
-    if (threadIdx.y == 0 && u < units) {
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        float s = 0.f;
-        for (int j = 0; j < (int)blockDim.y; ++j) s += combine[(j * blockDim.x + threadIdx.x) * E + i];
-        part[u * E + i] = s;
-      }
-    }
-  }
-}
-
 // part: 2 * gridDim.x fp32 rows of C: dgamma partials, then dbeta partials; fully overwritten.
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
@@ -278,8 +243,8 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __
       }
     }
   }
-  ln_write_partial<VPT, E>(acc_g, part + (long long)blockIdx.x * C, units, combine);
-  ln_write_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, combine);
+  write_block_partial<VPT, E>(acc_g, part + (long long)blockIdx.x * C, units, combine);
+  write_block_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, combine);
 }
 
 // Long rows: one block per row (block-stride), two passes; dgamma/dbeta accumulate into the block's partial

@@ -126,9 +126,7 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
                                             bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
-  // Combines the block's rows (threadIdx.y) at the end, one pack slot at a time: TPR * RPB <= 256 threads
-  // with E <= 8 floats each.
-  __shared__ float combine[256 * 8];
+  __shared__ float combine[256 * 8];  // write_block_partial: TPR * RPB <= 256 threads, E <= 8 floats each
   const int units = C / E;
   float acc[VPT][E];
 #pragma unroll
@@ -175,35 +173,7 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
     }
   }
 
-  float* part = dw_part + (long long)blockIdx.x * C;
-  if (blockDim.y == 1) {
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + k * blockDim.x;
-      if (u < units)
-#pragma unroll
-        for (int i = 0; i < E; ++i) part[u * E + i] = acc[k][i];
-    }
-    return;
-  }
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < E; ++i) combine[tid * E + i] = acc[k][i];
-    __syncthreads();
-    // The first row of threads sums the other rows' values for its own columns, in row order.
-    const int u = threadIdx.x + k * blockDim.x;
-    if (threadIdx.y == 0 && u < units) {
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        float s = 0.f;
-        for (int j = 0; j < blockDim.y; ++j) s += combine[(j * blockDim.x + threadIdx.x) * E + i];
-        part[u * E + i] = s;
-      }
-    }
-  }
+  write_block_partial<VPT, E>(acc, dw_part + (long long)blockIdx.x * C, units, combine);
 }
 
 // Long rows: two passes, dw accumulated into the block's partial row in global memory (zeroed by the

@@ -6,7 +6,6 @@ the row is treated as ignored and 1 is ORed into a device error word (``ck.cross
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -17,8 +16,6 @@ FAMILY = "cross_entropy"
 INTS = (np.int32, np.int64)
 REDUCTIONS = ("mean", "sum", "none")
 
-_err_lock = threading.Lock()
-_err_words: dict[int, object] = {}
 
 
 def cross_entropy_error():
@@ -28,17 +25,7 @@ def cross_entropy_error():
     then counts as ignored), unless an ``error=`` word was passed. Read it when a host sync is acceptable
     (``int(ck.cross_entropy_error())``) and clear it with ``.fill(0)``.
     """
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    w = _err_words.get(dev)
-    if w is None:
-        with _err_lock:
-            w = _err_words.get(dev)
-            if w is None:
-                w = cupy.zeros((), dtype=np.int32)
-                _err_words[dev] = w
-    return w
+    return B.error_word("cross_entropy")
 
 
 def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):

@@ -5,7 +5,6 @@ into the table and flagged in a device error word (``ck.embedding_error()``), ne
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -16,8 +15,6 @@ FAMILY = "embedding"
 INTS = (np.int32, np.int64)
 _I32 = np.dtype(np.int32)
 
-_err_lock = threading.Lock()
-_err_words: dict[int, object] = {}
 
 
 def embedding_error():
@@ -28,17 +25,7 @@ def embedding_error():
     an ``error=`` word of their own. Read it whenever a host sync is acceptable (``int(ck.embedding_error())``)
     and clear it with ``.fill(0)``.
     """
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    w = _err_words.get(dev)
-    if w is None:
-        with _err_lock:
-            w = _err_words.get(dev)
-            if w is None:
-                w = cupy.zeros((), dtype=np.int32)
-                _err_words[dev] = w
-    return w
+    return B.error_word("embedding")
 
 
 def _error_word(xp, error):

@@ -90,3 +90,40 @@ __device__ __forceinline__ float row_max(float v, float* scratch) {
   v = lane < nwarps ? s[lane] : -CK_INF;
   return warp_max(v);
 }
+
+// Two-stage column reductions (dweight, dgamma, dbeta): writes `acc` (this thread's columns: packs k at
+// threadIdx.x + k * blockDim.x, E elements each) into the block's fp32 partial row `part`, summing the block's
+// blockDim.y row groups in threadIdx.y order through shared memory (`combine`: 256 * E floats; blockDim.y > 1
+// only when blockDim.x * blockDim.y == 256). Every thread of the block calls it. Deterministic.
+template <int VPT, int E>
+__device__ __forceinline__ void write_block_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
+                                                 float* combine) {
+  if (blockDim.y == 1) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units)
+#pragma unroll
+        for (int i = 0; i < E; ++i) part[u * E + i] = acc[k][i];
+    }
+    return;
+  }
+  // blockDim.y > 1 only when blockDim.x * blockDim.y == 256: combine holds 256 * E floats.
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < E; ++i) combine[tid * E + i] = acc[k][i];
+    __syncthreads();
+    const int u = threadIdx.x + k * blockDim.x;
+    if (threadIdx.y == 0 && u < units) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        float s = 0.f;
+        for (int j = 0; j < (int)blockDim.y; ++j) s += combine[(j * blockDim.x + threadIdx.x) * E + i];
+        part[u * E + i] = s;
+      }
+    }
+  }
+}
