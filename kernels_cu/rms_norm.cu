@@ -16,9 +16,10 @@
 //   256 threads (__launch_bounds__(256)). No kernel spills (tests/test_compile.py checks ptxas).
 // - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the
 //   launcher checks); VEC=false: element accesses, any C, any alignment (misaligned views).
-// - "loop" kernels take rows too long for registers (forward: fp32 C > 16384, bf16 C > 32768, unaligned
-//   C > 4096; backward: fp32 C > 8192, bf16 C > 16384, unaligned C > 2048): two passes over
-//   the row, the second mostly from L2 (a 256 KB row x 2 blocks x 132 SMs fits in the 60 MB L2).
+// - Rows too long for registers (forward: fp32 C > 16384, bf16 C > 32768, unaligned C > 4096; backward:
+//   fp32 C > 8192, bf16 C > 16384, unaligned C > 2048): the forward "loop" kernel makes two passes over the
+//   row, the second mostly from L2 (a 256 KB row x 2 blocks x 132 SMs fits in the 60 MB L2); the backward
+//   splits into per-row sums and column-chunk blocks (below).
 // - dw is deterministic: each block accumulates its rows' dy * x * r in registers (the thread owns the same
 //   columns for every row it visits), writes one fp32 partial row per block, and rms_dw_finalize sums the
 //   partials in a fixed order. The launcher sizes the grid to one wave, ~2 blocks/SM x 132 SMs, so the
@@ -176,22 +177,23 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
   write_block_partial<VPT, E>(acc, dw_part + (long long)blockIdx.x * C, units, combine);
 }
 
-// Long rows: two passes, dw accumulated into the block's partial row in global memory (zeroed by the
-// launcher with cudaMemsetAsync). Each thread owns the same columns for every row, so no two threads touch
-// one partial element and the order is fixed.
+// Long rows (the register plan does not fit): two kernels, no read-modify-write of partials (the layout of
+// layer_norm.cu's long-row backward).
+// 1) rms_bwd_rowsums: a block per row (block-stride): c = r^2 * mean(dy * w * x) into `coef` (one float per row).
+// 2) rms_bwd_cols: grid (column chunks of 256 packs, row groups); a thread owns one pack of columns and walks
+//    the rows of its group: dx = r * (dy * w - x * c); dw accumulates in registers and goes to the group's
+//    partial row (groups x C, fully overwritten; rms_dw_finalize sums them in order). 5 * N * C * s bytes.
 template <typename T, typename W, bool VEC>
-__device__ __forceinline__ void rms_bwd_loop(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const W* __restrict__ w, const float* __restrict__ rstd,
-                                             T* __restrict__ dx, float* __restrict__ dw_part, long long rows, int C,
-                                             bool w_vec) {
+__device__ __forceinline__ void rms_bwd_rowsums(const T* __restrict__ dy, const T* __restrict__ x,
+                                                const W* __restrict__ w, const float* __restrict__ rstd,
+                                                float* __restrict__ coef, long long rows, int C, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32];
   const int units = C / E;
-  float* part = dw_part + (long long)blockIdx.x * C;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const long long off = row * C;
-    const float r = rstd[row];
     float dot = 0.f;
+#pragma unroll 4
     for (int u = threadIdx.x; u < units; u += blockDim.x) {
       const Pack<T, E> xv = load_pack<T, E>(x + off + u * E), gv = load_pack<T, E>(dy + off + u * E);
       float wf[E];
@@ -200,21 +202,44 @@ __device__ __forceinline__ void rms_bwd_loop(const T* __restrict__ dy, const T* 
       for (int i = 0; i < E; ++i) dot += to_f32(gv.v[i]) * wf[i] * to_f32(xv.v[i]);
     }
     dot = row_sum(dot, scratch);
-    const float c = dot * r * r / (float)C;
-    for (int u = threadIdx.x; u < units; u += blockDim.x) {
-      const Pack<T, E> xv = load_pack<T, E>(x + off + u * E), gv = load_pack<T, E>(dy + off + u * E);
-      float wf[E];
-      load_f32<E>(w + u * E, wf, w_vec);
-      Pack<T, E> o;
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        const float xf = to_f32(xv.v[i]), gf = to_f32(gv.v[i]);
-        o.v[i] = from_f32<T>(r * (gf * wf[i] - xf * c));
-        part[u * E + i] += gf * xf * r;
-      }
-      store_pack<T, E>(dx + off + u * E, o);
-    }
+    const float r = rstd[row];
+    if (threadIdx.x == 0) coef[row] = dot * r * r / (float)C;
   }
+}
+
+template <typename T, typename W, bool VEC>
+__device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const W* __restrict__ w, const float* __restrict__ rstd,
+                                             const float* __restrict__ coef, T* __restrict__ dx,
+                                             float* __restrict__ dw_part, long long rows, int C, int rows_per_group,
+                                             bool w_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  const int units = C / E;
+  const int u = blockIdx.x * blockDim.x + threadIdx.x;
+  const long long r0 = (long long)blockIdx.y * rows_per_group;
+  const long long r1 = r0 + rows_per_group < rows ? r0 + rows_per_group : rows;
+  if (u >= units) return;  // no barriers below: idle threads may leave
+  float wf[E], acc[E];
+  load_f32<E>(w + u * E, wf, w_vec);
+#pragma unroll
+  for (int i = 0; i < E; ++i) acc[i] = 0.f;
+#pragma unroll 4
+  for (long long row = r0; row < r1; ++row) {
+    const long long off = row * C + (long long)u * E;
+    const Pack<T, E> xv = load_pack<T, E>(x + off), gv = load_pack<T, E>(dy + off);
+    const float r = rstd[row], c = coef[row];
+    Pack<T, E> o;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const float xf = to_f32(xv.v[i]), gf = to_f32(gv.v[i]);
+      o.v[i] = from_f32<T>(r * (gf * wf[i] - xf * c));
+      acc[i] += gf * xf * r;
+    }
+    store_pack<T, E>(dx + off, o);
+  }
+  float* part = dw_part + (long long)blockIdx.y * C + (long long)u * E;
+#pragma unroll
+  for (int i = 0; i < E; ++i) part[i] = acc[i];
 }
 
 // dw[c] = sum_p part[p, c], p in order. Block (32, 16): a warp reads 32 consecutive columns of one partial
@@ -256,10 +281,16 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_loop<T, W, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                               \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
-      rms_bwd_loop_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd, T* dx,            \
-                                      float* dw_part, long long rows, int C, bool w_vec) {                     \
-    rms_bwd_loop<T, W, VEC>(dy, x, w, rstd, dx, dw_part, rows, C, w_vec);                                      \
+  extern "C" __global__ void __launch_bounds__(512)                                                            \
+      rms_bwd_rowsums_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd, float* coef,   \
+                                         long long rows, int C, bool w_vec) {                                  \
+    rms_bwd_rowsums<T, W, VEC>(dy, x, w, rstd, coef, rows, C, w_vec);                                          \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      rms_bwd_cols_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd,                   \
+                                      const float* coef, T* dx, float* dw_part, long long rows, int C,         \
+                                      int rows_per_group, bool w_vec) {                                        \
+    rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dx, dw_part, rows, C, rows_per_group, w_vec);                \
   }
 #define RMS_ALL_VPT(T, W, TN, WN, VEC, VS)                                                                      \
   RMS_REG(T, W, TN, WN, 1, VEC, VS)                                                                             \

@@ -4,7 +4,7 @@ import numpy as np
 import cukernels as ck
 from bench_ops import Case
 
-SHAPES = [(1, 2048), (256, 2048), (8192, 2048), (4096, 4096), (8192, 8192)]
+SHAPES = [(1, 2048), (256, 2048), (8192, 2048), (4096, 4096), (8192, 8192), (2048, 32768)]
 
 
 def cases(ctx):

@@ -185,15 +185,26 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
         k = get_function(FAMILY, name)
         block = (tpr, rpb, 1)
         # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
-        nblocks = min((rows + rpb - 1) // rpb, _wave(name, tpr * rpb, x.device.id))
+        nparts = min((rows + rpb - 1) // rpb, _wave(name, tpr * rpb, x.device.id))
+        part = xp.empty((2 * nparts, C), dtype=np.float32)
+        k((nparts,), block, (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
     else:
-        k = get_function(FAMILY, f"ln_bwd_loop_{_tag(x, gamma)}_{vs}")
-        block = (1024, 1, 1)
-        nblocks = min(rows, B.sm_count())  # 1 block per SM keeps the partial rows few (they are read-modify-write)
-    part = xp.empty((2 * nblocks, C), dtype=np.float32)
-    if plan is None:
-        B.zero_(part)  # the loop kernel accumulates into its partial rows
-    k((nblocks,), block, (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+        # Long rows: per-row sums, then column-chunk blocks over row groups (layer_norm.cu).
+        units = C // (16 // x.itemsize) if vec else C
+        sums = xp.empty((rows, 2), dtype=np.float32)
+        ks = get_function(FAMILY, f"ln_bwd_rowsums_{_tag(x, gamma)}_{vs}")
+        ks((min(rows, 8 * B.sm_count()),), (512, 1, 1),
+           (dy, x, gamma, mean, rstd, sums, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+        colblocks = (units + 255) // 256
+        # ~8 blocks of 256 threads per SM in all, at least 8 rows per group (partials <= ~5 % of the bytes).
+        groups = max(1, min(-(-8 * B.sm_count() // colblocks), -(-rows // 8)))
+        rpg = -(-rows // groups)
+        groups = -(-rows // rpg)
+        nparts = groups
+        part = xp.empty((2 * nparts, C), dtype=np.float32)
+        kc = get_function(FAMILY, f"ln_bwd_cols_{_tag(x, gamma)}_{vs}")
+        kc((colblocks, groups, 1), (256, 1, 1),
+           (dy, x, gamma, mean, rstd, sums, dx, part, np.int64(rows), np.int32(C), np.int32(rpg), np.bool_(w_vec)))
     fin = get_function(FAMILY, f"ln_finalize_{B.DTYPE_TAG[gamma.dtype]}")
-    fin(((C + 31) // 32, 2, 1), (32, 16, 1), (part, dgamma, dbeta, np.int32(nblocks), np.int32(C)))
+    fin(((C + 31) // 32, 2, 1), (32, 16, 1), (part, dgamma, dbeta, np.int32(nparts), np.int32(C)))
     return dx, dgamma, dbeta

@@ -144,16 +144,26 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
     if kind == "reg":
         k = get_function(FAMILY, f"rms_bwd_{tag}_{vpt}{vs}")
         block = (tpr, rpb, 1)
+        # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
+        nparts = min((rows + rpb - 1) // rpb, B.sm_count() * B.blocks_per_sm(k, tpr * rpb))
+        part = xp.empty((nparts, C), dtype=np.float32)
+        k((nparts,), block, (dy, x, weight, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
     else:
-        k = get_function(FAMILY, f"rms_bwd_loop_{tag}_{vs}")
-        block = (512, 1, 1)
-    threads = block[0] * block[1]
-    # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
-    nblocks = min((rows + block[1] - 1) // block[1], B.sm_count() * B.blocks_per_sm(k, threads))
-    part = xp.empty((nblocks, C), dtype=np.float32)
-    if kind == "loop":
-        B.zero_(part)  # the loop kernel accumulates into its partial row
-    k((nblocks,), block, (dy, x, weight, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+        # Long rows: per-row coefficients, then column-chunk blocks over row groups (rms_norm.cu).
+        units = C // (16 // x.itemsize) if vec else C
+        coef = xp.empty((rows,), dtype=np.float32)
+        get_function(FAMILY, f"rms_bwd_rowsums_{tag}_{vs}")(
+            (min(rows, 8 * B.sm_count()),), (512, 1, 1),
+            (dy, x, weight, rstd, coef, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+        colblocks = (units + 255) // 256
+        # ~8 blocks of 256 threads per SM in all, at least 8 rows per group (partials <= ~5 % of the bytes).
+        groups = max(1, min(-(-8 * B.sm_count() // colblocks), -(-rows // 8)))
+        rpg = -(-rows // groups)
+        nparts = -(-rows // rpg)
+        part = xp.empty((nparts, C), dtype=np.float32)
+        get_function(FAMILY, f"rms_bwd_cols_{tag}_{vs}")(
+            (colblocks, nparts, 1), (256, 1, 1),
+            (dy, x, weight, rstd, coef, dx, part, np.int64(rows), np.int32(C), np.int32(rpg), np.bool_(w_vec)))
     fin = get_function(FAMILY, f"rms_dw_finalize_{B.DTYPE_TAG[weight.dtype]}")
-    fin(((C + 31) // 32,), (32, 16, 1), (part, dw, np.int32(nblocks), np.int32(C)))
+    fin(((C + 31) // 32,), (32, 16, 1), (part, dw, np.int32(nparts), np.int32(C)))
     return dx, dw
