@@ -227,8 +227,12 @@ class CausalSelfAttention(Module):
         self.o_proj = Linear(self.H * self.D, hidden, **kw)
 
     def forward(self, x, cos, sin, kv_cache=None):
-        if kv_cache is not None:
-            return self._forward_cached(x, cos, sin, kv_cache)
+        """Causal self-attention on x [B, T, hidden]; with ``kv_cache`` (a :class:`LayerKVCache`, inference) x
+        holds the T new tokens at positions ``cache.pos .. cache.pos + T - 1`` (cos/sin are exactly those rows):
+        their K/V go into the cache and the queries attend to every cached key -- the causal mask aligned at the
+        end (query i sees keys <= i + Tk - Tq) is "up to my own position". Both paths run the same operations
+        (projections, rope, the grouped [B, Hkv, G*T, D] GEMM layout, attn_softmax), so a prefill through the
+        cache gives the training forward's numbers; no tape is recorded for the cache."""
         Bsz, T, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         G = H // Hkv
@@ -237,37 +241,18 @@ class CausalSelfAttention(Module):
         v = F.reshape(self.v_proj(x), (Bsz, T, Hkv, D))
         q = F.rope(q, cos, sin, fused=self.fused)
         k = F.rope(k, cos, sin, fused=self.fused)
+        # Grouped-query layout: query head h = j * G + g serves KV head j, so [B, H, T, D] viewed as
+        # [B, Hkv, G * T, D] meets K/V [B, Hkv, T, D] in one batched GEMM (no repeated K/V copies).
         q = F.reshape(F.contiguous(F.transpose(q, (0, 2, 1, 3))), (Bsz, Hkv, G * T, D))
         k = F.contiguous(F.transpose(k, (0, 2, 1, 3)))
         v = F.contiguous(F.transpose(v, (0, 2, 1, 3)))
-        s = F.reshape(F.matmul(q, k, trans_b=True), (Bsz, H, T, T))
+        if kv_cache is not None:
+            kk, vv = kv_cache.append(k.data, v.data)
+            k, v = Tensor(kk), Tensor(vv)
+        L = k.shape[2]
+        s = F.reshape(F.matmul(q, k, trans_b=True), (Bsz, H, T, L))
         p = F.attn_softmax(s, causal=True, scale=1.0 / math.sqrt(D), fused=self.fused)
-        o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, T)), v)  # [B, Hkv, G*T, D]
-        o = F.reshape(F.contiguous(F.transpose(F.reshape(o, (Bsz, H, T, D)), (0, 2, 1, 3))), (Bsz, T, H * D))
-        return self.o_proj(o)
-
-    def _forward_cached(self, x, cos, sin, cache):
-        """Inference with a :class:`LayerKVCache`: x holds the T new tokens (positions ``cache.pos ..
-        cache.pos + T - 1``; cos/sin are the rotary rows of exactly those positions). Their K/V are written into
-        the cache, then the T queries attend to all ``cache.pos + T`` cached keys -- the causal mask aligned at
-        the end (query i sees keys <= i + Tk - Tq) is exactly "up to my own position". Same operations as the
-        training forward (projections, rope, the grouped [B, Hkv, G*T, D] GEMM layout, attn_softmax), so a
-        prefill through the cache gives the training forward's numbers; no tape is recorded for the cache."""
-        Bsz, T, _ = x.shape
-        H, Hkv, D = self.H, self.Hkv, self.D
-        G = H // Hkv
-        q = F.reshape(self.q_proj(x), (Bsz, T, H, D))
-        k = F.reshape(self.k_proj(x), (Bsz, T, Hkv, D))
-        v = F.reshape(self.v_proj(x), (Bsz, T, Hkv, D))
-        q = F.rope(q, cos, sin, fused=self.fused)
-        k = F.rope(k, cos, sin, fused=self.fused)
-        q = F.reshape(F.contiguous(F.transpose(q, (0, 2, 1, 3))), (Bsz, Hkv, G * T, D))
-        kk, vv = cache.append(F.contiguous(F.transpose(k, (0, 2, 1, 3))).data,
-                              F.contiguous(F.transpose(v, (0, 2, 1, 3))).data)
-        L = kk.shape[2]
-        s = F.reshape(F.matmul(q, Tensor(kk), trans_b=True), (Bsz, H, T, L))
-        p = F.attn_softmax(s, causal=True, scale=1.0 / math.sqrt(D), fused=self.fused)
-        o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, L)), Tensor(vv))
+        o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, L)), v)  # [B, Hkv, G*T, D]
         o = F.reshape(F.contiguous(F.transpose(F.reshape(o, (Bsz, H, T, D)), (0, 2, 1, 3))), (Bsz, T, H * D))
         return self.o_proj(o)
 

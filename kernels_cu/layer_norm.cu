@@ -328,26 +328,11 @@ __device__ __forceinline__ void ln_bwd_cols(const T* __restrict__ dy, const T* _
 }
 
 // dgamma[c] = sum_p part[p, c] (blockIdx.y == 0), dbeta[c] = sum_p part[nparts + p, c] (blockIdx.y == 1), p
-// in order. Block (32, 16): a warp reads 32 consecutive columns of one partial row (128 B, coalesced); the
-// 16 warps split the partial rows and are combined through shared memory in a fixed order.
+// in order (common/vec.cuh: column_sums).
 template <typename W>
 __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* __restrict__ dgamma,
                                             W* __restrict__ dbeta, int nparts, int C) {
-  __shared__ float s[16][33];
-  const float* p0 = part + (long long)blockIdx.y * nparts * C;
-  W* out = blockIdx.y == 0 ? dgamma : dbeta;
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float acc = 0.f;
-  if (c < C)
-    for (int p = threadIdx.y; p < nparts; p += 16) acc += p0[(long long)p * C + c];
-  s[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) t += s[j][threadIdx.x];
-    out[c] = from_f32<W>(t);
-  }
+  column_sums<W>(part + (long long)blockIdx.y * nparts * C, blockIdx.y == 0 ? dgamma : dbeta, nparts, C);
 }
 
 // ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are

@@ -242,24 +242,11 @@ __device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* 
   for (int i = 0; i < E; ++i) part[i] = acc[i];
 }
 
-// dw[c] = sum_p part[p, c], p in order. Block (32, 16): a warp reads 32 consecutive columns of one partial
-// row (128 B, coalesced); the 16 warps split the partial rows and are combined through shared memory.
+// dw[c] = sum_p part[p, c], p in order (common/vec.cuh: column_sums).
 template <typename W>
 __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, W* __restrict__ dw, int nparts,
                                                 int C) {
-  __shared__ float s[16][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float acc = 0.f;
-  if (c < C)
-    for (int p = threadIdx.y; p < nparts; p += 16) acc += part[(long long)p * C + c];
-  s[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float t = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) t += s[j][threadIdx.x];
-    dw[c] = from_f32<W>(t);
-  }
+  column_sums<W>(part, dw, nparts, C);
 }
 
 // ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are

@@ -127,3 +127,25 @@ __device__ __forceinline__ void write_block_partial(const float (&acc)[VPT][E], 
     }
   }
 }
+
+// Second stage of the two-stage column reductions: out[c] = sum_p part[p * C + c], p in order. Block (32, 16):
+// a warp reads 32 consecutive columns of one partial row (128 B, coalesced); the 16 warps split the partial
+// rows and are combined through shared memory in a fixed order (deterministic). Grid: ceil(C / 32) blocks.
+template <typename W>
+__device__ __forceinline__ void column_sums(const float* __restrict__ part, W* __restrict__ out, int nparts,
+                                            int C) {
+  __shared__ float s[16][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < C)
+    for (int p = threadIdx.y; p < nparts; p += 16) acc += part[(long long)p * C + c];
+  s[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) t += s[j][threadIdx.x];
+    out[c] = from_f32<W>(t);
+  }
+}
+
