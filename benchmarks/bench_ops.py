@@ -47,6 +47,7 @@ class Case:
     torch: Callable[[int], object] | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    flops: float = 0.0  # compute-bound cases: model FLOPs per call, printed as TFLOP/s
 
 
 class Ctx:
@@ -286,12 +287,13 @@ def main(argv=None):
             row = dict(op=c.op, shape=c.shape, dtype=c.dtype, ms=ms, gbs=gbs, pct_copy=100 * gbs / bw,
                        x_cupy=(comp / ms) if comp else None, x_torch=(tor / ms) if tor else None,
                        cupy_ms=comp, torch_ms=tor, eager_ms=eager, bytes=c.nbytes, formula=c.formula,
-                       timing=how, note=c.note)
+                       timing=how, note=c.note, tflops=(c.flops / (ms * 1e-3) / 1e12) if c.flops else None)
             rows.append(row)
             f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
             print(f"{c.op:<28} {c.shape:<20} {c.dtype:<5} {ms:9.4f} {gbs:7.0f} {row['pct_copy']:5.0f}% "
                   f"{f(row['x_cupy'], '%6.2fx'):>7} {f(row['x_torch'], '%7.2fx'):>8} {eager:9.4f}  {c.formula}"
-                  + (f"  [{how}]" if how != "graph" else "") + (f"  {c.note}" if c.note else ""), flush=True)
+                  + (f"  [{how}]" if how != "graph" else "") + (f"  {c.note}" if c.note else "")
+                  + (f"  {row['tflops']:.0f} TFLOP/s" if c.flops else ""), flush=True)
         del cases
         cp.get_default_memory_pool().free_all_blocks()
     if args.json:

@@ -34,7 +34,8 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
 CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024)}
 
 # Ablation rows in the seed report's order; each row switches one more optimisation on.
-FEATURES = ["shadow", "adam", "memset", "rmsnorm", "sparse_emb", "fused_ce", "fused_rest", "lazy_zero", "graph"]
+FEATURES = ["shadow", "adam", "memset", "rmsnorm", "sparse_emb", "fused_ce", "fused_rest", "flash", "lazy_zero",
+            "graph"]
 ROW_NAMES = {
     None: "unfused baseline (composite ops, per-use weight casts)",
     "shadow": "+ bf16 shadow weights (no per-use casts)",
@@ -44,6 +45,7 @@ ROW_NAMES = {
     "sparse_emb": "+ sparse-row embedding grad + Adam",
     "fused_ce": "+ fused cross-entropy",
     "fused_rest": "+ fused RoPE / SwiGLU / attention softmax",
+    "flash": "+ flash attention (no [B, H, T, T] scores)",
     "lazy_zero": "+ first backward write overwrites (GEMM beta=0), no zeroing",
     "graph": "+ CUDA graph of the whole step",
 }
@@ -63,7 +65,7 @@ class OurStep:
         import cupy as cp
 
         import cukernels as ck
-        from cukernels.nn import CompositeAdamW, Embedding, Linear, RMSNorm
+        from cukernels.nn import CausalSelfAttention, CompositeAdamW, Embedding, Linear, RMSNorm
 
         self.cp, self.ck = cp, ck
         mcfg = dict(mcfg or LLAMA_1B)
@@ -81,6 +83,8 @@ class OurStep:
                 m.fused = "fused_ce" in f
             else:
                 m.fused = "fused_rest" in f
+            if isinstance(m, CausalSelfAttention):
+                m.flash = "flash" in f
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
         if "adam" in f:

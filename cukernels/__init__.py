@@ -4,6 +4,7 @@ from ._loader import KernelCompileError
 from .blas import matmul
 from .ops.rms_norm import rms_norm, rms_norm_backward
 from .ops.layer_norm import layer_norm, layer_norm_backward
+from .ops.attention import flash_attention, flash_attention_backward
 from .ops.softmax import attn_softmax, attn_softmax_backward, softmax, softmax_backward
 from .ops.cross_entropy import cross_entropy, cross_entropy_backward, cross_entropy_error, cross_entropy_fused
 from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embedding_error

@@ -177,6 +177,17 @@ class Function:
         return out
 
 
+def fast_add(x, y):
+    """``x + y`` as a new array: CuPy float32/bfloat16 operands of one shape go through ``ck.add`` (16-byte
+    vector kernel, ~4 TB/s; CuPy's own bf16 ``+`` runs at ~1.2 TB/s on the H200), anything else through ``+``.
+    Never in place: a gradient array may be shared by several inputs (``Add.backward`` returns g twice)."""
+    if (B._kind(x) not in (None, np) and x.shape == y.shape and x.dtype in B.FLOATS and y.dtype in B.FLOATS
+            and x.flags.c_contiguous and y.flags.c_contiguous):
+        from .ops.elementwise import add
+        return add(x, y, dtype=np.promote_types(x.dtype, y.dtype))
+    return x + y
+
+
 def _accumulate_leaf(t, g):
     if t.grad is None:
         dt = t.data.dtype if t.data.dtype.kind == "f" or t.data.dtype == B.bfloat16 else g.dtype
@@ -184,8 +195,12 @@ def _accumulate_leaf(t, g):
     elif t.grad_stale:  # logically zero (lazy zero_grad): overwrite instead of adding
         t.grad[...] = g
         t.grad_stale = False
+    elif (B._kind(g) not in (None, np) and g.shape == t.grad.shape and g.dtype in B.FLOATS
+          and t.grad.dtype in B.FLOATS and g.flags.c_contiguous and t.grad.flags.c_contiguous):
+        from .ops.elementwise import add
+        add(t.grad, g, out=t.grad)  # in place: the optimizer's flat-buffer view stays bound
     else:
-        t.grad += g  # in place: the optimizer's flat-buffer view stays bound
+        t.grad += g
 
 
 def _toposort(root):
@@ -237,7 +252,7 @@ def backward(root: Tensor, grad=None, retain_graph=False):
             if a._node is None:
                 _accumulate_leaf(a, ga)
             elif id(a) in grads:
-                grads[id(a)] = grads[id(a)] + ga
+                grads[id(a)] = fast_add(grads[id(a)], ga)
             else:
                 grads[id(a)] = ga
         if not retain_graph:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _backend as B
-from .autograd import Function, Tensor, _xp, is_grad_enabled
+from .autograd import Function, Tensor, _xp, fast_add, is_grad_enabled
 
 _FLOAT_KINDS = "fc"
 
@@ -82,6 +82,8 @@ class Add(Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.shapes = (_shape(a), _shape(b))
+        if hasattr(a, "shape") and hasattr(b, "shape"):
+            return fast_add(a, b)  # the residual adds: ck.add on CuPy
         return a + b
 
     @staticmethod
@@ -473,6 +475,25 @@ class AttnSoftmaxF(Function):
         return _ck().attn_softmax_backward(p, _contig(g, p.dtype), scale=ctx.scale), None, None, None
 
 
+class FlashAttentionF(Function):
+    """Fused causal/non-causal attention on [B, T, heads, D] bf16 q, k, v (ck.flash_attention)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=True, scale=None):
+        o, lse = _ck().flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, o, lse = ctx.saved_tensors
+        if g.dtype != o.dtype or g.strides[-1] != g.itemsize:
+            g = _contig(g, o.dtype)
+        return (*_ck().flash_attention_backward(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale),
+                None, None)
+
+
 class CrossEntropyF(Function):
     """Mean (or sum) token cross-entropy of [N, V] logits; a 0-d fp32 device loss.
 
@@ -688,6 +709,11 @@ def softmax(x, fused=True):
     m = _data(xf).max(axis=-1, keepdims=True)
     e = exp(sub(xf, m))
     return cast(div(e, sum(e, axis=-1, keepdims=True)), dt)
+
+
+def flash_attention(q, k, v, *, causal=True, scale=None):
+    """Fused attention (ck.flash_attention): q [B, Tq, H, D], k/v [B, Tk, Hkv, D], bf16 -> o [B, Tq, H, D]."""
+    return FlashAttentionF.apply(q, k, v, causal, scale)
 
 
 def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, fused=True):

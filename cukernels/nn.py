@@ -16,6 +16,7 @@ from . import _backend as B
 from . import amp
 from . import functional as F
 from .autograd import Tensor, _xp
+from .ops.attention import HEAD_DIMS as flash_head_dims
 
 
 class Parameter(Tensor):
@@ -225,6 +226,13 @@ class CausalSelfAttention(Module):
         self.k_proj = Linear(hidden, self.Hkv * self.D, **kw)
         self.v_proj = Linear(hidden, self.Hkv * self.D, **kw)
         self.o_proj = Linear(self.H * self.D, hidden, **kw)
+        self.flash = True  # use ck.flash_attention where it applies (False: GEMM + attn_softmax + GEMM)
+
+    def _flash(self, q):
+        """The fused kernel path: fused ops, CuPy, bf16 activations (autocast) and a head_dim it has."""
+        d = q.data
+        return (self.fused and self.flash and not isinstance(d, np.ndarray) and d.dtype == B.bfloat16
+                and self.D in flash_head_dims)
 
     def forward(self, x, cos, sin, kv_cache=None):
         """Causal self-attention on x [B, T, hidden]; with ``kv_cache`` (a :class:`LayerKVCache`, inference) x
@@ -241,6 +249,11 @@ class CausalSelfAttention(Module):
         v = F.reshape(self.v_proj(x), (Bsz, T, Hkv, D))
         q = F.rope(q, cos, sin, fused=self.fused)
         k = F.rope(k, cos, sin, fused=self.fused)
+        if kv_cache is None and self._flash(q):
+            # Fused attention reads q, k, v in this [B, T, heads, D] layout (no transposes) and never
+            # materialises the [B, H, T, T] scores; its output is already the o_proj input layout.
+            o = F.flash_attention(q, k, v, causal=True, scale=1.0 / math.sqrt(D))
+            return self.o_proj(F.reshape(o, (Bsz, T, H * D)))
         # Grouped-query layout: query head h = j * G + g serves KV head j, so [B, H, T, D] viewed as
         # [B, Hkv, G * T, D] meets K/V [B, Hkv, T, D] in one batched GEMM (no repeated K/V copies).
         q = F.reshape(F.contiguous(F.transpose(q, (0, 2, 1, 3))), (Bsz, Hkv, G * T, D))

@@ -1,0 +1,39 @@
+"""Kernel times of ck.flash_attention fwd + bwd beside PyTorch's scaled_dot_product_attention (cuDNN / flash
+backend), from CUPTI through torch.profiler: the numbers behind benchmarks/NOTES.md's attention section.
+
+    PYTHONPATH=. python benchmarks/profile_attention.py
+"""
+import sys
+
+import cupy as cp
+import torch
+
+sys.path.insert(0, '.')
+import cukernels as ck
+from torch.profiler import profile, ProfilerActivity
+import torch.nn.functional as Fn
+for (B,T,H,Hkv,D,causal) in [(8,1024,32,8,64,True),(2,4096,32,8,64,True),(8,1024,32,8,64,False)]:
+    r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)
+    q,k,v,do = r(B,T,H,D), r(B,T,Hkv,D), r(B,T,Hkv,D), r(B,T,H,D)
+    o,lse = ck.flash_attention(q,k,v,causal=causal,return_lse=True)
+    ck.flash_attention_backward(do,q,k,v,o,lse,causal=causal)
+    tq = torch.randn(B,H,T,D,device='cuda',dtype=torch.bfloat16,requires_grad=True)
+    tk = torch.randn(B,Hkv,T,D,device='cuda',dtype=torch.bfloat16,requires_grad=True)
+    tv = torch.randn(B,Hkv,T,D,device='cuda',dtype=torch.bfloat16,requires_grad=True)
+    tdo = torch.randn(B,H,T,D,device='cuda',dtype=torch.bfloat16)
+    cp.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            o,lse = ck.flash_attention(q,k,v,causal=causal,return_lse=True)
+            ck.flash_attention_backward(do,q,k,v,o,lse,causal=causal)
+            to = Fn.scaled_dot_product_attention(tq,tk,tv,is_causal=causal,enable_gqa=True)
+            torch.autograd.grad(to,(tq,tk,tv),tdo)
+        torch.cuda.synchronize()
+    agg={}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            a=agg.setdefault(e.name[:70],[0,0]); a[0]+=e.device_time_total/3; a[1]+=1
+    f = 4*B*H*T*T*D*(0.5 if causal else 1)
+    print(f"== {B}x{T}x{H}/{Hkv}x{D} causal={causal}  fwd flops {f:.3g}")
+    for n,(us,c) in sorted(agg.items(), key=lambda kv:-kv[1][0])[:10]:
+        print(f"  {us:9.1f} us  {c//3:3d}x  {n}")

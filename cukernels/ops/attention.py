@@ -1,0 +1,215 @@
+"""Fused scaled-dot-product attention: ``ck.flash_attention``, ``ck.flash_attention_backward``.
+Kernels: ``kernels_cu/attention.cu``."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+
+FAMILY = "attention"
+THREADS = 128
+BM = 64  # rows of the query tile (fwd, dq) and of the key tile (dkdv): 16 per warp, 4 warps
+# head_dim -> (key tile of fwd / dq, query tile of dkdv); must match CK_ATTN_ENTRIES in attention.cu.
+TILES = {32: (64, 64), 64: (64, 64), 128: (32, 32)}
+HEAD_DIMS = tuple(TILES)
+
+
+def _smem(kind, D):
+    """Dynamic shared memory bytes of each kernel (the layouts in attention.cu)."""
+    bn, bq = TILES[D]
+    row = (D + 8) * 2  # padded bf16 row
+    if kind == "fwd":
+        return (BM + 4 * bn) * row
+    if kind == "dq":
+        return (2 * BM + 4 * bn) * row + BM * 4
+    return (2 * BM + 4 * bq) * row + 4 * bq * 4
+
+
+_configured: set = set()
+
+
+def _kernel(kind, D):
+    name = f"attn_{'bwd_' if kind != 'fwd' else ''}{kind}_d{D}"
+    k = get_function(FAMILY, name)
+    smem = _smem(kind, D)
+    key = (name, id(k))
+    if key not in _configured:  # a host-side attribute, set once before any capture
+        k.max_dynamic_shared_size_bytes = smem
+        _configured.add(key)
+    return k, smem
+
+
+def _check_qkv(name, a, shape_hint):
+    B.check_dtype(name, a, (B.bfloat16,))
+    if a.ndim != 4:
+        raise ValueError(f"{name}: expected 4 dimensions {shape_hint}; got shape {tuple(a.shape)}")
+
+
+def _strides(name, a):
+    """Element strides (batch, token, head) of a [B, T, heads, D] view the kernels can read in place."""
+    isz = a.itemsize
+    if a.shape[3] > 1 and a.strides[3] != isz:
+        raise ValueError(f"{name}: the last axis (head_dim) must be contiguous; got strides {a.strides}")
+    if a.size and (a.data.ptr % 16 or any(s % 16 for s in a.strides[:3])):
+        raise ValueError(f"{name}: the kernels read 16-byte chunks: the data pointer and the batch / token / head "
+                         f"strides must be multiples of 16 bytes; got pointer offset {a.data.ptr % 16}, strides "
+                         f"{a.strides} (use a contiguous copy)")
+    return tuple(np.int64(s // isz) for s in a.strides[:3])
+
+
+def _validate(q, k, v, causal, scale):
+    _check_qkv("q", q, "[batch, seq_q, heads, head_dim]")
+    _check_qkv("k", k, "[batch, seq_k, kv_heads, head_dim]")
+    _check_qkv("v", v, "[batch, seq_k, kv_heads, head_dim]")
+    Bsz, Tq, H, D = (int(s) for s in q.shape)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D} (use attn_softmax for other sizes)")
+    if k.shape[0] != Bsz or k.shape[3] != D:
+        raise ValueError(f"k: expected shape ({Bsz}, seq_k, kv_heads, {D}) to match q {tuple(q.shape)}; "
+                         f"got {tuple(k.shape)}")
+    Tk, Hkv = int(k.shape[1]), int(k.shape[2])
+    B.check_shape("v", v, k.shape, " (the shape of k)")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"k: kv_heads ({Hkv}) must divide the query heads ({H})")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    scale = B.scalar_f32("scale", scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number; got {scale}")
+    return Bsz, Tq, Tk, H, Hkv, D, bool(causal), scale
+
+
+def _ref_probs(q, k, causal, scale):
+    """NumPy path: fp32 scores [B, H, Tq, Tk] with the mask applied, and lse [B, H, Tq]."""
+    Bsz, Tq, H, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    qf = q.astype(np.float32).transpose(0, 2, 1, 3)
+    kf = np.repeat(k.astype(np.float32).transpose(0, 2, 1, 3), H // Hkv, axis=1)
+    s = np.matmul(qf, kf.transpose(0, 1, 3, 2)) * np.float32(scale)
+    if causal:
+        vis = np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + (Tk - Tq)
+        s = np.where(vis, s, np.float32(-np.inf))
+    m = s.max(-1, keepdims=True) if Tk else np.full(s.shape[:-1] + (1,), -np.inf, np.float32)
+    mb = np.where(np.isfinite(m), m, 0).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(np.exp(s - mb).sum(-1, keepdims=True)) + mb).astype(np.float32)
+    return s, lse[..., 0]
+
+
+def flash_attention(q, k, v, *, causal=True, scale=None, out=None, return_lse=False):
+    """Scaled-dot-product attention without materialising the scores (FlashAttention-2 style), bf16.
+
+    ``o[b, i, h] = sum_n softmax_n(scale * <q[b, i, h], k[b, n, h // G]> + mask) * v[b, n, h // G]`` with
+    ``G = heads / kv_heads`` (grouped-query attention; G = 1 is plain multi-head). ``causal=True`` masks key n
+    for query i when ``n > i + seq_k - seq_q`` (aligned at the end: with seq_q == seq_k, "up to my own
+    position"). The softmax and the accumulation are fp32; the probabilities enter the second product rounded to
+    bf16 (tensor cores), so the result matches an fp32 reference to bf16 accuracy.
+
+    Args:
+        q: bfloat16 ``[batch, seq_q, heads, head_dim]``; head_dim 32, 64 or 128.
+        k, v: bfloat16 ``[batch, seq_k, kv_heads, head_dim]``, kv_heads dividing heads.
+            q, k and v may be strided views (e.g. slices of one fused QKV projection): the last axis must be
+            contiguous, the data pointer and the other strides multiples of 16 bytes.
+        causal: the causal mask above.
+        scale: the score multiplier; default ``1 / sqrt(head_dim)``.
+        out: optional C-contiguous bfloat16 buffer of q's shape.
+        return_lse: also return ``lse`` float32 ``[batch, heads, seq_q]``, the natural-log softmax normaliser
+            (what :func:`flash_attention_backward` needs). A query that sees no key gets o = 0, lse = -inf.
+
+    Returns:
+        ``o`` (C-contiguous ``[batch, seq_q, heads, head_dim]``), or ``(o, lse)``.
+
+    Example::
+
+        >>> q = cp.random.standard_normal((8, 1024, 32, 64), dtype=cp.float32).astype(ck.bfloat16)
+        >>> k = v = cp.random.standard_normal((8, 1024, 8, 64), dtype=cp.float32).astype(ck.bfloat16)
+        >>> o, lse = ck.flash_attention(q, k, v, causal=True, return_lse=True)
+    """
+    xp = B.array_module(q=q, k=k, v=v, out=out)
+    Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    o = B.empty(xp, q.shape, B.bfloat16, out)
+    if xp is np:
+        s, lse = _ref_probs(q, k, causal, scale)
+        with np.errstate(invalid="ignore"):
+            p = np.where(np.isfinite(lse)[..., None], np.exp(s - lse[..., None]), 0).astype(np.float32)
+        vf = np.repeat(v.astype(np.float32).transpose(0, 2, 1, 3), H // Hkv, axis=1)
+        o[...] = np.matmul(p, vf).transpose(0, 2, 1, 3).astype(B.bfloat16)
+        return (o, lse) if return_lse else o
+    lse = xp.empty((Bsz, H, Tq), dtype=np.float32)
+    if Bsz * H * Tq == 0:
+        return (o, lse) if return_lse else o
+    sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
+    kern, smem = _kernel("fwd", D)
+    kern((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
+         (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
+          np.bool_(causal)), shared_mem=smem)
+    return (o, lse) if return_lse else o
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None):
+    """Gradients of :func:`flash_attention`: ``(dq, dk, dv)``.
+
+    With ``P`` recomputed from ``lse``: ``delta_i = <dO_i, o_i>``, ``dS = P * (dO V^T - delta)``,
+    ``dq = scale * dS K``, ``dk = scale * dS^T Q``, ``dv = P^T dO``; dk and dv are summed over the G query heads
+    that share a K/V head. Deterministic (no atomics).
+
+    Args:
+        dout: bfloat16 like ``q`` (strided views allowed, as for q).
+        q, k, v, causal, scale: exactly as passed to the forward.
+        out, lse: the forward's ``o`` (C-contiguous) and ``lse``.
+
+    Returns:
+        ``dq`` like q, ``dk`` and ``dv`` like k; bfloat16, C-contiguous.
+    """
+    xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
+    B.check_shape("dout", dout, q.shape, " (the shape of q)")
+    B.check_dtype("out", out, (B.bfloat16,))
+    B.check_shape("out", out, q.shape, " (the shape of q)")
+    B.check_contiguous("out", out)
+    B.check_dtype("lse", lse, (np.float32,))
+    B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
+    B.check_contiguous("lse", lse)
+    G = H // Hkv
+    if xp is np:
+        s, _ = _ref_probs(q, k, causal, scale)
+        lse_ = lse.astype(np.float32)[..., None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = np.where(np.isfinite(lse_) & np.isfinite(s), np.exp(s - lse_), 0).astype(np.float32)
+        tr = (0, 2, 1, 3)
+        do = dout.astype(np.float32).transpose(tr)
+        of = out.astype(np.float32).transpose(tr)
+        qf = q.astype(np.float32).transpose(tr)
+        kf = np.repeat(k.astype(np.float32).transpose(tr), G, axis=1)
+        vf = np.repeat(v.astype(np.float32).transpose(tr), G, axis=1)
+        delta = (do * of).sum(-1, keepdims=True)
+        ds = p * (np.matmul(do, vf.transpose(0, 1, 3, 2)) - delta)
+        dq = np.float32(scale) * np.matmul(ds, kf)
+        dk = np.float32(scale) * np.matmul(ds.transpose(0, 1, 3, 2), qf)
+        dv = np.matmul(p.transpose(0, 1, 3, 2), do)
+        dk = dk.reshape(Bsz, Hkv, G, Tk, D).sum(2)
+        dv = dv.reshape(Bsz, Hkv, G, Tk, D).sum(2)
+        return tuple(np.ascontiguousarray(a.transpose(tr)).astype(B.bfloat16) for a in (dq, dk, dv))
+    dq = xp.empty(q.shape, dtype=B.bfloat16)
+    dk = xp.empty(k.shape, dtype=B.bfloat16)
+    dv = xp.empty(k.shape, dtype=B.bfloat16)
+    if Bsz * H == 0:
+        return dq, dk, dv
+    delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
+    sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
+    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal))
+    if Tq:
+        kq, smq = _kernel("dq", D)
+        kq((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
+           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
+    if Tk:
+        kd, smd = _kernel("dkdv", D)
+        kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
+    return dq, dk, dv

@@ -1,0 +1,542 @@
+// Fused (flash-style) scaled-dot-product attention, bf16 in / bf16 out, fp32 softmax and accumulation.
+//
+// Math, per batch b and query head h (K/V head j = h / G with G = H / Hkv: grouped-query attention):
+//   s[i, n] = scale * <q_i, k_n>,  masked to -inf where n >= Tk or (causal and n > i + Tk - Tq)
+//   lse_i   = log sum_n exp(s[i, n]),  p[i, n] = exp(s[i, n] - lse_i),  o_i = sum_n p[i, n] v_n
+// Backward (dO given):  delta_i = <dO_i, o_i>,  dP = dO V^T,  dS = P * (dP - delta)  (row-wise),
+//   dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO   (dK, dV summed over the G query heads of a group).
+//
+// Why: the materialised path (GEMM -> [B, H, Tq, Tk] scores -> softmax -> GEMM) moves the score matrix through
+// HBM six times per layer in training; at B8 x T1024 x 32 heads that is 537 MB per pass in bf16, ~1.3 ms per
+// layer on an H200. Here a block keeps a 64-row query tile on chip and streams 64-key K/V tiles through shared
+// memory with an online softmax, so only q, k, v, o, dO and the per-row lse / delta touch HBM, and the causal
+// upper triangle is never computed (half the FLOPs).
+//
+// Design (sm_80+, runs on sm_90 through the same instructions):
+//   * Tensor cores through mma.sync.m16n8k16 (bf16 x bf16 -> fp32) with ldmatrix fragments; 4 warps per block,
+//     each warp owns 16 rows of the 64-row tile; the S = Q K^T accumulators are re-packed in registers into the
+//     A operand of the next product (P V, dS K ...), never written to shared memory.
+//   * Tiles are copied global -> shared with cp.async (16-byte chunks, zero-filled past the sequence end) into
+//     two stages, so the next tile's copy overlaps this tile's math. Shared rows are padded by 16 bytes: 8
+//     consecutive rows of a 64-wide tile then start in 8 different bank groups, so ldmatrix is conflict-free.
+//   * Backward = two kernels, no atomics (deterministic): attn_bwd_dq (one block per query tile, loops over its
+//     key tiles, also writes delta) then attn_bwd_dkdv (one block per key tile of a K/V head, loops over the G
+//     query heads and their query tiles). P is recomputed from lse in both: 7 tile products instead of 5,
+//     against one float atomic per dQ element in the 5-product form.
+//   * exp2 with scale * log2(e) folded in; lse is stored in natural-log units (the public contract) and
+//     converted on load.
+//   * Causal blocks are scheduled heaviest first (the longest key loops start in the first wave).
+//   * q, k, v, dO may be strided views ([B, T, heads, D] with any batch / token / head strides that are multiples
+//     of 8 elements, 16-byte aligned): the projections' outputs are read in place, no transposes.
+#include "common/vec.cuh"
+
+namespace {
+
+constexpr int NW = 4;          // warps per block
+constexpr int NT = NW * 32;    // threads per block
+constexpr int BM = NW * 16;    // query (dq, fwd) or key (dkdv) rows per block: 16 per warp
+constexpr float LOG2E = 1.4426950408889634f;
+
+// ------------------------------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  // src-size 0 zero-fills the 16 destination bytes (rows past the sequence end).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// c += a (16x16, row) * b (16x8, col), bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------ tiles
+// A [rows x D] bf16 tile in shared memory, rows padded to D + 8 elements (see the header comment).
+template <int D> struct Tile {
+  static constexpr int LD = D + 8;
+};
+
+// Copy rows [r0, r0 + ROWS) of a [T, D] slab (row stride `ld` elements) into shared `dst`; rows >= T are zeros.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, long long ld, int r0, int T) {
+  constexpr int CH = D / 8;  // 16-byte chunks per row
+#pragma unroll
+  for (int i = 0; i < (ROWS * CH + NT - 1) / NT; ++i) {
+    const int c = threadIdx.x + i * NT;
+    if ((ROWS * CH) % NT != 0 && c >= ROWS * CH) break;
+    const int r = c / CH, k = (c % CH) * 8;
+    const bool ok = r0 + r < T;
+    const bf16* s = src + (ok ? (long long)(r0 + r) * ld : 0) + k;
+    cp_async16(dst + r * Tile<D>::LD + k, s, ok);
+  }
+}
+
+// A-operand fragments of a warp's 16 rows (starting at row m0 of a shared tile) for all D / 16 k-steps.
+template <int D>
+__device__ __forceinline__ void load_a_frags(unsigned (&f)[D / 16][4], const bf16* t, int m0) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldsm_x4(f[kk], t + (m0 + (l & 7) + ((l >> 3) & 1) * 8) * Tile<D>::LD + kk * 16 + (l >> 4) * 8);
+}
+
+// acc[16 x N] += A (16 x K, registers) * X^T where X is a shared [N x K] tile (rows n0.., k-columns from 0):
+// the "B = X^T" product (S = Q K^T, dP = dO V^T ...). N multiple of 16.
+template <int K, int N, int LD>
+__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const unsigned (&a)[K / 16][4], const bf16* x) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+    for (int nn = 0; nn < N / 16; ++nn) {
+      unsigned b[4];
+      ldsm_x4(b, x + (nn * 16 + (l & 7) + (l >> 4) * 8) * LD + kk * 16 + ((l >> 3) & 1) * 8);
+      mma(acc[2 * nn], a[kk], b[0], b[1]);
+      mma(acc[2 * nn + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x N] += P (16 x K, fp32 accumulators re-packed to bf16 A fragments) * X where X is a shared [K x N]
+// tile (rows = the reduction index: keys for P V, queries for P^T dO ...).
+template <int K, int N, int LD>
+__device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* x) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    unsigned a[4];
+    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int nn = 0; nn < N / 16; ++nn) {
+      unsigned b[4];
+      ldsm_x4_t(b, x + (kk * 16 + (l & 7) + ((l >> 3) & 1) * 8) * LD + nn * 16 + (l >> 4) * 8);
+      mma(acc[2 * nn], a, b[0], b[1]);
+      mma(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+}
+
+// Store a warp's 16 x D fp32 accumulator tile (times `mul`) as bf16 rows [row0, row0 + 16) of a [T, ld] slab.
+template <int D>
+__device__ __forceinline__ void store_rows(bf16* dst, long long ld, int row0, int T, const float (&acc)[D / 8][4],
+                                           float mul0, float mul1) {
+  const int l = threadIdx.x & 31, g = l >> 2, c = (l & 3) * 2;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    if (row0 + g < T)
+      *reinterpret_cast<unsigned*>(dst + (long long)(row0 + g) * ld + nt * 8 + c) =
+          pack_bf16(acc[nt][0] * mul0, acc[nt][1] * mul0);
+    if (row0 + g + 8 < T)
+      *reinterpret_cast<unsigned*>(dst + (long long)(row0 + g + 8) * ld + nt * 8 + c) =
+          pack_bf16(acc[nt][2] * mul1, acc[nt][3] * mul1);
+  }
+}
+
+// Mask of the (row, column) of accumulator element e of n-tile nt: true = keep.
+// Rows are queries (fwd, dq) with index qrow; columns keys with index kcol.
+__device__ __forceinline__ bool visible(int q, int k, int Tk, int causal_off, bool causal) {
+  return k < Tk && (!causal || k <= q + causal_off);
+}
+
+struct Strides {
+  long long b, t, h;
+};
+
+}  // namespace
+
+// ================================================================================================ forward
+// Grid (ceil(Tq / 64), H, B); 128 threads; dynamic shared memory: Q tile + 2 stages of (K, V) tiles.
+template <int D, int BN>
+__device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                         const bf16* __restrict__ v, bf16* __restrict__ o, float* __restrict__ lse,
+                                         Strides sq, Strides sk, Strides sv, int Tq, int Tk, int H, int Hkv,
+                                         float scale, bool causal) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int LD = Tile<D>::LD;
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
+  bf16* Ks = Qs + BM * LD;        // [2][BN][LD]
+  bf16* Vs = Ks + 2 * BN * LD;    // [2][BN][LD]
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
+  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+  const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
+  const bf16* qp = q + b * sq.b + h * sq.h;
+  const bf16* kp = k + b * sk.b + j * sk.h;
+  const bf16* vp = v + b * sv.b + j * sv.h;
+  const float sl2 = scale * LOG2E;
+
+  int kend = Tk;
+  if (causal) kend = min(Tk, q0 + BM + off);
+  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+
+  load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
+  cp_async_commit();
+  if (nkb > 0) {
+    load_tile<D, BN>(Ks, kp, sk.t, 0, Tk);
+    load_tile<D, BN>(Vs, vp, sv.t, 0, Tk);
+  }
+  cp_async_commit();
+  cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
+  __syncthreads();
+  unsigned qf[D / 16][4];
+  load_a_frags<D>(qf, Qs, warp * 16);
+
+  float acc[D / 8][4];
+  zero(acc);
+  float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
+  const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+
+  for (int jb = 0; jb < nkb; ++jb) {
+    const int st = jb & 1;
+    if (jb + 1 < nkb) {
+      load_tile<D, BN>(Ks + (st ^ 1) * BN * LD, kp, sk.t, (jb + 1) * BN, Tk);
+      load_tile<D, BN>(Vs + (st ^ 1) * BN * LD, vp, sv.t, (jb + 1) * BN, Tk);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    float s[BN / 8][4];
+    zero(s);
+    mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
+
+    const int n0 = jb * BN;
+    const bool need_mask = n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off);
+    float mx0 = -CK_INF, mx1 = -CK_INF;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kc = n0 + nt * 8 + c2 + e;
+        float a = s[nt][e] * sl2, bq = s[nt][2 + e] * sl2;
+        if (need_mask) {
+          if (!visible(r0, kc, Tk, off, causal)) a = -CK_INF;
+          if (!visible(r1, kc, Tk, off, causal)) bq = -CK_INF;
+        }
+        s[nt][e] = a;
+        s[nt][2 + e] = bq;
+        mx0 = fmaxf(mx0, a);
+        mx1 = fmaxf(mx1, bq);
+      }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    // A row with nothing visible yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
+    const float base0 = mn0 == -CK_INF ? 0.f : mn0, base1 = mn1 == -CK_INF ? 0.f : mn1;
+    const float cr0 = exp2f(m0 - base0), cr1 = exp2f(m1 - base1);
+    m0 = mn0;
+    m1 = mn1;
+    float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      s[nt][0] = exp2f(s[nt][0] - base0);
+      s[nt][1] = exp2f(s[nt][1] - base0);
+      s[nt][2] = exp2f(s[nt][2] - base1);
+      s[nt][3] = exp2f(s[nt][3] - base1);
+      ps0 += s[nt][0] + s[nt][1];
+      ps1 += s[nt][2] + s[nt][3];
+    }
+    l0 = l0 * cr0 + ps0;
+    l1 = l1 * cr1 + ps1;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      acc[nt][0] *= cr0;
+      acc[nt][1] *= cr0;
+      acc[nt][2] *= cr1;
+      acc[nt][3] *= cr1;
+    }
+    mma_pb<BN, D, LD>(acc, s, Vs + st * BN * LD);
+    __syncthreads();  // the next iteration's prefetch overwrites the stage just read
+  }
+  cp_async_wait<0>();
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  // Output [B, Tq, H, D] contiguous; lse [B, H, Tq]. A row that saw no key (possible only when Tq > Tk under
+  // the causal alignment) gets o = 0 and lse = -inf.
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  store_rows<D>(o + ((long long)b * Tq * H + h) * D, (long long)H * D, q0 + warp * 16, Tq, acc, inv0, inv1);
+  if ((l & 3) == 0) {
+    float* lp = lse + ((long long)b * H + h) * Tq;
+    if (r0 < Tq) lp[r0] = l0 > 0.f ? (m0 + __log2f(l0)) / LOG2E : -CK_INF;
+    if (r1 < Tq) lp[r1] = l1 > 0.f ? (m1 + __log2f(l1)) / LOG2E : -CK_INF;
+  }
+}
+
+// ================================================================================================ backward: dQ
+// Grid (ceil(Tq / 64), H, B). Shared: Q, dO tiles (O staged in the first K/V stage for delta), 2 stages of K, V.
+// Also writes delta[B, H, Tq] = rowsum(dO * O) for attn_bwd_dkdv.
+template <int D, int BN>
+__device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                            const bf16* __restrict__ v, const bf16* __restrict__ o,
+                                            const bf16* __restrict__ dout, const float* __restrict__ lse,
+                                            float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
+                                            Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
+                                            float scale, bool causal) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int LD = Tile<D>::LD;
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
+  bf16* dOs = Qs + BM * LD;
+  bf16* Ks = dOs + BM * LD;      // [2][BN][LD]
+  bf16* Vs = Ks + 2 * BN * LD;   // [2][BN][LD]
+  float* dls = reinterpret_cast<float*>(Vs + 2 * BN * LD);  // [BM] delta of the tile's rows
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
+  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+  const int off = Tk - Tq;
+  const bf16* qp = q + b * sq.b + h * sq.h;
+  const bf16* kp = k + b * sk.b + j * sk.h;
+  const bf16* vp = v + b * sv.b + j * sv.h;
+  const bf16* dop = dout + b * sdo.b + h * sdo.h;
+  const bf16* op = o + ((long long)b * Tq * H + h) * D;  // o is our own contiguous [B, Tq, H, D]
+  const float sl2 = scale * LOG2E;
+
+  int kend = Tk;
+  if (causal) kend = min(Tk, q0 + BM + off);
+  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+
+  // Stage 0: Q, dO and O (O parked in the K/V stage-1 area, BN >= BM / 2 rows each is enough for 64 rows).
+  bf16* Os = Ks + BN * LD;  // stage 1 of K, followed by stage 0..1 of V: room for BM rows when BN >= 32
+  load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
+  load_tile<D, BM>(dOs, dop, sdo.t, q0, Tq);
+  load_tile<D, BM>(Os, op, (long long)H * D, q0, Tq);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  {  // delta: 2 threads per row
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < D / 2; ++c) {
+      const int col = half * (D / 2) + c;
+      acc += to_f32(dOs[r * LD + col]) * to_f32(Os[r * LD + col]);
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (!half) {
+      dls[r] = acc;
+      if (q0 + r < Tq) delta[((long long)b * H + h) * Tq + q0 + r] = acc;
+    }
+  }
+  unsigned qf[D / 16][4], dof[D / 16][4];
+  load_a_frags<D>(qf, Qs, warp * 16);
+  load_a_frags<D>(dof, dOs, warp * 16);
+  __syncthreads();  // O no longer needed: its area is reused by the K/V stages
+  const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+  const float* lsp = lse + ((long long)b * H + h) * Tq;
+  const float lse0 = r0 < Tq ? lsp[r0] * LOG2E : CK_INF, lse1 = r1 < Tq ? lsp[r1] * LOG2E : CK_INF;
+  const float dl0 = dls[warp * 16 + g], dl1 = dls[warp * 16 + g + 8];
+
+  if (nkb > 0) {
+    load_tile<D, BN>(Ks, kp, sk.t, 0, Tk);
+    load_tile<D, BN>(Vs, vp, sv.t, 0, Tk);
+  }
+  cp_async_commit();
+  float acc[D / 8][4];
+  zero(acc);
+  for (int jb = 0; jb < nkb; ++jb) {
+    const int st = jb & 1;
+    if (jb + 1 < nkb) {
+      load_tile<D, BN>(Ks + (st ^ 1) * BN * LD, kp, sk.t, (jb + 1) * BN, Tk);
+      load_tile<D, BN>(Vs + (st ^ 1) * BN * LD, vp, sv.t, (jb + 1) * BN, Tk);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    float s[BN / 8][4], dp[BN / 8][4];
+    zero(s);
+    zero(dp);
+    mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
+    mma_abt<D, BN, LD>(dp, dof, Vs + st * BN * LD);
+    const int n0 = jb * BN;
+    const bool need_mask = n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kc = n0 + nt * 8 + c2 + e;
+        float p0 = exp2f(s[nt][e] * sl2 - lse0), p1 = exp2f(s[nt][2 + e] * sl2 - lse1);
+        if (need_mask) {
+          if (!visible(r0, kc, Tk, off, causal)) p0 = 0.f;
+          if (!visible(r1, kc, Tk, off, causal)) p1 = 0.f;
+        }
+        s[nt][e] = p0 * (dp[nt][e] - dl0);  // dS
+        s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1);
+      }
+    }
+    mma_pb<BN, D, LD>(acc, s, Ks + st * BN * LD);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  store_rows<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, q0 + warp * 16, Tq, acc, scale, scale);
+}
+
+// ================================================================================================ backward: dK, dV
+// Grid (ceil(Tk / 64), Hkv, B): a block owns 64 keys of K/V head j (16 per warp) and loops over the G query
+// heads of the group and their query tiles (BQ rows each), accumulating dK and dV in registers.
+// Shared: K, V tiles, then 2 stages of (Q, dO, lse, delta).
+template <int D, int BQ>
+__device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                              const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                              const float* __restrict__ lse, const float* __restrict__ delta,
+                                              bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
+                                              Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
+                                              int Hkv, float scale, bool causal) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  constexpr int LD = Tile<D>::LD;
+  bf16* Ks = reinterpret_cast<bf16*>(smem_raw);
+  bf16* Vs = Ks + BM * LD;
+  bf16* Qs = Vs + BM * LD;          // [2][BQ][LD]
+  bf16* dOs = Qs + 2 * BQ * LD;     // [2][BQ][LD]
+  float* Ls = reinterpret_cast<float*>(dOs + 2 * BQ * LD);  // [2][BQ] lse * log2(e)
+  float* Dls = Ls + 2 * BQ;                                 // [2][BQ] delta
+  const int nb = blockIdx.x;  // heaviest (first) key tiles first under the causal mask
+  const int j = blockIdx.y, b = blockIdx.z, G = H / Hkv;
+  const int k0 = nb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+  const int off = Tk - Tq;
+  const float sl2 = scale * LOG2E;
+  const bf16* kp = k + b * sk.b + j * sk.h;
+  const bf16* vp = v + b * sv.b + j * sv.h;
+
+  load_tile<D, BM>(Ks, kp, sk.t, k0, Tk);
+  load_tile<D, BM>(Vs, vp, sv.t, k0, Tk);
+  cp_async_commit();
+  // First query row that can see key k0 (causal): i + off >= k0.
+  const int qstart = causal ? max(0, k0 - off) / BQ : 0;
+  const int nqb = (Tq + BQ - 1) / BQ - qstart;
+  const int total = nqb > 0 ? G * nqb : 0;
+
+  auto issue = [&](int it, int st) {
+    const int h = j * G + it / nqb, qb = qstart + it % nqb;
+    const int r = qb * BQ;
+    load_tile<D, BQ>(Qs + st * BQ * LD, q + b * sq.b + h * sq.h, sq.t, r, Tq);
+    load_tile<D, BQ>(dOs + st * BQ * LD, dout + b * sdo.b + h * sdo.h, sdo.t, r, Tq);
+    for (int i = threadIdx.x; i < BQ; i += NT) {
+      const bool ok = r + i < Tq;
+      const long long row = ((long long)b * H + h) * Tq + r + i;
+      Ls[st * BQ + i] = ok ? lse[row] * LOG2E : CK_INF;  // padded rows: p = exp2(-inf) = 0
+      Dls[st * BQ + i] = ok ? delta[row] : 0.f;
+    }
+  };
+  if (total > 0) issue(0, 0);
+  cp_async_commit();
+  cp_async_wait<1>();  // K and V have landed
+  __syncthreads();
+  unsigned kf[D / 16][4], vf[D / 16][4];
+  load_a_frags<D>(kf, Ks, warp * 16);
+  load_a_frags<D>(vf, Vs, warp * 16);
+
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  const int kr0 = k0 + warp * 16 + g, kr1 = kr0 + 8;  // this thread's two key rows
+
+  for (int it = 0; it < total; ++it) {
+    const int st = it & 1;
+    if (it + 1 < total) issue(it + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf16* Qt = Qs + st * BQ * LD;
+    const bf16* dOt = dOs + st * BQ * LD;
+    const float* Lt = Ls + st * BQ;
+    const float* Dt = Dls + st * BQ;
+    const int r = (qstart + it % nqb) * BQ;
+    // S^T (keys x queries) and dP^T = V dO^T.
+    float s[BQ / 8][4], dp[BQ / 8][4];
+    zero(s);
+    zero(dp);
+    mma_abt<D, BQ, LD>(s, kf, Qt);
+    mma_abt<D, BQ, LD>(dp, vf, dOt);
+    const bool need_mask = causal && r < k0 + warp * 16 + 15 - off + 1;  // some query in the tile < key + ...
+#pragma unroll
+    for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qi = nt * 8 + c2 + e, qc = r + qi;
+        const float lq = Lt[qi], dq_ = Dt[qi];
+        float p0 = exp2f(s[nt][e] * sl2 - lq), p1 = exp2f(s[nt][2 + e] * sl2 - lq);
+        if (kr0 >= Tk || (need_mask && kr0 > qc + off)) p0 = 0.f;
+        if (kr1 >= Tk || (need_mask && kr1 > qc + off)) p1 = 0.f;
+        s[nt][e] = p0;
+        s[nt][2 + e] = p1;
+        dp[nt][e] = p0 * (dp[nt][e] - dq_);  // dS^T
+        dp[nt][2 + e] = p1 * (dp[nt][2 + e] - dq_);
+      }
+    }
+    mma_pb<BQ, D, LD>(dva, s, dOt);   // dV += P^T dO
+    mma_pb<BQ, D, LD>(dka, dp, Qt);   // dK += dS^T Q
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  store_rows<D>(dk + ((long long)b * Tk * Hkv + j) * D, (long long)Hkv * D, k0 + warp * 16, Tk, dka, scale, scale);
+  store_rows<D>(dv + ((long long)b * Tk * Hkv + j) * D, (long long)Hkv * D, k0 + warp * 16, Tk, dva, 1.f, 1.f);
+}
+
+// ================================================================================================ entry points
+// attn_{fwd,bwd_dq,bwd_dkdv}_d{32,64,128}. Strides are in elements: (batch, token, head); the last axis is
+// contiguous. Launch: 128 threads, dynamic shared memory as computed by cukernels/ops/attention.py.
+#define CK_ATTN_ENTRIES(D, BN, BQ)                                                                            \
+  extern "C" __global__ void __launch_bounds__(NT, 1) attn_fwd_d##D(                                              \
+      const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
+      long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
+      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+    attn_fwd<D, BN>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh}, Tq, Tk, H, \
+                    Hkv, scale, causal);                                                                       \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_d##D(                                           \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
+      float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
+      long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
+      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+    attn_bwd_dq<D, BN>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},             \
+                       Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);               \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dkdv_d##D(                                         \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
+      bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
+      long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
+      int H, int Hkv, float scale, bool causal) {                                                              \
+    attn_bwd_dkdv<D, BQ>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},          \
+                         Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);             \
+  }
+
+// (D, key tile of fwd / dq, query tile of dkdv): 128-wide heads take 32-row query tiles in dkdv so that
+// dK, dV (2 x 64 fp32 per thread) and the S / dP tiles still fit in registers without spilling.
+CK_ATTN_ENTRIES(32, 64, 64)
+CK_ATTN_ENTRIES(64, 64, 64)
+CK_ATTN_ENTRIES(128, 32, 32)
