@@ -172,7 +172,7 @@ class AdamW:
         self._lr = xp.zeros((), dtype=np.float32)
         self.set_lr(lr)
         self._schedule = None
-        self._norm = self._scale = self._norm_ws = None  # grad_norm / clip_grad_norm outputs, made once
+        self._norm = self._scale = self._norm_ws = self._norm_key = None  # grad_norm outputs, made once
 
     # ------------------------------------------------------------------------------------------ layout
     @staticmethod
@@ -434,15 +434,21 @@ class AdamW:
 
     def grad_norm(self):
         """Global L2 norm of all gradients (0-d float32 device array): one partial launch per flat buffer plus
-        one final reduce. A sparse parameter's whole (V, D) gradient buffer is read. The result and the
-        partials live in buffers the optimizer allocates once, so the same array comes back every call (safe
-        inside a captured graph; copy it if you keep values across steps)."""
+        one final reduce. A sparse parameter with registered rows (``set_rows`` / ``attach_sparse``) is read
+        on its listed rows only -- the rows ``step()`` updates; its buffer is zero elsewhere. The result and
+        the partials live in buffers the optimizer allocates once, so the same array comes back every call
+        (safe inside a captured graph; copy it if you keep values across steps)."""
         self.flush_stale()
-        if self._norm is None:
-            self._norm = self.xp.zeros((), dtype=np.float32)
-            self._scale = self.xp.ones((), dtype=np.float32)
-            self._norm_ws = _A.global_norm_workspace(self.flat_grads)
-        return _A.global_norm(self.flat_grads, out=self._norm, workspace=self._norm_ws)
+        rows = [(g.rows, g.row_count) if g.sparse and g.rows is not None else None for g in self._groups]
+        rows = rows if any(r is not None for r in rows) else None
+        key = tuple((id(r[0]), id(r[1])) if r is not None else None for r in rows or ())
+        if self._norm is None or self._norm_key != key:
+            if self._norm is None:
+                self._norm = self.xp.zeros((), dtype=np.float32)
+                self._scale = self.xp.ones((), dtype=np.float32)
+            self._norm_ws = _A.global_norm_workspace(self.flat_grads, rows)
+            self._norm_key = key
+        return _A.global_norm(self.flat_grads, out=self._norm, workspace=self._norm_ws, rows=rows)
 
     def clip_grad_norm(self, max_norm):
         """``(norm, scale)`` device scalars with ``scale = min(1, max_norm / (norm + 1e-6))``; pass ``scale``

@@ -294,6 +294,45 @@ SUMSQ_ENTRY(float, f32, false, s)
 SUMSQ_ENTRY(bf16, bf16, true, v)
 SUMSQ_ENTRY(bf16, bf16, false, s)
 
+// ---- global_norm stage 1 over listed rows of a (V, D) matrix (a sparse-row embedding gradient, zero elsewhere):
+// part[blockIdx.x] = sum of x[r, :]^2 over rows r = rows[i], i = blockIdx.x, blockIdx.x + gridDim.x, ... below
+// min(*count, capacity); rows outside [0, V) are skipped (as the NumPy path). A B4 x T64 step touches ~256 of
+// 128256 rows: 2 MB read instead of the whole 1.05 GB fp32 buffer (0.25 ms on an H200).
+template <typename T, bool VEC>
+__device__ __forceinline__ void sumsq_rows_partial(const T* __restrict__ x, const int* __restrict__ rows,
+                                                   const int* __restrict__ count, int capacity, int V, int D,
+                                                   float* __restrict__ part) {
+  __shared__ float scratch[32];
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  const int n = min(max(*count, 0), capacity);
+  float acc = 0.f;
+  for (int i = blockIdx.x; i < n; i += gridDim.x) {
+    const int r = rows[i];
+    if (r < 0 || r >= V) continue;
+    const T* row = x + (long long)r * D;
+    for (int u = threadIdx.x; u < D / E; u += blockDim.x) {
+      const Pack<T, E> p = load_pack<T, E>(row + u * E);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float f = to_f32(p.v[e]);
+        acc = fmaf(f, f, acc);
+      }
+    }
+  }
+  acc = row_sum(acc, scratch);
+  if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+#define SUMSQ_ROWS_ENTRY(T, TN, VEC, VS)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) sumsq_rows_partial_##TN##_##VS(                           \
+      const T* x, const int* rows, const int* count, int capacity, int V, int D, float* part) {               \
+    sumsq_rows_partial<T, VEC>(x, rows, count, capacity, V, D, part);                                         \
+  }
+SUMSQ_ROWS_ENTRY(float, f32, true, v)
+SUMSQ_ROWS_ENTRY(float, f32, false, s)
+SUMSQ_ROWS_ENTRY(bf16, bf16, true, v)
+SUMSQ_ROWS_ENTRY(bf16, bf16, false, s)
+
 __device__ __forceinline__ double warp_sum_f64(double v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

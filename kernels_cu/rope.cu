@@ -29,17 +29,24 @@ template <typename T, typename PT, bool IL, bool VEC>
 __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, const PT* __restrict__ positions,
                                           long long ntok, int S, int H, int D, int L, int pos_mode, float sgn,
-                                          bool cs_vec) {
+                                          bool cs_vec, int hsplit) {
   constexpr int E = VEC ? 16 / sizeof(T) : (IL ? 2 : 1);  // elements per pack
   constexpr int P = IL ? E / 2 : E;                       // pairs per unit
   constexpr int U = 4;                                    // heads in flight
   const int half = D / 2;
   const int Du = IL ? D / E : half / E;  // units per token
-  const long long n = ntok * Du;
-  for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < n;
-       j += (long long)gridDim.x * blockDim.x) {
+  // A unit is (token, pack, head chunk): few tokens (B4 x T64 = 256 tokens x 4 packs) would otherwise give
+  // 1024 threads that each walk 32 heads -- a latency-bound 6 us launch; the launcher splits the heads into
+  // `hsplit` chunks so that a wave's threads are busy.
+  const int hc = (H + hsplit - 1) / hsplit;
+  const long long n = ntok * Du * hsplit;
+  for (long long jj = (long long)blockIdx.x * blockDim.x + threadIdx.x; jj < n;
+       jj += (long long)gridDim.x * blockDim.x) {
+    const int hs = (int)(jj % hsplit);
+    const long long j = jj / hsplit;
     const long long tok = j / Du;
     const int cu = (int)(j - tok * Du);
+    const int hb = hs * hc, he = min(H, hb + hc);
     long long p;
     if (pos_mode == 0) p = tok % S;                       // arange(seq)
     else if (pos_mode == 1) p = (long long)positions[tok % S];  // positions [seq]
@@ -51,11 +58,11 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 #pragma unroll
     for (int i = 0; i < P; ++i) sn[i] *= sgn;
     const long long off0 = tok * H * D + (long long)cu * E;  // head 0's pack (first half, rotate-half)
-    for (int h0 = 0; h0 < H; h0 += U) {
+    for (int h0 = hb; h0 < he; h0 += U) {
       Chunk<T, E, VEC> a[U], b[U];
 #pragma unroll
       for (int k = 0; k < U; ++k) {
-        if (h0 + k < H) {
+        if (h0 + k < he) {
           const T* src = x + off0 + (long long)(h0 + k) * D;
           a[k].load(src);
           if (!IL) b[k].load(src + half);
@@ -63,7 +70,7 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
       }
 #pragma unroll
       for (int k = 0; k < U; ++k) {
-        if (h0 + k < H) {
+        if (h0 + k < he) {
           T* dst = y + off0 + (long long)(h0 + k) * D;
           if (IL) {
             float f[E];
@@ -102,8 +109,8 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 #define ROPE_ONE(T, PT, TN, PN, IL, HI, VEC, VS)                                                              \
   extern "C" __global__ void __launch_bounds__(256, 2) rope_##TN##_##PN##_##HI##_##VS(                         \
       const T* x, T* y, const float* cos_t, const float* sin_t, const PT* positions, long long ntok, int S,  \
-      int H, int D, int L, int pos_mode, float sgn, bool cs_vec) {                                          \
-    rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec);      \
+      int H, int D, int L, int pos_mode, float sgn, bool cs_vec, int hsplit) {                              \
+    rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec, hsplit); \
   }
 #define ROPE_LAYOUTS(T, PT, TN, PN)                                                                           \
   ROPE_ONE(T, PT, TN, PN, false, h, true, v)                                                                \

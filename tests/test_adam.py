@@ -385,3 +385,37 @@ def test_gpu_adam_captures_with_device_lr_and_step(rng):
         s.synchronize()
         ck.adam_step(*host, lr=lr, step=t, weight_decay=0.1, shadow=sh_h, grad_scale=np.array(gs, F32))
         _check_adam(dev, host, sh_d, f"replay {t}")
+
+
+def test_reference_global_norm_over_listed_rows(rng):
+    """rows=: only rows[0:count] of a (V, D) matrix count (out-of-range entries skipped, count clamped)."""
+    g = randn(rng, (50, 7), F32)
+    dense = randn(rng, (11,), ck.bfloat16)
+    rows, count = np.array([4, 17, 60, 3, 9, 9], np.int32), np.array(4, np.int32)  # 60 skipped, 9s past count
+    n = ck.global_norm([dense, g], rows=[None, (rows, count)])
+    want = np.sqrt((dense.astype(np.float64) ** 2).sum() + (g[[4, 17, 3]].astype(np.float64) ** 2).sum())
+    np.testing.assert_allclose(float(n), want, rtol=1e-7)
+    with pytest.raises(ValueError, match="rows: expected a list with one entry per array"):
+        ck.global_norm([dense, g], rows=[None])
+    with pytest.raises(ValueError, match=r"rows\[0\]: listed rows need a 2-D"):
+        ck.global_norm([dense, g], rows=[(rows, count), None])
+    with pytest.raises(TypeError, match="rows: expected dtype int32"):
+        ck.global_norm([g], rows=[(rows.astype(np.int64), count)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D", [(F32, 2048), (F32, 7), (ck.bfloat16, 64), (ck.bfloat16, 13)])
+def test_gpu_global_norm_over_listed_rows(rng, dtype, D):
+    import cupy as cp
+
+    V = 3001
+    g = randn(rng, (V, D), dtype)
+    rows = rng.permutation(V).astype(np.int32)
+    rows[5] = V + 3  # skipped
+    for count in (0, 1, 257, V, V + 10):
+        c = np.array(count, np.int32)
+        ref = float(ck.global_norm([g], rows=[(rows, c)]))
+        dv = [device_copy(g)]
+        r = [(cp.asarray(rows), cp.asarray(c))]
+        got = ck.global_norm(dv, rows=r, workspace=A.global_norm_workspace(dv, r))
+        np.testing.assert_allclose(float(got), ref, rtol=1e-5, atol=1e-30)

@@ -402,30 +402,56 @@ def _as_list(arrays):
     return [arrays]
 
 
-def _norm_plan(arrs):
-    """[(array, vec, blocks, first partial slot)] for the non-empty arrays, and the number of partials."""
+def _norm_plan(arrs, rows=None):
+    """[(array, vec, blocks, first partial slot, rows entry)] for the non-empty arrays, and the number of
+    partials. A rows entry (rows, count) reads only the listed rows: a fixed grid (the count is on the device)."""
     plan, total = [], 0
-    for a in arrs:
+    for i, a in enumerate(arrs):
         if a.size == 0:
             continue
-        vec = a.size >= 16 // a.itemsize and B.aligned16(a)
-        nb = _partial_blocks(a.size, a.itemsize, vec)
-        plan.append((a, vec, nb, total))
+        r = rows[i] if rows is not None else None
+        if r is not None:
+            E = 16 // a.itemsize
+            vec = a.shape[1] % E == 0 and B.aligned16(a)
+            nb = max(1, min(a.shape[0], B.sm_count() * 2))
+        else:
+            vec = a.size >= 16 // a.itemsize and B.aligned16(a)
+            nb = _partial_blocks(a.size, a.itemsize, vec)
+        plan.append((a, vec, nb, total, r))
         total += nb
     return plan, total
 
 
-def global_norm_workspace(arrays):
-    """A float32 buffer big enough for :func:`global_norm`'s per-block partials of ``arrays`` (on their
-    device). Allocate it once and pass it as ``workspace=`` to keep a captured graph free of temporaries."""
+def _check_norm_rows(arrs, rows):
+    """``rows`` of global_norm: None, or one entry per array: None or ``(rows, count)`` for a 2-D array."""
+    if rows is None:
+        return None
+    if not isinstance(rows, (list, tuple)) or len(rows) != len(arrs):
+        raise ValueError(f"rows: expected a list with one entry per array ({len(arrs)}); got {rows!r:.80}")
+    for i, (a, r) in enumerate(zip(arrs, rows)):
+        if r is None:
+            continue
+        if not isinstance(r, (list, tuple)) or len(r) != 2:
+            raise ValueError(f"rows[{i}]: expected None or a (rows, count) pair; got {type(r).__name__}")
+        if a.ndim != 2:
+            raise ValueError(f"rows[{i}]: listed rows need a 2-D (V, D) array; arrays[{i}] has shape {a.shape}")
+        B.array_module(**{f"arrays[{i}]": a, f"rows[{i}][0]": r[0], f"rows[{i}][1]": r[1]})
+        _check_rows(r[0], r[1])
+    return list(rows)
+
+
+def global_norm_workspace(arrays, rows=None):
+    """A float32 buffer big enough for :func:`global_norm`'s per-block partials of ``arrays`` (and ``rows``,
+    as passed to it) on their device. Allocate it once and pass it as ``workspace=`` to keep a captured graph
+    free of temporaries."""
     arrs = _as_list(arrays)
     xp = B.array_module(**{f"arrays[{i}]": a for i, a in enumerate(arrs)})
     if xp is np:
         return np.empty((1,), dtype=np.float32)
-    return xp.empty((max(1, _norm_plan(arrs)[1]),), dtype=np.float32)
+    return xp.empty((max(1, _norm_plan(arrs, _check_norm_rows(arrs, rows))[1]),), dtype=np.float32)
 
 
-def global_norm(arrays, *, out=None, workspace=None):
+def global_norm(arrays, *, out=None, workspace=None, rows=None):
     """Global L2 norm of one array or of a list of arrays, as a 0-d float32 array (no host sync).
 
     ``norm = sqrt(sum over arrays of sum(a**2))``, accumulated in fp32 per thread and block, double across
@@ -439,6 +465,9 @@ def global_norm(arrays, *, out=None, workspace=None):
         out: optional 0-d float32 output.
         workspace: optional 1-D float32 buffer for the partials (from :func:`global_norm_workspace`);
             without it a small pool temporary is used.
+        rows: optional list with one entry per array: None, or ``(rows, count)`` (int32 row list, 0-d int32
+            count on the device, as ``ck.SparseRowGrad`` keeps them) for a 2-D array that is zero outside the
+            listed rows: only ``rows[0:count]`` are read (each row listed once; rows outside [0, V) skipped).
 
     Returns:
         0-d float32 array (``out`` when given); 0 for an empty total.
@@ -456,13 +485,18 @@ def global_norm(arrays, *, out=None, workspace=None):
         B.check_contiguous(name, a)
     if out is not None:
         B.check_out("out", out, (), np.float32)
+    rows = _check_norm_rows(arrs, rows)
     res = out if out is not None else xp.empty((), dtype=np.float32)
     if xp is np:
-        total = sum(float(np.sum(np.square(a.astype(np.float64)))) for a in arrs)
+        total = 0.0
+        for i, a in enumerate(arrs):
+            if rows is not None and rows[i] is not None:
+                a = a[_host_rows(rows[i][0], rows[i][1], a.shape[0])]
+            total += float(np.sum(np.square(a.astype(np.float64))))
         res[...] = np.float32(np.sqrt(total))
         return res
 
-    plan, total_parts = _norm_plan(arrs)
+    plan, total_parts = _norm_plan(arrs, rows)
     if workspace is not None:
         B.check_dtype("workspace", workspace, (np.float32,))
         if workspace.ndim != 1 or workspace.size < total_parts:
@@ -472,8 +506,14 @@ def global_norm(arrays, *, out=None, workspace=None):
         part = workspace
     else:
         part = xp.empty((max(total_parts, 1),), dtype=np.float32)
-    for a, vec, nb, off in plan:
-        k = get_function(FAMILY, f"sumsq_partial_{B.DTYPE_TAG[a.dtype]}_{'v' if vec else 's'}")
+    for a, vec, nb, off, r in plan:
+        tag = f"{B.DTYPE_TAG[a.dtype]}_{'v' if vec else 's'}"
+        if r is not None:
+            get_function(FAMILY, f"sumsq_rows_partial_{tag}")(
+                (nb,), (THREADS,), (a, r[0], r[1], np.int32(r[0].size), np.int32(a.shape[0]), np.int32(a.shape[1]),
+                                    part[off:off + nb]))
+            continue
+        k = get_function(FAMILY, f"sumsq_partial_{tag}")
         k((nb,), (THREADS,), (a, np.int64(a.size), part[off:off + nb]))
     fin = get_function(FAMILY, "sumsq_final")
     fin((1,), (1024,), (part, np.int64(total_parts), res))

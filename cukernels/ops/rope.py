@@ -167,10 +167,12 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     ptag = B.DTYPE_TAG[positions.dtype] if positions is not None else "i32"
     name = f"rope_{B.DTYPE_TAG[x.dtype]}_{ptag}_{'i' if interleaved else 'h'}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
-    grid = launch_grid(k, (FAMILY, name), units)
+    # Split the heads across threads until a wave is full (about 2048 threads per SM), one head per thread at most.
+    hsplit = int(min(H, max(1, -(-B.sm_count() * 2048 // units))))
+    grid = launch_grid(k, (FAMILY, name), units * hsplit)
     k((grid,), (THREADS, 1, 1),
       (x, y, cos, sin, positions if positions is not None else B.NULL, np.int64(ntok), np.int32(S), np.int32(H),
-       np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec)))
+       np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec), np.int32(hsplit)))
     return y
 
 
