@@ -141,6 +141,32 @@ __device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[
   }
 }
 
+// 2^x in one MUFU.EX2 (flush-to-zero: exponents below -126 give 0, which is what a probability that small
+// rounds to in bf16 anyway). exp2f without fast-math adds a denormal-range fix-up around the same instruction;
+// at head_dim 64 one exp per (query, key) pair costs as much issue time as the two tile products.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Set to -inf the elements of a warp's [16 x N] score tile (rows row0 + g, row0 + g + 8; columns col0 + ...)
+// that the mask hides. ROWS_ARE_QUERIES: fwd / dq tiles (rows = queries, columns = keys); else dkdv's
+// transposed tiles (rows = keys, columns = queries). Called only on tiles that touch the mask boundary.
+template <int N, bool ROWS_ARE_QUERIES>
+__device__ __forceinline__ void apply_mask(float (&s)[N / 8][4], int row0, int col0, int Tk, int off, bool causal) {
+  const int l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
+      const int q = ROWS_ARE_QUERIES ? r : c, k = ROWS_ARE_QUERIES ? c : r;
+      if (k >= Tk || (causal && k > q + off)) s[nt][e] = -CK_INF;
+    }
+  }
+}
+
 template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
@@ -160,12 +186,6 @@ __device__ __forceinline__ void store_rows(bf16* dst, long long ld, int row0, in
       *reinterpret_cast<unsigned*>(dst + (long long)(row0 + g + 8) * ld + nt * 8 + c) =
           pack_bf16(acc[nt][2] * mul1, acc[nt][3] * mul1);
   }
-}
-
-// Mask of the (row, column) of accumulator element e of n-tile nt: true = keep.
-// Rows are queries (fwd, dq) with index qrow; columns keys with index kcol.
-__device__ __forceinline__ bool visible(int q, int k, int Tk, int causal_off, bool causal) {
-  return k < Tk && (!causal || k <= q + causal_off);
 }
 
 struct Strides {
@@ -231,41 +251,31 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
     mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
 
     const int n0 = jb * BN;
-    const bool need_mask = n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off);
-    float mx0 = -CK_INF, mx1 = -CK_INF;
+    if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off))
+      apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+    float mx0 = -CK_INF, mx1 = -CK_INF;  // raw scores: scale > 0, so max(s) * sl2 = max(s * sl2)
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int kc = n0 + nt * 8 + c2 + e;
-        float a = s[nt][e] * sl2, bq = s[nt][2 + e] * sl2;
-        if (need_mask) {
-          if (!visible(r0, kc, Tk, off, causal)) a = -CK_INF;
-          if (!visible(r1, kc, Tk, off, causal)) bq = -CK_INF;
-        }
-        s[nt][e] = a;
-        s[nt][2 + e] = bq;
-        mx0 = fmaxf(mx0, a);
-        mx1 = fmaxf(mx1, bq);
-      }
+      mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
     }
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
     // A row with nothing visible yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
     const float base0 = mn0 == -CK_INF ? 0.f : mn0, base1 = mn1 == -CK_INF ? 0.f : mn1;
-    const float cr0 = exp2f(m0 - base0), cr1 = exp2f(m1 - base1);
+    const float cr0 = ex2(m0 - base0), cr1 = ex2(m1 - base1);
     m0 = mn0;
     m1 = mn1;
     float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      s[nt][0] = exp2f(s[nt][0] - base0);
-      s[nt][1] = exp2f(s[nt][1] - base0);
-      s[nt][2] = exp2f(s[nt][2] - base1);
-      s[nt][3] = exp2f(s[nt][3] - base1);
+    for (int nt = 0; nt < BN / 8; ++nt) {  // p = 2^(s * scale * log2(e) - max): one FMA + one MUFU
+      s[nt][0] = ex2(fmaf(s[nt][0], sl2, -base0));
+      s[nt][1] = ex2(fmaf(s[nt][1], sl2, -base0));
+      s[nt][2] = ex2(fmaf(s[nt][2], sl2, -base1));
+      s[nt][3] = ex2(fmaf(s[nt][3], sl2, -base1));
       ps0 += s[nt][0] + s[nt][1];
       ps1 += s[nt][2] + s[nt][3];
     }
@@ -358,7 +368,9 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   __syncthreads();  // O no longer needed: its area is reused by the K/V stages
   const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
   const float* lsp = lse + ((long long)b * H + h) * Tq;
-  const float lse0 = r0 < Tq ? lsp[r0] * LOG2E : CK_INF, lse1 = r1 < Tq ? lsp[r1] * LOG2E : CK_INF;
+  // lse in log2 units; padded rows and rows that saw no key (lse = -inf) get +inf: p = 2^(-inf) = 0, no NaN.
+  auto lse2 = [&](int r) { const float x = r < Tq ? lsp[r] : CK_INF; return x == -CK_INF ? CK_INF : x * LOG2E; };
+  const float lse0 = lse2(r0), lse1 = lse2(r1);
   const float dl0 = dls[warp * 16 + g], dl1 = dls[warp * 16 + g + 8];
 
   if (nkb > 0) {
@@ -383,17 +395,13 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
     mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
     mma_abt<D, BN, LD>(dp, dof, Vs + st * BN * LD);
     const int n0 = jb * BN;
-    const bool need_mask = n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off);
+    if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off))
+      apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int kc = n0 + nt * 8 + c2 + e;
-        float p0 = exp2f(s[nt][e] * sl2 - lse0), p1 = exp2f(s[nt][2 + e] * sl2 - lse1);
-        if (need_mask) {
-          if (!visible(r0, kc, Tk, off, causal)) p0 = 0.f;
-          if (!visible(r1, kc, Tk, off, causal)) p1 = 0.f;
-        }
+        const float p0 = ex2(fmaf(s[nt][e], sl2, -lse0)), p1 = ex2(fmaf(s[nt][2 + e], sl2, -lse1));
         s[nt][e] = p0 * (dp[nt][e] - dl0);  // dS
         s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1);
       }
@@ -448,7 +456,8 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
     for (int i = threadIdx.x; i < BQ; i += NT) {
       const bool ok = r + i < Tq;
       const long long row = ((long long)b * H + h) * Tq + r + i;
-      Ls[st * BQ + i] = ok ? lse[row] * LOG2E : CK_INF;  // padded rows: p = exp2(-inf) = 0
+      const float x = ok ? lse[row] : CK_INF;  // padded rows and rows with no visible key: p = 2^(-inf) = 0
+      Ls[st * BQ + i] = x == -CK_INF ? CK_INF : x * LOG2E;
       Dls[st * BQ + i] = ok ? delta[row] : 0.f;
     }
   };
@@ -463,7 +472,6 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
   zero(dva);
-  const int kr0 = k0 + warp * 16 + g, kr1 = kr0 + 8;  // this thread's two key rows
 
   for (int it = 0; it < total; ++it) {
     const int st = it & 1;
@@ -482,21 +490,22 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
     zero(dp);
     mma_abt<D, BQ, LD>(s, kf, Qt);
     mma_abt<D, BQ, LD>(dp, vf, dOt);
-    const bool need_mask = causal && r < k0 + warp * 16 + 15 - off + 1;  // some query in the tile < key + ...
+    // Padded keys (>= Tk) are never stored, so only the causal boundary needs masking here.
+    if (causal && r + off < k0 + warp * 16 + 15) apply_mask<BQ, false>(s, k0 + warp * 16, r, Tk, off, causal);
 #pragma unroll
     for (int nt = 0; nt < BQ / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int qi = nt * 8 + c2 + e, qc = r + qi;
-        const float lq = Lt[qi], dq_ = Dt[qi];
-        float p0 = exp2f(s[nt][e] * sl2 - lq), p1 = exp2f(s[nt][2 + e] * sl2 - lq);
-        if (kr0 >= Tk || (need_mask && kr0 > qc + off)) p0 = 0.f;
-        if (kr1 >= Tk || (need_mask && kr1 > qc + off)) p1 = 0.f;
-        s[nt][e] = p0;
-        s[nt][2 + e] = p1;
-        dp[nt][e] = p0 * (dp[nt][e] - dq_);  // dS^T
-        dp[nt][2 + e] = p1 * (dp[nt][2 + e] - dq_);
-      }
+      const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
+      const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
+      const float p00 = ex2(fmaf(s[nt][0], sl2, -lq.x)), p01 = ex2(fmaf(s[nt][1], sl2, -lq.y));
+      const float p10 = ex2(fmaf(s[nt][2], sl2, -lq.x)), p11 = ex2(fmaf(s[nt][3], sl2, -lq.y));
+      s[nt][0] = p00;
+      s[nt][1] = p01;
+      s[nt][2] = p10;
+      s[nt][3] = p11;
+      dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
+      dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
+      dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
+      dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
     }
     mma_pb<BQ, D, LD>(dva, s, dOt);   // dV += P^T dO
     mma_pb<BQ, D, LD>(dka, dp, Qt);   // dK += dS^T Q

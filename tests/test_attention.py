@@ -111,6 +111,8 @@ def test_validation():
         ck.flash_attention(q, k, v[:, :3])
     with pytest.raises(TypeError, match="causal"):
         ck.flash_attention(q, k, v, causal="yes")
+    with pytest.raises(ValueError, match="scale: expected a finite number > 0"):
+        ck.flash_attention(q, k, v, scale=-0.5)
     with pytest.raises(ValueError, match="q: expected 4 dimensions"):
         ck.flash_attention(q[0], k, v)
     o, lse = ck.flash_attention(q, k, v, return_lse=True)

@@ -79,8 +79,8 @@ def _validate(q, k, v, causal, scale):
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     scale = B.scalar_f32("scale", scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number; got {scale}")
+    if not (np.isfinite(scale) and scale > 0):  # the kernels take the row max of the unscaled scores
+        raise ValueError(f"scale: expected a finite number > 0; got {scale}")
     return Bsz, Tq, Tk, H, Hkv, D, bool(causal), scale
 
 
@@ -116,7 +116,7 @@ def flash_attention(q, k, v, *, causal=True, scale=None, out=None, return_lse=Fa
             q, k and v may be strided views (e.g. slices of one fused QKV projection): the last axis must be
             contiguous, the data pointer and the other strides multiples of 16 bytes.
         causal: the causal mask above.
-        scale: the score multiplier; default ``1 / sqrt(head_dim)``.
+        scale: the score multiplier, > 0; default ``1 / sqrt(head_dim)``.
         out: optional C-contiguous bfloat16 buffer of q's shape.
         return_lse: also return ``lse`` float32 ``[batch, heads, seq_q]``, the natural-log softmax normaliser
             (what :func:`flash_attention_backward` needs). A query that sees no key gets o = 0, lse = -inf.
