@@ -311,7 +311,7 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 // ================================================================================================ backward: dQ
 // Grid (ceil(Tq / 64), H, B). Shared: Q, dO tiles (O staged in the first K/V stage for delta), 2 stages of K, V.
 // Also writes delta[B, H, Tq] = rowsum(dO * O) for attn_bwd_dkdv.
-template <int D, int BN>
+template <int D, int BN, bool FR>
 __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                             const bf16* __restrict__ v, const bf16* __restrict__ o,
                                             const bf16* __restrict__ dout, const float* __restrict__ lse,
@@ -362,9 +362,13 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
       if (q0 + r < Tq) delta[((long long)b * H + h) * Tq + q0 + r] = acc;
     }
   }
+  // FR: the Q and dO fragments live in registers for the whole loop; else they are re-read from the (unchanged)
+  // shared tiles before each product, 32 fewer live registers at D = 64 (a third resident block).
   unsigned qf[D / 16][4], dof[D / 16][4];
-  load_a_frags<D>(qf, Qs, warp * 16);
-  load_a_frags<D>(dof, dOs, warp * 16);
+  if (FR) {
+    load_a_frags<D>(qf, Qs, warp * 16);
+    load_a_frags<D>(dof, dOs, warp * 16);
+  }
   __syncthreads();  // O no longer needed: its area is reused by the K/V stages
   const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
   const float* lsp = lse + ((long long)b * H + h) * Tq;
@@ -392,7 +396,9 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
     float s[BN / 8][4], dp[BN / 8][4];
     zero(s);
     zero(dp);
+    if (!FR) load_a_frags<D>(qf, Qs, warp * 16);
     mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
+    if (!FR) load_a_frags<D>(dof, dOs, warp * 16);
     mma_abt<D, BN, LD>(dp, dof, Vs + st * BN * LD);
     const int n0 = jb * BN;
     if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off))
@@ -417,7 +423,7 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
 // Grid (ceil(Tk / 64), Hkv, B): a block owns 64 keys of K/V head j (16 per warp) and loops over the G query
 // heads of the group and their query tiles (BQ rows each), accumulating dK and dV in registers.
 // Shared: K, V tiles, then 2 stages of (Q, dO, lse, delta).
-template <int D, int BQ>
+template <int D, int BQ, bool FR>
 __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
@@ -465,9 +471,11 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
   cp_async_commit();
   cp_async_wait<1>();  // K and V have landed
   __syncthreads();
-  unsigned kf[D / 16][4], vf[D / 16][4];
-  load_a_frags<D>(kf, Ks, warp * 16);
-  load_a_frags<D>(vf, Vs, warp * 16);
+  unsigned kf[D / 16][4], vf[D / 16][4];  // FR: in registers for the whole loop (as in attn_bwd_dq)
+  if (FR) {
+    load_a_frags<D>(kf, Ks, warp * 16);
+    load_a_frags<D>(vf, Vs, warp * 16);
+  }
 
   float dka[D / 8][4], dva[D / 8][4];
   zero(dka);
@@ -488,7 +496,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
     float s[BQ / 8][4], dp[BQ / 8][4];
     zero(s);
     zero(dp);
+    if (!FR) load_a_frags<D>(kf, Ks, warp * 16);
     mma_abt<D, BQ, LD>(s, kf, Qt);
+    if (!FR) load_a_frags<D>(vf, Vs, warp * 16);
     mma_abt<D, BQ, LD>(dp, vf, dOt);
     // Padded keys (>= Tk) are never stored, so only the causal boundary needs masking here.
     if (causal && r + off < k0 + warp * 16 + 15) apply_mask<BQ, false>(s, k0 + warp * 16, r, Tk, off, causal);
@@ -517,35 +527,49 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 }
 
 // ================================================================================================ entry points
-// attn_{fwd,bwd_dq,bwd_dkdv}_d{32,64,128}. Strides are in elements: (batch, token, head); the last axis is
-// contiguous. Launch: 128 threads, dynamic shared memory as computed by cukernels/ops/attention.py.
-#define CK_ATTN_ENTRIES(D, BN, BQ)                                                                            \
-  extern "C" __global__ void __launch_bounds__(NT, 1) attn_fwd_d##D(                                              \
+// attn_{fwd,bwd_dq,bwd_dkdv}_d{32,64,128}{SUF} (SUF empty in production; tune_attention.py's variants set it).
+// Strides are in elements: (batch, token, head); the last axis is
+// contiguous. Launch: 128 threads, dynamic shared memory as computed by cukernels/ops/attention.py (TILES).
+#define CK_ATTN_FWD(D, BN, MINB, SUF)                                                                        \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_fwd_d##D##SUF(                                                \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
     attn_fwd<D, BN>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh}, Tq, Tk, H, \
                     Hkv, scale, causal);                                                                       \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dq_d##D(                                           \
+  }
+#define CK_ATTN_DQ(D, BN, FR, MINB, SUF)                                                                     \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dq_d##D##SUF(                                                \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
-    attn_bwd_dq<D, BN>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},             \
-                       Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);               \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NT) attn_bwd_dkdv_d##D(                                         \
+    attn_bwd_dq<D, BN, FR>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},         \
+                           Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);           \
+  }
+#define CK_ATTN_DKDV(D, BQ, FR, MINB, SUF)                                                                   \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dkdv_d##D##SUF(                                                \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal) {                                                              \
-    attn_bwd_dkdv<D, BQ>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},          \
-                         Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);             \
+    attn_bwd_dkdv<D, BQ, FR>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},      \
+                             Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);         \
   }
 
-// (D, key tile of fwd / dq, query tile of dkdv): 128-wide heads take 32-row query tiles in dkdv so that
-// dK, dV (2 x 64 fp32 per thread) and the S / dP tiles still fit in registers without spilling.
-CK_ATTN_ENTRIES(32, 64, 64)
-CK_ATTN_ENTRIES(64, 64, 64)
-CK_ATTN_ENTRIES(128, 32, 32)
+// Tiles and resident blocks (benchmarks/tune_attention.py, H200, B8 x T1024 causal, D = 64; NOTES.md):
+//   fwd  64-key tiles, 3 blocks per SM (166 registers): 205.7 us against 217.5 at 2 blocks (177 registers);
+//   dq   32-key tiles, 3 blocks per SM (162 registers): 261.9 us against 282.3 with 64-key tiles at 2 blocks;
+//   dkdv 64-query tiles, 2 blocks per SM (236 registers): 379.9 us; 32-query tiles at 3 blocks ran 423 us
+//        (the K/V fragments kept in registers matter more there than the third block).
+// 128-wide heads take 32-row tiles so that the fp32 accumulators fit in registers without spilling.
+// cukernels/ops/attention.py's TILES mirrors the tile columns.
+CK_ATTN_FWD(32, 64, 1, )
+CK_ATTN_FWD(64, 64, 3, )
+CK_ATTN_FWD(128, 32, 1, )
+CK_ATTN_DQ(32, 64, true, 1, )
+CK_ATTN_DQ(64, 32, true, 3, )
+CK_ATTN_DQ(128, 32, true, 1, )
+CK_ATTN_DKDV(32, 64, true, 1, )
+CK_ATTN_DKDV(64, 64, true, 1, )
+CK_ATTN_DKDV(128, 32, true, 1, )

@@ -12,19 +12,19 @@ from .._loader import get_function
 FAMILY = "attention"
 THREADS = 128
 BM = 64  # rows of the query tile (fwd, dq) and of the key tile (dkdv): 16 per warp, 4 warps
-# head_dim -> (key tile of fwd / dq, query tile of dkdv); must match CK_ATTN_ENTRIES in attention.cu.
-TILES = {32: (64, 64), 64: (64, 64), 128: (32, 32)}
+# head_dim -> (key tile of fwd, key tile of dq, query tile of dkdv); must match the entries in attention.cu.
+TILES = {32: (64, 64, 64), 64: (64, 32, 64), 128: (32, 32, 32)}
 HEAD_DIMS = tuple(TILES)
 
 
 def _smem(kind, D):
     """Dynamic shared memory bytes of each kernel (the layouts in attention.cu)."""
-    bn, bq = TILES[D]
+    bn_fwd, bn_dq, bq = TILES[D]
     row = (D + 8) * 2  # padded bf16 row
     if kind == "fwd":
-        return (BM + 4 * bn) * row
+        return (BM + 4 * bn_fwd) * row
     if kind == "dq":
-        return (2 * BM + 4 * bn) * row + BM * 4
+        return (2 * BM + 4 * bn_dq) * row + BM * 4
     return (2 * BM + 4 * bq) * row + 4 * bq * 4
 
 

@@ -1,0 +1,93 @@
+"""Time the experimental instantiations of kernels_cu/attention.cu (tile width, fragments kept in registers or
+re-read from shared memory, resident blocks per SM) against the production ones, on the training shapes.
+
+    PYTHONPATH=. python benchmarks/tune_attention.py
+
+Each variant is launched with the production launcher's arguments and checked against the production
+kernel's output (max |difference|; the variants only reorder fp32 work).
+"""
+import statistics
+import sys
+
+import cupy as cp
+import numpy as np
+
+sys.path.insert(0, ".")
+import cukernels as ck  # noqa: E402
+from cukernels._loader import get_function  # noqa: E402
+from cukernels.ops import attention as A  # noqa: E402
+
+D = 64
+# name -> (kind, tile): tile = key tile (fwd, dq) or query tile (dkdv); same shared layouts as production. To try
+# a variant, instantiate it at the end of attention.cu (e.g. ``CK_ATTN_DQ(64, 64, false, 2, _x1)`` defines attn_bwd_dq_d64_x1)
+# and list it here. Session 2 compared 11 variants this way (benchmarks/NOTES.md, attention).
+VARIANTS = {"attn_fwd_d64": ("fwd", A.TILES[D][0]), "attn_bwd_dq_d64": ("dq", A.TILES[D][1]),
+            "attn_bwd_dkdv_d64": ("dkdv", A.TILES[D][2])}
+
+
+def smem(kind, t):
+    row = (D + 8) * 2
+    if kind == "fwd":
+        return (A.BM + 4 * t) * row
+    if kind == "dq":
+        return (2 * A.BM + 4 * t) * row + A.BM * 4
+    return (2 * A.BM + 4 * t) * row + 4 * t * 4
+
+
+def timed(fn, reps=20):
+    fn()
+    cp.cuda.Device().synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
+    return statistics.median(ts)
+
+
+def main():
+    for Bsz, T, H, Hkv, causal in ((8, 1024, 32, 8, True), (2, 4096, 32, 8, True), (4, 64, 32, 8, True)):
+        r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
+        q, k, v, do = r(Bsz, T, H, D), r(Bsz, T, Hkv, D), r(Bsz, T, Hkv, D), r(Bsz, T, H, D)
+        o, lse = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+        dq0, dk0, dv0 = ck.flash_attention_backward(do, q, k, v, o, lse, causal=causal)
+        delta = cp.empty((Bsz, H, T), cp.float32)
+        st = (*A._strides("q", q), *A._strides("k", k), *A._strides("v", v))
+        sd = A._strides("dout", do)
+        tail = (np.int32(T), np.int32(T), np.int32(H), np.int32(Hkv), np.float32(1 / 8), np.bool_(causal))
+        # delta for the dkdv variants: production dq
+        kq = get_function("attention", "attn_bwd_dq_d64")
+        dqx = cp.empty_like(q)
+        kq((-(-T // A.BM), H, Bsz), (A.THREADS, 1, 1), (q, k, v, o, do, lse, delta, dqx, *st, *sd, *tail),
+           shared_mem=smem("dq", A.TILES[D][1]))
+        f = 4.0 * Bsz * H * T * T * D * (0.5 if causal else 1.0)
+        print(f"== B{Bsz} T{T} H{H}/{Hkv} D{D} causal={causal}")
+        for name, (kind, t) in VARIANTS.items():
+            kern = get_function("attention", name)
+            sm = smem(kind, t)
+            kern.max_dynamic_shared_size_bytes = sm
+            if kind == "fwd":
+                oo, ll = cp.empty_like(o), cp.empty_like(lse)
+                args = (q, k, v, oo, ll, *st, *tail)
+                grid, ref, got, mult = (-(-T // A.BM), H, Bsz), o, oo, 1.0
+            elif kind == "dq":
+                dd, dl = cp.empty_like(q), cp.empty_like(delta)
+                args = (q, k, v, o, do, lse, dl, dd, *st, *sd, *tail)
+                grid, ref, got, mult = (-(-T // A.BM), H, Bsz), dq0, dd, 1.0
+            else:
+                dk, dv = cp.empty_like(k), cp.empty_like(v)
+                args = (q, k, v, do, lse, delta, dk, dv, *st, *sd, *tail)
+                grid, ref, got, mult = (-(-T // A.BM), Hkv, Bsz), dk0, dk, 1.0
+            run = lambda kern=kern, grid=grid, args=args, sm=sm: kern(grid, (A.THREADS, 1, 1), args, shared_mem=sm)  # noqa: E731
+            us = timed(run)
+            err = float(cp.abs(got.astype(cp.float32) - ref.astype(cp.float32)).max())
+            flops = f * {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}[kind] * mult
+            print(f"  {name:<24} regs {kern.num_regs:3d}  {us:9.1f} us  {flops / us / 1e6:6.0f} TFLOP/s(model)  "
+                  f"max|diff| {err:.3g}")
+
+
+if __name__ == "__main__":
+    main()
