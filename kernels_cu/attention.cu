@@ -340,8 +340,10 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   if (causal) kend = min(Tk, q0 + BM + off);
   const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
 
-  // Stage 0: Q, dO and O (O parked in the K/V stage-1 area, BN >= BM / 2 rows each is enough for 64 rows).
-  bf16* Os = Ks + BN * LD;  // stage 1 of K, followed by stage 0..1 of V: room for BM rows when BN >= 32
+  // Stage 0: Q, dO and O. O is parked in K's stage 1 followed by V's two stages (3 * BN rows), which the key
+  // loop only starts filling after the delta pass and a barrier.
+  static_assert(3 * BN >= BM, "the O staging area needs 3 * BN >= BM rows");
+  bf16* Os = Ks + BN * LD;
   load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
   load_tile<D, BM>(dOs, dop, sdo.t, q0, Tq);
   load_tile<D, BM>(Os, op, (long long)H * D, q0, Tq);
