@@ -1,10 +1,12 @@
 """Whole training step: LLaMA-3.2-1B shape, bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 
     PYTHONPATH=. python benchmarks/bench_train.py [--configs b4t64,b8t1024] [--ablation] [--vs-torch eager,compile]
+        [--data synthetic|shakespeare]
 
 Model: vocab 128256, 16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, untied embeddings (1.50e9
-parameters). Synthetic uniformly random tokens (a fresh batch copied into the step's input buffers before
-every step). Prints ms/step (median of steady-state steps), tok/s, model TFLOP/s ((6 N + 12 L H D T) per token,
+parameters). Tokens: ``--data synthetic`` (default; uniform random ids and targets) or ``--data shakespeare``
+(tinyshakespeare byte tokens); a fresh batch is copied into the step's input buffers before every step.
+Prints ms/step (median of steady-state steps), tok/s, model TFLOP/s ((6 N + 12 L H D T) per token,
 N = parameters in matmuls) and peak memory, and with ``--ablation`` the seed report's ablation table at
 B4xT64: the unfused baseline, then each optimisation switched on, with its gain. ``--vs-torch`` runs the same
 model (Hugging Face ``transformers.LlamaForCausalLM`` when importable) through PyTorch in the same process:
@@ -56,6 +58,30 @@ def model_flops_per_token(cfg, T):
     d, f, V, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_key_value_heads"]
     n_mm = L * (d * d * 2 + 2 * d * kv * hd + 3 * d * f) + V * d  # matmul parameters (lm_head, not the gather)
     return 6 * n_mm + 12 * L * H * hd * T
+
+
+def make_batches(kind, B, T, accum, vocab_size, seed=0):
+    """A function returning the next (ids, targets), int32 [accum, B, T] NumPy arrays.
+
+    ``synthetic``: independent uniform ids and targets over the whole vocabulary (every batch touches ~B*T
+    distinct embedding rows). ``shakespeare``: tinyshakespeare as UTF-8 byte tokens (ids < 256 of the 128256
+    vocabulary, the trainer's ``ByteTokenizer``), read sequentially with targets = ids shifted by one -- real text
+    statistics, and only ~65 distinct embedding rows per batch."""
+    if kind == "synthetic":
+        rng = np.random.default_rng(seed)
+        shape = (accum, B, T)
+        return lambda: (rng.integers(0, vocab_size, shape, dtype=np.int32),
+                        rng.integers(0, vocab_size, shape, dtype=np.int32))
+    if kind == "shakespeare":
+        from cukernels.data import TokenLoader, load_text_tokens
+
+        loader = TokenLoader(load_text_tokens()[0], B * accum, T)
+
+        def nxt():
+            x, y = loader.next_batch()
+            return x.reshape(accum, B, T), y.reshape(accum, B, T)
+        return nxt
+    raise ValueError(f"data: expected 'synthetic' or 'shakespeare'; got {kind!r}")
 
 
 class OurStep:
@@ -138,17 +164,18 @@ class OurStep:
         self.opt.step(grad_scale=scale * (1.0 / self.accum) if self.accum > 1 else scale)
         return total, norm
 
-    def new_batch(self, rng):
-        V = self.mcfg["vocab_size"]
-        self.ids.set(rng.integers(0, V, self.ids.shape, dtype=np.int32))
-        self.tgt.set(rng.integers(0, V, self.tgt.shape, dtype=np.int32))
+    def new_batch(self, batches):
+        """Copy the next (ids, targets) from ``batches`` (see :func:`make_batches`) into the step's buffers."""
+        x, y = batches()
+        self.ids.set(x)
+        self.tgt.set(y)
 
-    def run(self, steps, warm=3):
+    def run(self, steps, warm=3, data="synthetic"):
         cp = self.cp
-        rng = np.random.default_rng(0)
+        batches = make_batches(data, self.B, self.T, self.accum, self.mcfg["vocab_size"])
         times, losses = [], []
         for i in range(warm + steps):
-            self.new_batch(rng)
+            self.new_batch(batches)
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
             loss, _ = self.step()
@@ -166,11 +193,11 @@ def peak_gib():
     return cp.get_default_memory_pool().total_bytes() / 2**30
 
 
-def run_ours(B, T, feats, steps, accum=1):
+def run_ours(B, T, feats, steps, accum=1, data="synthetic"):
     import cupy as cp
 
     s = OurStep(B, T, feats, accum=accum)
-    ms, losses = s.run(steps)
+    ms, losses = s.run(steps, data=data)
     mem = peak_gib() + s.step.pool.total_bytes() / 2**30
     n = s.nparams
     del s
@@ -179,7 +206,7 @@ def run_ours(B, T, feats, steps, accum=1):
     return ms, losses, mem, n
 
 
-def run_torch(B, T, mode, steps):
+def run_torch(B, T, mode, steps, data="synthetic"):
     import torch
 
     torch.manual_seed(0)
@@ -198,8 +225,7 @@ def run_torch(B, T, mode, steps):
         fwd = torch.compile(model)
     elif mode == "reduce-overhead":
         fwd = torch.compile(model, mode="reduce-overhead")
-    V = LLAMA_1B["vocab_size"]
-    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = make_batches(data, B, T, 1, LLAMA_1B["vocab_size"])
 
     def step(ids):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -212,7 +238,7 @@ def run_torch(B, T, mode, steps):
 
     times = []
     for i in range(5 + steps):
-        ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+        ids = torch.from_numpy(batches()[0][0].astype(np.int64)).to(dev)  # HF shifts labels=ids itself
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         step(ids)
@@ -235,6 +261,8 @@ def main(argv=None):
     ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
+    ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
+                    help="uniform random tokens, or tinyshakespeare byte tokens (see make_batches)")
     args = ap.parse_args(argv)
     global LLAMA_1B
     if args.smoke:
@@ -243,12 +271,13 @@ def main(argv=None):
     import cupy as cp
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"device: {name}; model: LLaMA-3.2-1B shape, untied, bf16 autocast, fp32 master, AdamW, clip 1.0")
+    print(f"device: {name}; model: LLaMA-3.2-1B shape, untied, bf16 autocast, fp32 master, AdamW, clip 1.0; "
+          f"data: {args.data}")
     out = {"device": name, "rows": [], "ablation": [], "torch": []}
     for c in [c for c in args.configs.split(",") if c]:
         B, T = CONFIGS[c]
         try:
-            ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps)
+            ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps, data=args.data)
         except Exception:
             traceback.print_exc()
             continue
@@ -259,7 +288,7 @@ def main(argv=None):
         out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
         for mode in [m for m in args.vs_torch.split(",") if m]:
             try:
-                r, impl = run_torch(B, T, mode, args.steps)
+                r, impl = run_torch(B, T, mode, args.steps, data=args.data)
             except Exception as e:
                 traceback.print_exc()
                 r, impl = None, f"failed: {type(e).__name__}"
@@ -280,7 +309,7 @@ def main(argv=None):
             if f is not None:
                 feats.append(f)
             try:
-                ms, losses, mem, _ = run_ours(B, T, feats, args.steps)
+                ms, losses, mem, _ = run_ours(B, T, feats, args.steps, data=args.data)
             except Exception:
                 print(f"{ROW_NAMES[f]:<58} FAILED")
                 traceback.print_exc()

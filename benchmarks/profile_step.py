@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import numpy as np  # noqa: E402
-
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
@@ -35,9 +33,9 @@ def main(argv=None):
     for c in args.configs.split(","):
         B, T = bt.CONFIGS[c]
         s = bt.OurStep(B, T, feats)
-        rng = np.random.default_rng(0)
+        batches = bt.make_batches("synthetic", B, T, 1, s.mcfg["vocab_size"])
         for _ in range(3):
-            s.new_batch(rng)
+            s.new_batch(batches)
             s.step()
         s.step.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
