@@ -177,12 +177,17 @@ class Function:
         return out
 
 
+def _kernel_addable(x, y):
+    """CuPy float32/bfloat16 arrays of one shape, both C-contiguous: what ``ck.add`` takes (16-byte vector
+    kernel, ~4 TB/s; CuPy's own bf16 ``+`` runs at ~1.2 TB/s on the H200)."""
+    return (B._kind(x) not in (None, np) and x.shape == y.shape and x.dtype in B.FLOATS and y.dtype in B.FLOATS
+            and x.flags.c_contiguous and y.flags.c_contiguous)
+
+
 def fast_add(x, y):
-    """``x + y`` as a new array: CuPy float32/bfloat16 operands of one shape go through ``ck.add`` (16-byte
-    vector kernel, ~4 TB/s; CuPy's own bf16 ``+`` runs at ~1.2 TB/s on the H200), anything else through ``+``.
-    Never in place: a gradient array may be shared by several inputs (``Add.backward`` returns g twice)."""
-    if (B._kind(x) not in (None, np) and x.shape == y.shape and x.dtype in B.FLOATS and y.dtype in B.FLOATS
-            and x.flags.c_contiguous and y.flags.c_contiguous):
+    """``x + y`` as a new array, through ``ck.add`` when :func:`_kernel_addable`, else ``+``. Never in place: a
+    gradient array may be shared by several inputs (``Add.backward`` returns g twice)."""
+    if _kernel_addable(x, y):
         from .ops.elementwise import add
         return add(x, y, dtype=np.promote_types(x.dtype, y.dtype))
     return x + y
@@ -195,8 +200,7 @@ def _accumulate_leaf(t, g):
     elif t.grad_stale:  # logically zero (lazy zero_grad): overwrite instead of adding
         t.grad[...] = g
         t.grad_stale = False
-    elif (B._kind(g) not in (None, np) and g.shape == t.grad.shape and g.dtype in B.FLOATS
-          and t.grad.dtype in B.FLOATS and g.flags.c_contiguous and t.grad.flags.c_contiguous):
+    elif _kernel_addable(t.grad, g):
         from .ops.elementwise import add
         add(t.grad, g, out=t.grad)  # in place: the optimizer's flat-buffer view stays bound
     else:

@@ -488,7 +488,7 @@ class FlashAttentionF(Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v, o, lse = ctx.saved_tensors
-        if g.dtype != o.dtype or g.strides[-1] != g.itemsize:
+        if g.dtype != o.dtype or not g.flags.c_contiguous:
             g = _contig(g, o.dtype)
         return (*_ck().flash_attention_backward(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale),
                 None, None)

@@ -172,7 +172,7 @@ class AdamW:
         self._lr = xp.zeros((), dtype=np.float32)
         self.set_lr(lr)
         self._schedule = None
-        self._norm = self._scale = self._norm_ws = self._norm_key = None  # grad_norm outputs, made once
+        self._norm = self._scale = self._norm_ws = None  # grad_norm outputs, made once
 
     # ------------------------------------------------------------------------------------------ layout
     @staticmethod
@@ -350,6 +350,7 @@ class AdamW:
         g = s.group
         if not g.sparse:
             raise ValueError(f"{s.name}: not a sparse parameter (name it in AdamW(..., sparse=...))")
+        self._norm_ws = None  # grad_norm's partials layout depends on which groups have rows
         if rows is None and row_count is None:
             g.rows = g.row_count = None
             return
@@ -441,13 +442,11 @@ class AdamW:
         self.flush_stale()
         rows = [(g.rows, g.row_count) if g.sparse and g.rows is not None else None for g in self._groups]
         rows = rows if any(r is not None for r in rows) else None
-        key = tuple((id(r[0]), id(r[1])) if r is not None else None for r in rows or ())
-        if self._norm is None or self._norm_key != key:
-            if self._norm is None:
-                self._norm = self.xp.zeros((), dtype=np.float32)
-                self._scale = self.xp.ones((), dtype=np.float32)
+        if self._norm is None:
+            self._norm = self.xp.zeros((), dtype=np.float32)
+            self._scale = self.xp.ones((), dtype=np.float32)
+        if self._norm_ws is None:  # sized for the registered rows; set_rows drops it
             self._norm_ws = _A.global_norm_workspace(self.flat_grads, rows)
-            self._norm_key = key
         return _A.global_norm(self.flat_grads, out=self._norm, workspace=self._norm_ws, rows=rows)
 
     def clip_grad_norm(self, max_norm):

@@ -93,6 +93,14 @@ __device__ __forceinline__ void load_tile(bf16* dst, const bf16* src, long long 
   }
 }
 
+// Key/value tile `jb` (rows jb * BN ..) into stage `st` of the double-buffered K and V areas ([2][BN][LD] each).
+template <int D, int BN>
+__device__ __forceinline__ void load_kv(bf16* Ks, bf16* Vs, int st, const bf16* kp, const bf16* vp, long long kld,
+                                        long long vld, int jb, int Tk) {
+  load_tile<D, BN>(Ks + st * BN * Tile<D>::LD, kp, kld, jb * BN, Tk);
+  load_tile<D, BN>(Vs + st * BN * Tile<D>::LD, vp, vld, jb * BN, Tk);
+}
+
 // A-operand fragments of a warp's 16 rows (starting at row m0 of a shared tile) for all D / 16 k-steps.
 template <int D>
 __device__ __forceinline__ void load_a_frags(unsigned (&f)[D / 16][4], const bf16* t, int m0) {
@@ -208,7 +216,7 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
   bf16* Vs = Ks + 2 * BN * LD;    // [2][BN][LD]
   const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
-  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2;
   const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
   const bf16* qp = q + b * sq.b + h * sq.h;
   const bf16* kp = k + b * sk.b + j * sk.h;
@@ -221,10 +229,7 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 
   load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
   cp_async_commit();
-  if (nkb > 0) {
-    load_tile<D, BN>(Ks, kp, sk.t, 0, Tk);
-    load_tile<D, BN>(Vs, vp, sv.t, 0, Tk);
-  }
+  if (nkb > 0) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
   cp_async_commit();
   cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
   __syncthreads();
@@ -238,10 +243,7 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 
   for (int jb = 0; jb < nkb; ++jb) {
     const int st = jb & 1;
-    if (jb + 1 < nkb) {
-      load_tile<D, BN>(Ks + (st ^ 1) * BN * LD, kp, sk.t, (jb + 1) * BN, Tk);
-      load_tile<D, BN>(Vs + (st ^ 1) * BN * LD, vp, sv.t, (jb + 1) * BN, Tk);
-    }
+    if (jb + 1 < nkb) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -327,7 +329,7 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   float* dls = reinterpret_cast<float*>(Vs + 2 * BN * LD);  // [BM] delta of the tile's rows
   const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
-  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+  const int q0 = mb * BM, warp = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2;
   const int off = Tk - Tq;
   const bf16* qp = q + b * sq.b + h * sq.h;
   const bf16* kp = k + b * sk.b + j * sk.h;
@@ -379,19 +381,13 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   const float lse0 = lse2(r0), lse1 = lse2(r1);
   const float dl0 = dls[warp * 16 + g], dl1 = dls[warp * 16 + g + 8];
 
-  if (nkb > 0) {
-    load_tile<D, BN>(Ks, kp, sk.t, 0, Tk);
-    load_tile<D, BN>(Vs, vp, sv.t, 0, Tk);
-  }
+  if (nkb > 0) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
   cp_async_commit();
   float acc[D / 8][4];
   zero(acc);
   for (int jb = 0; jb < nkb; ++jb) {
     const int st = jb & 1;
-    if (jb + 1 < nkb) {
-      load_tile<D, BN>(Ks + (st ^ 1) * BN * LD, kp, sk.t, (jb + 1) * BN, Tk);
-      load_tile<D, BN>(Vs + (st ^ 1) * BN * LD, vp, sv.t, (jb + 1) * BN, Tk);
-    }
+    if (jb + 1 < nkb) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();

@@ -172,11 +172,11 @@ def test_gpu_strided_views_are_read_in_place(rng):
     Bsz, T, H, Hkv, D = 2, 150, 4, 2, 64
     qkv_ = (rng.standard_normal((Bsz, T, H + 2 * Hkv, D))).astype(np.float32).astype(BF16)
     q, k, v = qkv_[:, :, :H], qkv_[:, :, H:H + Hkv], qkv_[:, :, H + Hkv:]
-    g = qkv_  # reuse: a dO laid out [B, H, T, D] and viewed as [B, T, H, D]
+    # dO laid out [B, H, T, D] and passed as a [B, T, H, D] view
     do = np.ascontiguousarray(rng.standard_normal((Bsz, H, T, D)).astype(np.float32).astype(BF16))
     ro, rl = ck.flash_attention(q, k, v, return_lse=True)
     rq, rk, rv = ck.flash_attention_backward(do.transpose(0, 2, 1, 3), q, k, v, ro, rl)
-    G = cp().asarray(g)
+    G = cp().asarray(qkv_)
     o, lse = ck.flash_attention(G[:, :, :H], G[:, :, H:H + Hkv], G[:, :, H + Hkv:], return_lse=True)
     close(o, ro, 2e-2, "o")
     gq, gk, gv = ck.flash_attention_backward(cp().asarray(do).transpose(0, 2, 1, 3), G[:, :, :H],
