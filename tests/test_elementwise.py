@@ -77,15 +77,15 @@ def test_result_dtype_rules_and_in_place(rng):
 
 
 def test_row_chunks_cover_every_row_once(monkeypatch):
-    from cukernels.ops import elementwise as ew
+    from cukernels.ops import _launch as L
 
-    monkeypatch.setattr(ew, "MAX_ROW_UNITS", 10)
+    monkeypatch.setattr(L, "MAX_ROW_UNITS", 10)
     for rows, upr in [(1, 1), (7, 3), (100, 10), (5, 11 - 1), (0, 4)]:
-        ch = ew.row_chunks(rows, upr, "a")
+        ch = L.row_chunks(rows, upr, "a")
         assert sum(n for _, n in ch) == rows and all(n * upr <= 10 for _, n in ch)
         assert [r0 for r0, _ in ch] == list(np.cumsum([0] + [n for _, n in ch])[:-1])
     with pytest.raises(ValueError, match="a: a row of 11 units is too long"):
-        ew.row_chunks(3, 11, "a")
+        L.row_chunks(3, 11, "a")
 
 
 # ---------------------------------------------------------------- bad input

@@ -176,3 +176,119 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
     g.launch(s)
     s.synchronize()
     assert_close(y, ck.rms_norm(to_host(x), to_host(w)), ck.bfloat16)
+
+
+# ---------------------------------------------------------------- CPU: row plans (launch configs) pinned
+# Verbatim copies of the three per-family planners as they were before the shared planner in ops/_launch.py
+# (rms_norm.py, layer_norm.py, softmax.py at 9b82084). The launchers must keep choosing exactly these configs:
+# they were tuned on the H200 (NOTES.md) and the kernels' register budgets depend on them.
+def _old_rms_plan(C, itemsize, vec, max_tpr):
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    tpr = 32
+    while tpr < max_tpr and tpr * 2 < units:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    if vpt > 8:
+        return None
+    return tpr, vpt, max(1, 256 // tpr)
+
+
+def _old_ln_plan(C, itemsize, vec, backward):
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    max_tpr = 512 if backward else 1024
+    tpr = 1
+    while tpr < max_tpr and units > tpr * 2:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    if vpt > ((2 if backward else 4) if vec else 8):
+        return None
+    return tpr, vpt, max(1, 256 // tpr)
+
+
+def _old_sm_plan(C, itemsize, vec, backward):
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    max_tpr = 512 if backward else 1024
+    tpr = 1
+    while tpr < max_tpr and units > tpr * 4:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    if backward:
+        ok = vpt <= 8
+    else:
+        ok = vpt <= 8 and vpt * E <= (16 if tpr > 512 else 32)
+    return (tpr, vpt, max(1, 256 // tpr)) if ok else None
+
+
+def _plans():
+    """(family, direction) -> the planner in use now, normalised to (tpr, vpt, rows per block) or None (loop)."""
+    from cukernels.ops import layer_norm as LN
+    from cukernels.ops import rms_norm as R
+    from cukernels.ops import softmax as SM
+
+    def rms(C, isz, vec, bwd):  # rms_norm's _plan says ("reg", tpr, vpt, rpb) or ("loop", 0, 0, 1)
+        kind, *p = R._plan(C, isz, vec, 256 if bwd else 512)
+        return tuple(p) if kind == "reg" else None
+
+    return {
+        "rms": (rms, lambda C, isz, vec, bwd: _old_rms_plan(C, isz, vec, 256 if bwd else 512)),
+        "ln": (lambda C, isz, vec, bwd: LN._plan(C, isz, vec, backward=bwd), _old_ln_plan),
+        "sm": (lambda C, isz, vec, bwd: SM._plan(C, isz, vec, backward=bwd), _old_sm_plan),
+    }
+
+
+# Row lengths: every C up to 4200 (all small-row configs), then powers of two and their neighbours, and the
+# sizes the tests and benchmarks use, up to 2^20 (every loop-kernel boundary of the three families).
+_PLAN_CS = sorted(set(range(1, 4201)) | {c + d for p in range(12, 21) for c in (2**p, 3 * 2**(p - 1))
+                                         for d in (-9, -8, -1, 0, 1, 8, 9)}
+                  | {4097, 5000, 8192, 11008, 14336, 16384, 32000, 32768, 50257, 65536, 128256})
+
+
+@pytest.mark.parametrize("family", ["rms", "ln", "sm"])
+def test_row_plans_unchanged(family):
+    now, old = _plans()[family]
+    bad = []
+    for isz in (4, 2):
+        E = 16 // isz
+        for vec in (False, True):
+            for C in _PLAN_CS:
+                if vec and C % E:
+                    continue  # the launchers take the vector path only when C % E == 0
+                for bwd in (False, True):
+                    if now(C, isz, vec, bwd) != old(C, isz, vec, bwd):
+                        bad.append((C, isz, vec, bwd, now(C, isz, vec, bwd), old(C, isz, vec, bwd)))
+    assert not bad, f"{family}: launch configs changed (C, itemsize, vec, backward, now, before): {bad[:10]}"
+
+
+@pytest.mark.parametrize("family, C, itemsize, vec, backward, plan", [
+    # A readable sample of the pinned table (tpr, vpt, rows per block), None = the long-row loop kernel.
+    ("rms", 2048, 2, True, False, (128, 2, 2)),
+    ("rms", 2048, 4, True, True, (256, 2, 1)),
+    ("rms", 7, 4, False, False, (32, 1, 8)),
+    ("rms", 32768, 2, True, False, (512, 8, 1)),
+    ("rms", 32776, 2, True, False, None),
+    ("rms", 16384, 4, True, True, None),
+    ("ln", 4096, 2, True, False, (256, 2, 1)),
+    ("ln", 4096, 4, True, True, (512, 2, 1)),
+    ("ln", 16384, 4, True, False, (1024, 4, 1)),
+    ("ln", 16388, 4, True, False, None),
+    ("ln", 100, 4, False, False, (64, 2, 4)),
+    ("sm", 1000, 4, True, False, (64, 4, 4)),
+    ("sm", 8192, 2, True, False, (256, 4, 1)),
+    ("sm", 32000, 2, True, False, None),
+    ("sm", 32768, 4, True, False, None),
+    ("sm", 50257, 4, False, True, None),
+    ("sm", 3, 4, False, False, (1, 4, 256)),
+])
+def test_row_plan_table(family, C, itemsize, vec, backward, plan):
+    now, old = _plans()[family]
+    assert old(C, itemsize, vec, backward) == plan
+    assert now(C, itemsize, vec, backward) == plan

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
-from .elementwise import THREADS, UNROLL, launch_grid, ptr, row_chunks, vec_ok
+from ._launch import THREADS, UNROLL, launch_grid, ptr, row_chunks, vec_ok
 
 FAMILY = "activations"
 GELU_K = float(np.sqrt(2.0 / np.pi))
@@ -50,7 +50,7 @@ def _launch(kname, T, arrays, n, vec):
     name = f"{kname}_{B.DTYPE_TAG[T]}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
     units = n // (16 // T.itemsize) if vec else n
-    grid = launch_grid(k, (FAMILY, name), -(-units // UNROLL))
+    grid = launch_grid(k, -(-units // UNROLL))
     k((grid,), (THREADS, 1, 1), (*arrays, np.int64(n)))
 
 
@@ -64,7 +64,7 @@ def _launch_packed(kname, gu, others, rows, F, vec):
         args = [ptr(gu, r0 * 2 * F), ptr(gu, r0 * 2 * F + F)]
         for a, ld, off in others:
             args.append(ptr(a, r0 * ld + off))
-        grid = launch_grid(k, (FAMILY, name), -(-(nr * Fu) // UNROLL))
+        grid = launch_grid(k, -(-(nr * Fu) // UNROLL))
         k((grid,), (THREADS, 1, 1), (*args, np.uint32(nr), np.uint32(F), np.int64(2 * F)))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch as L
 
 FAMILY = "adam"
 THREADS = 256
@@ -153,19 +154,10 @@ def _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay):
     )
 
 
-_WAVE = {}
-
-
 def _kernel(name):
-    """(kernel, blocks in one wave of THREADS-thread blocks on this device), the wave cached per name."""
-    import cupy
-
+    """(kernel, blocks in one wave of THREADS-thread blocks on this device)."""
     k = get_function(FAMILY, name)
-    key = (name, cupy.cuda.Device().id)
-    wave = _WAVE.get(key)
-    if wave is None:
-        wave = _WAVE[key] = B.sm_count() * B.blocks_per_sm(k, THREADS)
-    return k, wave
+    return k, L.wave(k, THREADS)
 
 
 def _grid(wave, work_items):

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch as L
 
 FAMILY = "cross_entropy"
 INTS = (np.int32, np.int64)
@@ -145,7 +146,8 @@ def _threads(V: int, itemsize: int) -> int:
 
 
 def _grid(k, N, threads):
-    return max(1, min(N, B.sm_count() * B.blocks_per_sm(k, threads)))
+    """Blocks for N rows: one wave of the kernel at most (a block loops over rows)."""
+    return max(1, min(N, L.wave(k, threads)))
 
 
 def _tag(logits, targets):

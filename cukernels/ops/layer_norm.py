@@ -1,12 +1,11 @@
 """LayerNorm: ``ck.layer_norm`` / ``ck.layer_norm_backward``. Kernels: ``kernels_cu/layer_norm.cu``."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch as L
 
 FAMILY = "layer_norm"
 # 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
@@ -42,27 +41,11 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
     TARGET_VPT packs. Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
     packs) a thread, so rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
+    Vector packs backward are capped at 2 because x, dy and two accumulators at 4 packs need more than the 128
+    registers a 512-thread block allows (ptxas spilled).
     """
-    E = 16 // itemsize if vec else 1
-    units = C // E
-    max_tpr = 512 if backward else 1024
-    tpr = 1
-    while tpr < max_tpr and units > tpr * TARGET_VPT:
-        tpr *= 2
-    vpt = 1
-    while tpr * vpt < units:
-        vpt *= 2
-    # Vector packs: forward up to 4 a thread; backward up to 2 (x, dy and two accumulators at 4 packs need
-    # more than the 128 registers a 512-thread block allows: ptxas spilled). Element packs up to 8.
-    if vpt > ((2 if backward else 4) if vec else 8):
-        return None
-    return tpr, vpt, max(1, 256 // tpr)
-
-
-@functools.lru_cache(maxsize=None)
-def _wave(name: str, threads: int, dev: int) -> int:
-    """Blocks in one wave of kernel `name` (cached: no attribute queries on the hot path or during capture)."""
-    return B.sm_count() * B.blocks_per_sm(get_function(FAMILY, name), threads)
+    max_vpt = (2 if backward else 4) if vec else 8
+    return L.row_plan(C, itemsize, vec, max_tpr=512 if backward else 1024, target_vpt=TARGET_VPT, max_vpt=max_vpt)
 
 
 def _tag(x, gamma):
@@ -185,7 +168,7 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
         k = get_function(FAMILY, name)
         block = (tpr, rpb, 1)
         # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
-        nparts = min((rows + rpb - 1) // rpb, _wave(name, tpr * rpb, x.device.id))
+        nparts = min((rows + rpb - 1) // rpb, L.wave(k, tpr * rpb))
         part = xp.empty((2 * nparts, C), dtype=np.float32)
         k((nparts,), block, (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
     else:

@@ -5,6 +5,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch as L
 
 FAMILY = "rms_norm"
 
@@ -33,17 +34,8 @@ def _plan(C: int, itemsize: int, vec: bool, max_tpr: int):
     register budgets), packs per thread up to 8; beyond max_tpr x 8 packs the two-pass "loop" kernel.
     Rows of fewer than 256 threads share a block (TPR x RPB = 256).
     """
-    E = 16 // itemsize if vec else 1
-    units = C // E
-    tpr = 32
-    while tpr < max_tpr and tpr * 2 < units:
-        tpr *= 2
-    vpt = 1
-    while tpr * vpt < units:
-        vpt *= 2
-    if vpt > 8:
-        return "loop", 0, 0, 1
-    return "reg", tpr, vpt, max(1, 256 // tpr)
+    p = L.row_plan(C, itemsize, vec, min_tpr=32, max_tpr=max_tpr, target_vpt=2, max_vpt=8)
+    return ("loop", 0, 0, 1) if p is None else ("reg", *p)
 
 
 def _names(x, weight, vec):
@@ -145,7 +137,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
         k = get_function(FAMILY, f"rms_bwd_{tag}_{vpt}{vs}")
         block = (tpr, rpb, 1)
         # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
-        nparts = min((rows + rpb - 1) // rpb, B.sm_count() * B.blocks_per_sm(k, tpr * rpb))
+        nparts = min((rows + rpb - 1) // rpb, L.wave(k, tpr * rpb))
         part = xp.empty((nparts, C), dtype=np.float32)
         k((nparts,), block, (dy, x, weight, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
     else:

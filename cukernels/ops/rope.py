@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
-from .elementwise import THREADS, launch_grid, vec_ok
+from ._launch import THREADS, launch_grid, vec_ok
 
 FAMILY = "rope"
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -169,7 +169,7 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     k = get_function(FAMILY, name)
     # Split the heads across threads until a wave is full (about 2048 threads per SM), one head per thread at most.
     hsplit = int(min(H, max(1, -(-B.sm_count() * 2048 // units))))
-    grid = launch_grid(k, (FAMILY, name), units * hsplit)
+    grid = launch_grid(k, units * hsplit)
     k((grid,), (THREADS, 1, 1),
       (x, y, cos, sin, positions if positions is not None else B.NULL, np.int64(ntok), np.int32(S), np.int32(H),
        np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec), np.int32(hsplit)))

@@ -7,11 +7,17 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch as L
 
 FAMILY = "softmax"
 # 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
 TARGET_VPT = 4
 _MASK_TAG = {None: "none", np.dtype(np.bool_): "u8", B.float32: "f32", B.bfloat16: "bf16"}
+
+
+def _fwd_max_elems(tpr: int) -> int:
+    # The forward caches its row as fp32 in registers: 32 floats a thread, 16 at 1024 threads per row.
+    return 16 if tpr > 512 else 32
 
 
 def _plan(C: int, itemsize: int, vec: bool, backward: bool):
@@ -20,20 +26,8 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     Forward caches the row as fp32: at most 32 floats a thread, 16 at 1024 threads per row (register limits,
     see softmax.cu); backward holds VPT packs of y and dy with up to 512 threads per row, VPT <= 8.
     """
-    E = 16 // itemsize if vec else 1
-    units = C // E
-    max_tpr = 512 if backward else 1024
-    tpr = 1
-    while tpr < max_tpr and units > tpr * TARGET_VPT:
-        tpr *= 2
-    vpt = 1
-    while tpr * vpt < units:
-        vpt *= 2
-    if backward:
-        ok = vpt <= 8
-    else:
-        ok = vpt <= 8 and vpt * E <= (16 if tpr > 512 else 32)
-    return (tpr, vpt, max(1, 256 // tpr)) if ok else None
+    return L.row_plan(C, itemsize, vec, max_tpr=512 if backward else 1024, target_vpt=TARGET_VPT, max_vpt=8,
+                      max_elems=None if backward else _fwd_max_elems)
 
 
 def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):

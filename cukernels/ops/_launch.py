@@ -1,0 +1,85 @@
+"""Launch helpers shared by the kernel families: grid sizes, the 16-byte vector guard, row plans and row chunks.
+
+Nothing here validates user input (the op modules do that); these turn validated shapes into launch
+configurations, on the host, with no device work: the kernel attributes they read (register count, shared
+memory) are cached per kernel object, so a captured step never queries them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+
+# Grid-stride kernels (run_flat / run_rows in common/pointwise.cuh): 256 threads a block, UNROLL units of work
+# per thread in flight (EW_U in elementwise.cu, ACT_U in activations.cu).
+THREADS = 256
+UNROLL = 4
+# Rows shorter than a block share one: threads per row x rows per block = ROW_BLOCK (the row kernels' blockDim).
+ROW_BLOCK = 256
+
+_waves: dict = {}
+
+
+def wave(kernel, threads: int, smem: int = 0) -> int:
+    """Blocks of ``threads`` threads that fit on the device at once (SMs x resident blocks per SM, from the
+    kernel's register and shared-memory use), cached per kernel object: kernels are per device, so is this."""
+    key = (id(kernel), threads, smem)
+    hit = _waves.get(key)
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    n = B.sm_count() * B.blocks_per_sm(kernel, threads, smem)
+    _waves[key] = (kernel, n)  # holding the kernel keeps its id from being reused by another object
+    return n
+
+
+def launch_grid(kernel, work_items: int, threads: int = THREADS) -> int:
+    """Blocks for a grid-stride kernel: enough for ``work_items`` thread-iterations, at most one wave."""
+    return int(max(1, min(-(-work_items // threads), wave(kernel, threads))))
+
+
+# run_rows kernels index units with 32-bit unsigned math: one launch covers fewer than 2^31 units (a grid-stride
+# step is then always < 2^32 - n); bigger row-structured launches are split into row chunks.
+MAX_ROW_UNITS = 2**31 - 1
+
+
+def row_chunks(rows: int, units_per_row: int, what: str):
+    """(first row, row count) pieces of a run_rows launch, each under MAX_ROW_UNITS units."""
+    if units_per_row > MAX_ROW_UNITS:
+        raise ValueError(f"{what}: a row of {units_per_row} units is too long for the row kernels (max {MAX_ROW_UNITS})")
+    step = max(1, MAX_ROW_UNITS // max(1, units_per_row))
+    return [(r0, min(step, rows - r0)) for r0 in range(0, rows, step)]
+
+
+def ptr(a, elem_offset=0):
+    """Raw device pointer ``elem_offset`` elements into ``a`` (a kernel argument)."""
+    return np.uint64(a.data.ptr + elem_offset * a.itemsize)
+
+
+def vec_ok(*arrays) -> bool:
+    """The 16-byte guard on pointers (sizes are each op's business)."""
+    return B.aligned16(*arrays)
+
+
+def row_plan(C: int, itemsize: int, vec: bool, *, max_tpr: int, target_vpt: int, max_vpt: int, min_tpr: int = 1,
+             max_elems=None):
+    """Launch shape of a one-row-per-thread-group kernel (rms_norm, layer_norm, softmax): ``(threads per row,
+    16-byte packs per thread, rows per block)``, or None when the row is too long for the register kernels (the
+    family's loop kernel takes it).
+
+    A row is ``C // E`` units (E elements per 16-byte pack when ``vec``, else single elements). Threads per
+    row start at ``min_tpr`` and double, up to ``max_tpr``, while a thread would hold more than ``target_vpt``
+    units; packs per thread are then the power of two that covers the row. The family's register budget
+    bounds the result: at most ``max_vpt`` packs a thread, and, when given, at most ``max_elems(tpr)``
+    elements a thread (softmax's fp32 row cache). Rows of fewer than ROW_BLOCK threads share a block.
+    """
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    tpr = min_tpr
+    while tpr < max_tpr and units > tpr * target_vpt:
+        tpr *= 2
+    vpt = 1
+    while tpr * vpt < units:
+        vpt *= 2
+    if vpt > max_vpt or (max_elems is not None and vpt * E > max_elems(tpr)):
+        return None
+    return tpr, vpt, max(1, ROW_BLOCK // tpr)
