@@ -1,0 +1,284 @@
+"""Fused LM head + loss: ``ck.linear_cross_entropy`` (logits = x @ W^T and softmax cross-entropy, in row chunks).
+
+Per chunk of C rows (never all N x V logits in memory)::
+
+    logits_c  = x_c @ W^T                      ck.matmul, [C, V] in x's dtype, into one workspace reused per chunk
+    dlogits_c = cross-entropy fused in place    kernels_cu/cross_entropy.cu (ce_fused), over logits_c
+    dx_c      = dlogits_c @ W                   ck.matmul, into dx[c0:c1]
+    dW       (+)= dlogits_c^T @ x_c             ck.matmul, bf16 operands -> fp32 gradient, beta = 1 after the first
+
+Kernels: none of its own. The chunks reuse the cross_entropy family's kernels with two pointers the public
+``cross_entropy_fused`` does not expose: the divisor of "mean" is the count of valid targets over ALL N rows
+(``ce_count`` once, before the loop, on the device: no host sync), and every chunk writes its per-row losses into
+one [N] fp32 buffer that one fixed-order ``ce_reduce_loss`` sums after the loop (deterministic, no atomics, no
+per-chunk temporaries). The GEMMs run on ck.matmul's own cuBLAS handle, so the whole call is graph-capturable.
+
+Chunk size (numbers for N8192 x H2048 x V128256 bf16, the LLaMA-3.2-1B head at B8 x T1024): the workspace is
+C x V x s bytes; C = the largest multiple of 128 with C V s <= 512 MiB (bf16: 2092 -> 2048 rows, 525 MB; fp32:
+1024 rows), then balanced over the chunks (N = 8192 -> 4 chunks of 2048; GPT-2's V = 50257 bf16 -> 2 of 4096).
+Bigger chunks mean fewer passes of the fp32 dW accumulation (each chunk's dW GEMM reads and writes the whole
+V x H fp32 gradient, 2.1 GB at this shape) and taller GEMMs; the budget keeps the extra memory at ~0.56 GB
+(workspace + dx) instead of the 2.1 GB of full bf16 logits (13.2 GB in PyTorch's unfused path). At C = 2048
+every GEMM has a 2048 dimension: logits 2048 x 128256 (8016 tiles of 128 x 256, ~61 waves on 132 SMs), dx
+2048 x 2048 with K = 128256 (128 tiles: one wave), dW 128256 x 2048 with K = 2048. Multiples of 128 rows keep
+the dW GEMM's K free of a ragged tail and the logits GEMM's M on whole tiles.
+
+The weight gradient accumulates in fp32 straight from the GEMM (beta = 1) rather than through a bf16 per-chunk
+buffer: a bf16 dW would add 525 MB (over the budget), a cast + add pass over ~2.6 GB per chunk, and a bf16
+rounding of the partial sums per chunk.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+from ..blas import matmul
+from . import cross_entropy as _ce
+
+INTS = (np.int32, np.int64)
+REDUCTIONS = ("mean", "sum", "none")
+WORKSPACE_BUDGET = 512 << 20  # bytes of logits per chunk (see the module docstring)
+ROW_QUANTUM = 128  # chunk rows are a multiple of this (GEMM tile height / dW GEMM K without a ragged tail)
+
+
+def chunk_rows_for(N: int, V: int, itemsize: int) -> int:
+    """The default rows per chunk: <= WORKSPACE_BUDGET of logits, multiple of ROW_QUANTUM, balanced over chunks.
+
+    ``chunk_rows_for(8192, 128256, 2) == 2048`` (4 chunks, 525 MB workspace); fp32 -> 1024; GPT-2's
+    ``(8192, 50257, 2) -> 4096`` (2 chunks, 412 MB). A vocabulary so large that 128 rows exceed the budget still
+    gets 128-row chunks (the workspace then exceeds the budget: 128 V s bytes).
+    """
+    if N <= 0:
+        return 0
+    cmax = max(ROW_QUANTUM, WORKSPACE_BUDGET // (V * itemsize) // ROW_QUANTUM * ROW_QUANTUM)
+    if N <= cmax:
+        return N
+    n = -(-N // cmax)
+    c = -(-N // n)
+    return min(cmax, -(-c // ROW_QUANTUM) * ROW_QUANTUM)  # cmax is a multiple of ROW_QUANTUM: the min is a no-op
+
+
+def _int(name, v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an integer; got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+def _flag(name, v):
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False; got {type(v).__name__} {v!r}")
+    return bool(v)
+
+
+def _check_dloss(xp, dloss):
+    """dloss: a real number or a 0-d float32 array of the arrays' module -> (scalar, array or None)."""
+    if isinstance(dloss, (int, float, np.integer, np.floating)) and not isinstance(dloss, (bool, np.bool_)):
+        return float(dloss), None
+    k = B._kind(dloss)
+    if k is None:
+        raise TypeError(f"dloss: expected a float or a 0-d float32 array; got {type(dloss).__name__}")
+    if k is not xp:
+        raise TypeError(f"dloss: is a {k.__name__} array but x is a {xp.__name__} array")
+    B.check_dtype("dloss", dloss, (np.float32,))
+    B.check_shape("dloss", dloss, ())
+    if xp is not np and dloss.device.id != xp.cuda.Device().id:
+        raise ValueError(f"dloss: is on device {dloss.device.id}, but the current device is {xp.cuda.Device().id}")
+    return 0.0, dloss
+
+
+def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad_weight, accumulate, compute_grad,
+              chunk_rows, grad_input, error):
+    B.check_dtype("x", x, B.FLOATS)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D array [N, H]; got shape {tuple(x.shape)}")
+    N, H = x.shape
+    B.check_contiguous("x", x)
+    B.check_dtype("weight", weight, (x.dtype,))
+    if weight.ndim != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight: expected shape [V, {H}] (H = x.shape[1]); got {tuple(weight.shape)}")
+    V = weight.shape[0]
+    if V < 1:
+        raise ValueError(f"weight: expected at least 1 row (the vocabulary); got shape {tuple(weight.shape)}")
+    if V >= 2**31:
+        raise ValueError(f"weight: at most 2**31 - 1 rows (classes) supported; got {V}")
+    B.check_contiguous("weight", weight)
+    B.check_dtype("targets", targets, INTS)
+    B.check_shape("targets", targets, (N,), " ([N], N = x.shape[0])")
+    B.check_contiguous("targets", targets)
+    ig = _int("ignore_index", ignore_index)
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}; got {reduction!r}")
+    eps = float(B.scalar_f32("label_smoothing", label_smoothing))
+    if not (0.0 <= eps <= 1.0):
+        raise ValueError(f"label_smoothing: expected a number in [0, 1]; got {label_smoothing}")
+    accumulate = _flag("accumulate", accumulate)
+    compute_grad = _flag("compute_grad", compute_grad)
+    if chunk_rows is not None:
+        chunk_rows = _int("chunk_rows", chunk_rows)
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows: expected a positive integer; got {chunk_rows}")
+    if not compute_grad:
+        for name, v in (("grad_weight", grad_weight), ("grad_input", grad_input)):
+            if v is not None:
+                raise ValueError(f"{name}: given, but compute_grad=False computes no gradients")
+        if accumulate:
+            raise ValueError("accumulate: True, but compute_grad=False computes no gradients")
+    if grad_weight is not None:
+        B.check_out("grad_weight", grad_weight, (V, H), np.float32)
+    elif accumulate:
+        raise ValueError("grad_weight: required when accumulate=True (the weight gradient is added into it)")
+    if grad_input is not None:
+        B.check_out("grad_input", grad_input, (N, H), x.dtype)
+    if error is not None:
+        B.check_dtype("error", error, (np.int32,))
+        B.check_shape("error", error, ())
+    return N, H, V, ig, eps, accumulate, compute_grad, chunk_rows
+
+
+def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         grad_weight=None, accumulate=False, compute_grad=True, chunk_rows=None, dloss=1.0,
+                         grad_input=None, error=None):
+    """Cross-entropy of ``x @ weight.T`` against ``targets``, with the gradients, without materialising the logits.
+
+    With logits z = x W^T (rounded once to x's dtype, as a GEMM into a bf16 buffer would), per row i with target
+    t and eps = label_smoothing::
+
+        loss_i = (1 - eps) (lse_i - z_it) + eps (lse_i - mean_j z_ij)          (0 where t == ignore_index)
+        dz_ij  = g (softmax(z_i)_j - eps / V - (1 - eps) [j == t])              (rounded to x's dtype)
+        dx     = dz @ W,    dW (+)= dz^T @ x   (fp32)
+
+    exactly as :func:`cukernels.cross_entropy` / ``cross_entropy_fused`` on the full logits followed by the two
+    gradient GEMMs, but in chunks of ``chunk_rows`` rows through one [chunk_rows, V] workspace. ``g`` is
+    ``dloss / count`` for "mean" (count = non-ignored targets over all N rows, counted on the device; 0 when
+    every target is ignored: loss 0, gradients 0), ``dloss`` for "sum" and for "none" (the gradient of
+    ``dloss * sum_i loss_i``). No host synchronisation: the call can be captured in a CUDA graph.
+
+    Args:
+        x: ``[N, H]`` float32 or bfloat16, C-contiguous (N may be 0).
+        weight: ``[V, H]``, the dtype of ``x`` (under bf16 autocast: the bf16 shadow of the master weight).
+        targets: ``[N]`` int32 (or int64). On the GPU a target outside ``[0, V)`` that is not ``ignore_index``
+            makes its row ignored and ORs 1 into the error word (``error`` or ``ck.cross_entropy_error()``);
+            the NumPy path raises ValueError.
+        ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing: as in ``ck.cross_entropy``.
+        grad_weight: optional ``[V, H]`` float32 C-contiguous buffer for dW (e.g. the master weight's fp32
+            gradient): overwritten, or added into with ``accumulate=True``. Default: a new float32 array.
+        accumulate: add dW into ``grad_weight`` (GEMM beta = 1) instead of overwriting it.
+        compute_grad: False computes the loss only (evaluation): no dlogits, dx or dW, no gradient buffers.
+        chunk_rows: rows per chunk (positive int); default :func:`chunk_rows_for` (<= 512 MiB of logits).
+        dloss: gradient of the returned loss (a float, or a 0-d float32 array read on the device, e.g. a loss
+            scale or 1 / accumulation steps); scales the gradients only.
+        grad_input: optional ``[N, H]`` buffer (x's dtype, C-contiguous) for dx.
+        error: optional 0-d int32 device error word.
+
+    Returns:
+        ``(loss, dx, dweight)``: loss a 0-d float32 array ("mean"/"sum") or float32 ``[N]`` ("none"); dx
+        ``[N, H]`` in x's dtype; dweight float32 ``[V, H]`` (``grad_weight`` when given). With
+        ``compute_grad=False``: ``(loss, None, None)``.
+
+    Example::
+
+        >>> loss, dx, _ = ck.linear_cross_entropy(h_bf16, w_bf16, targets, grad_weight=w_master_grad,
+        ...                                       accumulate=True)          # loss.shape == (), no [N, V] buffer
+    """
+    xp = B.array_module(x=x, weight=weight, targets=targets, grad_weight=grad_weight, grad_input=grad_input,
+                        error=error)
+    N, H, V, ig, eps, accumulate, compute_grad, chunk_rows = _validate(
+        x, weight, targets, ignore_index, reduction, label_smoothing, grad_weight, accumulate, compute_grad,
+        chunk_rows, grad_input, error)
+    dscalar, darr = _check_dloss(xp, dloss)
+    C = min(chunk_rows, N) if chunk_rows is not None else chunk_rows_for(N, V, x.itemsize)
+    if xp is np:
+        return _reference(x, weight, targets, N, V, ig, eps, reduction, darr if darr is not None else dscalar,
+                          grad_weight, accumulate, compute_grad, C, grad_input)
+
+    err = error if error is not None else _ce.cross_entropy_error()
+    loss_rows = xp.empty((N,), dtype=np.float32)
+    cnt = None
+    if reduction == "mean":  # the divisor over all N rows, before any chunk needs it (device int, no sync)
+        cnt = xp.empty((), dtype=np.int32)
+        get_function(_ce.FAMILY, f"ce_count_{B.DTYPE_TAG[targets.dtype]}")(
+            (1,), (1024, 1, 1), (targets, np.int64(N), np.int64(V), np.int64(ig), cnt))
+    cptr = cnt if cnt is not None else B.NULL
+    dx = dw = None
+    if compute_grad:
+        dx = B.empty(xp, (N, H), x.dtype, grad_input, name="grad_input")
+        dw = B.empty(xp, (V, H), np.float32, grad_weight, name="grad_weight")
+        if N == 0 and not accumulate:
+            B.zero_(dw)  # no chunk writes it
+    if N:
+        ws = xp.empty((C, V), dtype=x.dtype)
+        tag = f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[targets.dtype]}"
+        k = get_function(_ce.FAMILY, f"ce_{'fused' if compute_grad else 'fwd'}_{tag}")
+        threads = _ce._threads(V, x.itemsize)
+        dptr = darr if darr is not None else B.NULL
+        for i, c0 in enumerate(range(0, N, C)):
+            c1 = min(N, c0 + C)
+            r = c1 - c0
+            z = ws[:r]  # C-contiguous view of the workspace's first r rows
+            xc, tc, lr = x[c0:c1], targets[c0:c1], loss_rows[c0:c1]
+            matmul(xc, weight, trans_b=True, out=z)
+            grid = (_ce._grid(k, r, threads),)
+            if not compute_grad:
+                k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ig),
+                                          np.float32(eps)))
+                continue
+            # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
+            k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
+                                      np.int64(ig), np.float32(eps), np.bool_(True)))
+            matmul(z, weight, out=dx[c0:c1])
+            matmul(z, xc, trans_a=True, out=dw, beta=1.0 if (accumulate or i) else 0.0)
+    if reduction == "none":
+        loss = loss_rows
+    else:
+        loss = xp.empty((), dtype=np.float32)
+        get_function(_ce.FAMILY, "ce_reduce_loss")((1,), (1024, 1, 1), (loss_rows, np.int64(N), cptr, loss))
+    return loss, dx, dw
+
+
+def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight, accumulate, compute_grad, C,
+               grad_input):
+    """NumPy path: the same chunk loop; GEMMs in float32, the softmax in float64, dlogits rounded to x's dtype."""
+    t = targets.astype(np.int64)
+    bad = (t != ig) & ((t < 0) | (t >= V))
+    if bad.any():
+        v = int(t[np.argmax(bad)])
+        raise ValueError(f"targets: value {v} is out of range for {V} classes "
+                         f"(valid: 0..{V - 1}, or ignore_index={ig})")
+    valid = t != ig
+    count = int(valid.sum())
+    d = float(np.asarray(dloss, dtype=np.float64))
+    g = (d / count if count else 0.0) if reduction == "mean" else d
+    xf, wf = x.astype(np.float32), weight.astype(np.float32)
+    H = x.shape[1]
+    loss_rows = np.zeros(N, np.float64)
+    dx = dw = None
+    if compute_grad:
+        dx = B.empty(np, (N, H), x.dtype, grad_input, name="grad_input")
+        dw = B.empty(np, (V, H), np.float32, grad_weight, name="grad_weight")
+        if not accumulate:
+            dw[...] = 0.0
+    for c0 in range(0, N, max(C, 1)):
+        c1 = min(N, c0 + C)
+        rows = np.arange(c1 - c0)
+        z = (xf[c0:c1] @ wf.T).astype(x.dtype).astype(np.float64)  # the logits as the workspace holds them
+        ok = valid[c0:c1]
+        tc = np.where(ok, t[c0:c1], 0)
+        m = z.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+        li = (1 - eps) * (lse - z[rows, tc]) + eps * (lse - z.mean(axis=1))
+        loss_rows[c0:c1] = np.where(ok, li, 0.0)
+        if compute_grad:
+            dz = np.exp(z - lse[:, None]) - eps / V
+            dz[rows, tc] -= 1 - eps
+            dz = np.where(ok[:, None], dz * g, 0.0).astype(x.dtype).astype(np.float32)
+            dx[c0:c1] = (dz @ wf).astype(x.dtype)
+            dw += dz.T @ xf[c0:c1]
+    if reduction == "none":
+        loss = loss_rows.astype(np.float32)
+    else:
+        s = loss_rows.sum()
+        if reduction == "mean":
+            s = s / count if count else 0.0
+        loss = np.asarray(s, dtype=np.float32)
+    return loss, dx, dw

@@ -1,0 +1,496 @@
+"""ck.linear_cross_entropy: the LM head GEMM and the loss fused in row chunks (cukernels/ops/linear_cross_entropy.py).
+
+CPU: the NumPy reference against an independent float64 formula, finite differences, the unfused composite,
+chunked == unchunked, the chunk plan's numbers, validation. GPU: the kernel path against the reference.
+"""
+import numpy as np
+import pytest
+
+import cukernels as ck
+from cukernels.ops import linear_cross_entropy as lce_mod
+from cukernels.ops.linear_cross_entropy import chunk_rows_for, linear_cross_entropy
+from helpers import DTYPES, device_copy, poisoned, to_host
+
+IG = -100
+
+
+def _case(rng, N, H, V, dtype, ignore_frac=0.2, zscale=1.0, idt=np.int32):
+    """x ~ N(0, 1), W ~ N(0, zscale^2 / H): logits ~ N(0, zscale^2) whatever H is."""
+    x = rng.standard_normal((N, H)).astype(np.float32).astype(dtype)
+    w = (rng.standard_normal((V, H)) * zscale / np.sqrt(max(H, 1))).astype(np.float32).astype(dtype)
+    t = rng.integers(0, V, N).astype(idt)
+    t[rng.random(N) < ignore_frac] = IG
+    return x, w, t
+
+
+def _grid_case(rng, N, H, V, dtype, ignore_frac=0.2):
+    """Inputs whose logits are exact in fp32 and bf16 whatever the GEMM's order: x in {-1, -3/4, ..., 1},
+    W in {-1/2, -3/8, ..., 1/2}: every partial sum is a multiple of 1/32 with |z| <= 4 (H <= 8), i.e. at most
+    8 significant bits: exact in fp32 and bf16."""
+    assert H <= 8
+    x = (rng.integers(-4, 5, (N, H)) / 4).astype(np.float32).astype(dtype)
+    w = (rng.integers(-4, 5, (V, H)) / 8).astype(np.float32).astype(dtype)
+    t = rng.integers(0, V, N).astype(np.int32)
+    t[rng.random(N) < ignore_frac] = IG
+    return x, w, t
+
+
+def f64_oracle(x, w, t, ignore=IG, eps=0.0, reduction="mean", dloss=1.0, round_logits=None):
+    """Independent float64 formula, row by row: (loss, dx, dW). round_logits: dtype the logits are rounded to."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    z = x64 @ w64.T
+    if round_logits is not None:
+        z = z.astype(round_logits).astype(np.float64)
+    N, V = z.shape
+    loss, dz = np.zeros(N), np.zeros_like(z)
+    valid = t != ignore
+    count = valid.sum()
+    g = (dloss / count if count else 0.0) if reduction == "mean" else dloss
+    for i in range(N):
+        if not valid[i]:
+            continue
+        lse = np.logaddexp.reduce(z[i])
+        q = np.full(V, eps / V)
+        q[t[i]] += 1 - eps
+        loss[i] = -(q * (z[i] - lse)).sum()
+        dz[i] = g * (np.exp(z[i] - lse) - q)
+    if reduction == "none":
+        L = loss
+    else:
+        L = loss.sum() / (count if reduction == "mean" and count else 1)
+    return L, dz @ w64, dz.T @ x64
+
+
+def _close(got, ref, rtol, atol_rel, what):
+    """|got - ref| <= rtol |ref| + atol_rel * max|ref| (absolute floor relative to the array's scale)."""
+    g, r = to_host(got).astype(np.float64), np.asarray(to_host(ref)).astype(np.float64)
+    assert g.shape == r.shape, f"{what}: shape {g.shape} != {r.shape}"
+    assert np.isfinite(g).all(), f"{what}: non-finite values (unwritten or NaN)"
+    scale = float(np.abs(r).max()) if r.size else 0.0
+    np.testing.assert_allclose(g, r, rtol=rtol, atol=atol_rel * scale + 1e-30, err_msg=what)
+
+
+# ---------------------------------------------------------------- CPU: the reference
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_reference_matches_f64(rng, reduction, eps, chunk):
+    x, w, t = _case(rng, 10, 6, 13, np.float32, zscale=3.0)
+    t[0] = IG
+    loss, dx, dw = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=eps, chunk_rows=chunk,
+                                        dloss=0.75)
+    L, DX, DW = f64_oracle(x, w, t, eps=eps, reduction=reduction, dloss=0.75)
+    assert loss.dtype == np.float32 and loss.shape == ((10,) if reduction == "none" else ())
+    assert dx.dtype == np.float32 and dx.shape == (10, 6) and dw.dtype == np.float32 and dw.shape == (13, 6)
+    np.testing.assert_allclose(loss, L, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, DX, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, DW, rtol=1e-5, atol=1e-7)
+    assert not dx[0].any(), "an ignored row gets no input gradient"
+
+
+def test_reference_bf16_rounds_the_logits_once_like_the_unfused_path(rng):
+    """bf16: the logits are the GEMM's bf16 output; the f64 formula on those rounded logits agrees tightly."""
+    x, w, t = _case(rng, 9, 16, 21, ck.bfloat16, zscale=4.0)
+    loss, dx, dw = linear_cross_entropy(x, w, t, label_smoothing=0.05)
+    L, DX, DW = f64_oracle(x, w, t, eps=0.05, round_logits=ck.bfloat16)
+    np.testing.assert_allclose(loss, L, rtol=1e-6)
+    assert dx.dtype == ck.bfloat16 and dw.dtype == np.float32
+    # dlogits are rounded to bf16 before the gradient GEMMs (as the in-place kernel writes them): ~2^-9 relative
+    np.testing.assert_allclose(dx.astype(np.float64), DX, rtol=1e-2, atol=2e-3 * np.abs(DX).max())
+    np.testing.assert_allclose(dw, DW, rtol=1e-2, atol=2e-3 * np.abs(DW).max())
+    # and the unrounded f64 logits differ by more than that: the rounding is really there
+    L_exact = f64_oracle(x, w, t, eps=0.05)[0]
+    assert abs(float(loss) - L_exact) > 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reference_equals_unfused_composite(rng, dtype, reduction):
+    """Same as ck.matmul -> ck.cross_entropy_fused (in place) -> the two gradient matmuls on the full logits."""
+    x, w, t = _case(rng, 12, 8, 17, dtype, zscale=2.0)
+    loss, dx, dw = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1)
+    z = ck.matmul(x, w, trans_b=True)
+    l_ref, dz = ck.cross_entropy_fused(z, t, reduction=reduction, label_smoothing=0.1, out=z)
+    dx_ref = ck.matmul(dz, w)
+    dw_ref = ck.matmul(dz, x, trans_a=True, out_dtype=np.float32)
+    np.testing.assert_allclose(loss, l_ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dx.astype(np.float32), dx_ref.astype(np.float32), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_reference_gradients_match_finite_differences(rng, reduction, eps):
+    N, H, V = 4, 3, 5
+    x, w, _ = _case(rng, N, H, V, np.float32, zscale=2.0)
+    t = np.array([1, IG, 4, 0], np.int32)
+    dl = 1.5
+
+    def L(x_, w_):
+        return float(np.sum(f64_oracle(x_, w_, t, eps=eps, reduction=reduction, dloss=dl)[0])) * dl
+
+    def fd(a, f):
+        out = np.zeros(a.shape)
+        a = a.astype(np.float64)
+        for i in np.ndindex(a.shape):
+            ap, am = a.copy(), a.copy()
+            ap[i] += 1e-6
+            am[i] -= 1e-6
+            out[i] = (f(ap) - f(am)) / 2e-6
+        return out
+
+    fdx = fd(x, lambda a: L(a, w))
+    fdw = fd(w, lambda a: L(x, a))
+    _, dx, dw = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=eps, dloss=dl, chunk_rows=3)
+    np.testing.assert_allclose(dx, fdx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dw, fdw, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reference_all_ignored_is_zero_not_nan(rng, reduction):
+    x, w, _ = _case(rng, 5, 4, 7, np.float32)
+    t = np.full(5, IG, np.int32)
+    gw = np.full((7, 4), np.nan, np.float32)
+    loss, dx, dw = linear_cross_entropy(x, w, t, reduction=reduction, grad_weight=gw, chunk_rows=2)
+    assert dw is gw
+    assert not np.asarray(loss).any() and not dx.any() and not dw.any()
+    assert np.isfinite(dw).all()
+    g0 = rng.standard_normal((7, 4)).astype(np.float32)
+    gw = g0.copy()
+    linear_cross_entropy(x, w, t, reduction=reduction, grad_weight=gw, accumulate=True)
+    np.testing.assert_array_equal(gw, g0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_reference_chunked_equals_unchunked(rng, dtype, reduction):
+    N = 11
+    x, w, t = _grid_case(rng, N, 5, 9, dtype)  # exact logits: a one-row chunk (gemv) rounds them the same
+    base = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.05)
+    # dx is rounded to x's dtype after an fp32 GEMM whose order may depend on the chunk: one ulp for bf16
+    dx_rtol = 1e-6 if np.dtype(dtype) == np.float32 else 2**-8
+    for c in (1, 2, 3, 4, 7, 10, 11, 12, 100):
+        got = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.05, chunk_rows=c)
+        np.testing.assert_array_equal(got[0], base[0], err_msg=f"loss chunk_rows={c}")
+        np.testing.assert_allclose(got[1].astype(np.float32), base[1].astype(np.float32), rtol=dx_rtol, atol=1e-7,
+                                   err_msg=f"dx chunk_rows={c}")
+        np.testing.assert_allclose(got[2], base[2], rtol=1e-6, atol=1e-7, err_msg=f"dW chunk_rows={c}")
+
+
+def test_reference_accumulate_out_buffers_and_eval(rng):
+    x, w, t = _grid_case(rng, 6, 4, 10, ck.bfloat16)
+    loss, dx, dw = linear_cross_entropy(x, w, t)
+    g0 = rng.standard_normal((10, 4)).astype(np.float32)
+    gw, gi = g0.copy(), np.full((6, 4), np.nan, ck.bfloat16)
+    loss2, dx2, dw2 = linear_cross_entropy(x, w, t, grad_weight=gw, accumulate=True, grad_input=gi, chunk_rows=4)
+    assert dw2 is gw and dx2 is gi
+    np.testing.assert_allclose(gw, g0 + dw, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gi.astype(np.float32), dx.astype(np.float32), rtol=2**-8, atol=1e-7)
+    le, dxe, dwe = linear_cross_entropy(x, w, t, compute_grad=False, chunk_rows=5)
+    assert dxe is None and dwe is None
+    np.testing.assert_allclose(le, loss, rtol=1e-6)
+    # dloss scales the gradients only; a 0-d float32 array reads the same as the float
+    l3, dx3, dw3 = linear_cross_entropy(x, w, t, dloss=np.asarray(2.0, np.float32))
+    np.testing.assert_array_equal(l3, loss)
+    np.testing.assert_allclose(dw3, 2 * dw, rtol=1e-6)
+
+
+def test_reference_int64_targets_ignore_index_in_range_and_empty(rng):
+    x, w, t = _case(rng, 7, 3, 6, np.float32, ignore_frac=0.0, idt=np.int64)
+    t[[1, 4]] = 0
+    loss, dx, dw = linear_cross_entropy(x, w, t, ignore_index=0)
+    L, DX, DW = f64_oracle(x, w, t, ignore=0)
+    np.testing.assert_allclose(loss, L, rtol=1e-6)
+    np.testing.assert_allclose(dw, DW, rtol=1e-5, atol=1e-7)
+    assert not dx[1].any() and not dx[4].any()
+    e = np.zeros((0, 3), np.float32)
+    gw = np.full((6, 3), np.nan, np.float32)
+    loss, dx, dw = linear_cross_entropy(e, w, np.zeros(0, np.int32), grad_weight=gw)
+    assert float(loss) == 0.0 and dx.shape == (0, 3) and dw is gw and not gw.any()
+    ln, _, _ = linear_cross_entropy(e, w, np.zeros(0, np.int32), reduction="none")
+    assert ln.shape == (0,) and ln.dtype == np.float32
+
+
+def test_reference_out_of_range_target_raises(rng):
+    x, w, _ = _case(rng, 2, 3, 4, np.float32)
+    with pytest.raises(ValueError, match="targets: value 4 is out of range for 4 classes"):
+        linear_cross_entropy(x, w, np.array([0, 4], np.int32))
+    with pytest.raises(ValueError, match="targets: value -3"):
+        linear_cross_entropy(x, w, np.array([-3, 1], np.int32), compute_grad=False)
+
+
+def test_chunk_plan_numbers():
+    """The numbers the module docstring and NOTES.md quote, and the plan's invariants."""
+    assert chunk_rows_for(8192, 128256, 2) == 2048  # 4 chunks, 2048 x 128256 x 2 = 525 MB
+    assert chunk_rows_for(8192, 128256, 4) == 1024  # fp32: 8 chunks
+    assert chunk_rows_for(8192, 50257, 2) == 4096  # GPT-2: 2 chunks of 412 MB
+    assert chunk_rows_for(4097, 128256, 2) == 1408  # 3 chunks: 1408 + 1408 + 1281
+    assert chunk_rows_for(1000, 128256, 2) == 1000 and chunk_rows_for(1, 7, 4) == 1 and chunk_rows_for(0, 7, 2) == 0
+    assert chunk_rows_for(8192, 8_000_000, 2) == 128  # the floor: 128 rows even over the budget
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        N, V, s = int(rng.integers(1, 200_000)), int(rng.integers(1, 1_000_000)), int(rng.choice([2, 4]))
+        c = chunk_rows_for(N, V, s)
+        cmax = max(128, lce_mod.WORKSPACE_BUDGET // (V * s) // 128 * 128)
+        assert 1 <= c <= N
+        assert c * V * s <= max(lce_mod.WORKSPACE_BUDGET, 128 * V * s)
+        assert c == N or c % 128 == 0
+        assert -(-N // c) == -(-N // cmax), "no more chunks than the budget needs"
+
+
+def _bad(**kw):
+    x = np.zeros((3, 4), np.float32)
+    a = dict(x=x, weight=np.zeros((5, 4), np.float32), targets=np.zeros(3, np.int32))
+    a.update(kw)
+    return lambda: linear_cross_entropy(a.pop("x"), a.pop("weight"), a.pop("targets"), **a)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (_bad(x=np.zeros((3, 4), np.float64)), TypeError, "x: expected dtype"),
+        (_bad(x=np.zeros((2, 3, 4), np.float32)), ValueError, r"x: expected a 2-D array \[N, H\]"),
+        (_bad(x=np.zeros((4, 3), np.float32).T), ValueError, "x: expected a C-contiguous"),
+        (_bad(weight=np.zeros((5, 4), ck.bfloat16)), TypeError, "weight: expected dtype float32"),
+        (_bad(weight=np.zeros((5, 3), np.float32)), ValueError, r"weight: expected shape \[V, 4\]"),
+        (_bad(weight=np.zeros(4, np.float32)), ValueError, "weight: expected shape"),
+        (_bad(weight=np.zeros((0, 4), np.float32)), ValueError, "weight: expected at least 1 row"),
+        (_bad(weight=np.zeros((4, 5), np.float32).T), ValueError, "weight: expected a C-contiguous"),
+        (_bad(targets=np.zeros(3, np.float32)), TypeError, "targets: expected dtype"),
+        (_bad(targets=np.zeros(4, np.int32)), ValueError, r"targets: expected shape \(3,\)"),
+        (_bad(targets=np.zeros((3, 1), np.int32)), ValueError, "targets: expected shape"),
+        (_bad(ignore_index=1.5), TypeError, "ignore_index"),
+        (_bad(reduction="avg"), ValueError, "reduction"),
+        (_bad(label_smoothing=1.5), ValueError, "label_smoothing"),
+        (_bad(label_smoothing="a"), TypeError, "label_smoothing"),
+        (_bad(grad_weight=np.zeros((5, 4), ck.bfloat16)), TypeError, "grad_weight: expected dtype float32"),
+        (_bad(grad_weight=np.zeros((4, 5), np.float32)), ValueError, r"grad_weight: expected shape \(5, 4\)"),
+        (_bad(grad_weight=np.zeros((4, 5), np.float32).T), ValueError, "grad_weight: expected a C-contiguous"),
+        (_bad(accumulate=True), ValueError, "grad_weight: required when accumulate=True"),
+        (_bad(accumulate=1), TypeError, "accumulate: expected True or False"),
+        (_bad(compute_grad=None), TypeError, "compute_grad"),
+        (_bad(compute_grad=False, grad_weight=np.zeros((5, 4), np.float32)), ValueError, "grad_weight: given"),
+        (_bad(compute_grad=False, grad_input=np.zeros((3, 4), np.float32)), ValueError, "grad_input: given"),
+        (_bad(chunk_rows=0), ValueError, "chunk_rows: expected a positive integer"),
+        (_bad(chunk_rows=2.0), TypeError, "chunk_rows: expected an integer"),
+        (_bad(chunk_rows=True), TypeError, "chunk_rows"),
+        (_bad(grad_input=np.zeros((3, 4), ck.bfloat16)), TypeError, "grad_input: expected dtype"),
+        (_bad(grad_input=np.zeros((3, 5), np.float32)), ValueError, "grad_input: expected shape"),
+        (_bad(dloss="1"), TypeError, "dloss"),
+        (_bad(dloss=np.ones((), np.float64)), TypeError, "dloss: expected dtype"),
+        (_bad(dloss=np.ones(3, np.float32)), ValueError, r"dloss: expected shape \(\)"),
+        (_bad(error=np.zeros((), np.int64)), TypeError, "error: expected dtype"),
+        (_bad(weight=[[0.0] * 4] * 5), TypeError, "weight: expected a numpy.ndarray or cupy.ndarray"),
+    ],
+)
+def test_bad_input_messages(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+# ---------------------------------------------------------------- GPU
+# Tolerances (rtol, atol relative to max|ref|) of the kernel path against the reference. Both round the logits
+# and dlogits to x's dtype once and accumulate the GEMMs in fp32; they differ by the GEMMs' summation order
+# (fp32: ~1e-6 relative), which for bf16 can flip the rounding of an element by one ulp (2^-8 relative; at
+# |z| < 8 that is <= 0.031 in a per-row loss).
+LOSS_TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(ck.bfloat16): (2e-3, 1e-3)}
+ROW_TOL = {np.dtype(np.float32): (1e-4, 1e-5), np.dtype(ck.bfloat16): (1e-2, 4e-3)}  # atol x max|loss_i| (~10)
+GRAD_TOL = {np.dtype(np.float32): (1e-3, 1e-4), np.dtype(ck.bfloat16): (2e-2, 1e-2)}
+
+
+def _check(got, ref, dtype, reduction, what=""):
+    d = np.dtype(dtype)
+    (lr, la), (gr, ga) = (ROW_TOL if reduction == "none" else LOSS_TOL)[d], GRAD_TOL[d]
+    _close(got[0], ref[0], lr, la, f"{what} loss")
+    if ref[1] is not None:
+        _close(got[1], ref[1], gr, ga, f"{what} dx")
+        _close(got[2], ref[2], gr, ga, f"{what} dW")
+
+
+# (N, H, V, chunk_rows): single rows, odd N, odd V (GPT-2's 50257), chunk boundaries with a short last chunk
+GPU_SHAPES = [(1, 64, 1000, None), (3, 40, 50257, None), (1000, 96, 1000, 128), (4097, 64, 1000, 1024),
+              (1000, 64, 50257, 256), (257, 128, 32000, 64), (37, 33, 4099, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, H, V, chunk", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_matches_reference(rng, N, H, V, chunk, dtype):
+    misalign = N == 37  # odd H and misaligned views: cuBLAS and the CE kernel's element paths
+    eps = 0.1 if V % 2 else 0.0
+    x, w, t = _case(rng, N, H, V, dtype, idt=np.int64 if N % 2 else np.int32)
+    xd, wd, td = device_copy(x, misalign), device_copy(w, misalign), device_copy(t, misalign)
+    for reduction in ("mean", "sum", "none"):
+        ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=eps, chunk_rows=chunk)
+        gi = poisoned((N, H), dtype, misalign)
+        gw = poisoned((V, H), np.float32)  # beta = 0 on the first chunk: NaN must not leak through
+        got = linear_cross_entropy(xd, wd, td, reduction=reduction, label_smoothing=eps, chunk_rows=chunk,
+                                   grad_weight=gw, grad_input=gi)
+        assert got[1] is gi and got[2] is gw
+        assert got[0].shape == ref[0].shape and got[0].dtype == np.float32
+        _check(got, ref, dtype, reduction, f"{N}x{H}x{V} chunk={chunk} {reduction}")
+    # evaluation: the loss only, same numbers
+    loss = linear_cross_entropy(xd, wd, td, label_smoothing=eps, chunk_rows=chunk, compute_grad=False)
+    assert loss[1] is None and loss[2] is None
+    ref = linear_cross_entropy(x, w, t, label_smoothing=eps, compute_grad=False)
+    _close(loss[0], ref[0], *LOSS_TOL[np.dtype(dtype)], "eval loss")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_chunk_sizes_agree(rng, dtype):
+    """Every chunking gives the same result (up to the GEMMs' order): boundaries are handled."""
+    N, H, V = 515, 72, 3001
+    x, w, t = _case(rng, N, H, V, dtype)
+    xd, wd, td = device_copy(x), device_copy(w), device_copy(t)
+    base = [to_host(a) for a in linear_cross_entropy(xd, wd, td, reduction="none", label_smoothing=0.1)]
+    for c in (1, 7, 128, 514, 515, 10_000):
+        got = linear_cross_entropy(xd, wd, td, reduction="none", label_smoothing=0.1, chunk_rows=c)
+        _check(got, base, dtype, "none", f"chunk_rows={c}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_accumulate_adds_into_grad_weight(rng, dtype):
+    import cupy as cp
+
+    N, H, V = 300, 64, 2000
+    x, w, t = _case(rng, N, H, V, dtype)
+    g0 = rng.standard_normal((V, H)).astype(np.float32) * 1e-3
+    _, dx_ref, dw_ref = linear_cross_entropy(x, w, t, chunk_rows=128)
+    gw = cp.asarray(g0)
+    _, _, dw = linear_cross_entropy(device_copy(x), device_copy(w), device_copy(t), grad_weight=gw, accumulate=True,
+                                    chunk_rows=128)
+    assert dw is gw
+    gr, ga = GRAD_TOL[np.dtype(dtype)]
+    _close(gw, g0 + dw_ref, gr, ga, "g0 + dW")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gpu_all_ignored_empty_and_bad_targets(rng, reduction):
+    import cupy as cp
+
+    N, H, V = 9, 16, 333
+    x, w, _ = _case(rng, N, H, V, ck.bfloat16)
+    xd, wd = device_copy(x), device_copy(w)
+    err = cp.zeros((), cp.int32)
+    gw, gi = poisoned((V, H), np.float32), poisoned((N, H), ck.bfloat16)
+    loss, dx, dw = linear_cross_entropy(xd, wd, cp.full(N, IG, cp.int32), reduction=reduction, grad_weight=gw,
+                                        grad_input=gi, chunk_rows=4, error=err)
+    assert not to_host(loss).any() and not to_host(dx).astype(np.float32).any() and not to_host(dw).any()
+    assert np.isfinite(to_host(dw)).all() and int(to_host(err)) == 0
+    # N = 0: loss 0 (or an empty "none"), dW zeroed (not accumulated into: left as is)
+    gw = poisoned((V, H), np.float32)
+    loss, dx, dw = linear_cross_entropy(xd[:0], wd, cp.zeros(0, cp.int32), reduction=reduction, grad_weight=gw)
+    assert to_host(loss).shape == ((0,) if reduction == "none" else ()) and not to_host(loss).any()
+    assert dx.shape == (0, H) and not to_host(dw).any()
+    # out-of-range targets: flagged, the row counts as ignored (also in the mean's divisor)
+    th = rng.integers(0, V, N).astype(np.int32)
+    th[2], th[5] = V, -7
+    got = linear_cross_entropy(xd, wd, device_copy(th), reduction=reduction, error=err)
+    assert int(to_host(err)) == 1
+    keep = th.copy()
+    keep[[2, 5]] = IG
+    _check(got, linear_cross_entropy(x, w, keep, reduction=reduction), ck.bfloat16, reduction, "bad targets")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_large_logits_stay_finite(rng, dtype):
+    N, H, V = 64, 32, 4099
+    x, w, t = _case(rng, N, H, V, dtype, zscale=300.0)  # |z| up to ~1e3: exp would overflow without the max
+    got = linear_cross_entropy(device_copy(x), device_copy(w), device_copy(t), reduction="none", chunk_rows=24)
+    ref = linear_cross_entropy(x, w, t, reduction="none", chunk_rows=24)
+    for a in got:
+        assert np.isfinite(to_host(a).astype(np.float32)).all()
+    # a per-row loss ~ |z| ~ 1e3: one ulp of a bf16 logit there is 4, of fp32 ~6e-5 (times the GEMM order)
+    # and an fp32 GEMM error of ~6e-4 at |z| ~ 1e3 moves a softmax of close top logits by ~6e-4 relative
+    bf = np.dtype(dtype) == np.dtype(ck.bfloat16)
+    rtol = 1e-2 if bf else 1e-4
+    _close(got[0], ref[0], rtol, rtol, "loss rows")
+    gtol = (2e-2, 1e-2) if bf else (5e-3, 1e-3)
+    _close(got[1], ref[1], *gtol, "dx")
+    _close(got[2], ref[2], *gtol, "dW")
+
+
+@pytest.mark.gpu
+def test_gpu_device_dloss_and_bit_identical_reruns(rng):
+    import cupy as cp
+
+    N, H, V = 700, 128, 5000
+    x, w, t = _case(rng, N, H, V, ck.bfloat16)
+    xd, wd, td = device_copy(x), device_copy(w), device_copy(t)
+    runs = [[to_host(a) for a in linear_cross_entropy(xd, wd, td, label_smoothing=0.1, chunk_rows=256,
+                                                      dloss=cp.full((), 0.5, cp.float32))] for _ in range(2)]
+    for a, b, name in zip(runs[0], runs[1], ("loss", "dx", "dW")):
+        assert a.tobytes() == b.tobytes(), f"{name} differs between two identical calls"
+    ref = linear_cross_entropy(x, w, t, label_smoothing=0.1, chunk_rows=256, dloss=0.5)
+    _check(runs[0], ref, ck.bfloat16, "mean", "dloss 0.5 on the device")
+
+
+@pytest.mark.gpu
+def test_gpu_extra_memory_is_the_workspace_not_the_logits(rng):
+    """Under a private pool, a call allocates the [chunk, V] workspace, dx and a few scalars: not [N, V]."""
+    import cupy as cp
+
+    N, H, V, C = 4096, 256, 32000, 512
+    x, w, t = _case(rng, N, H, V, ck.bfloat16)
+    xd, wd, td = device_copy(x), device_copy(w), device_copy(t)
+    gw = cp.zeros((V, H), cp.float32)
+    linear_cross_entropy(xd, wd, td, grad_weight=gw, chunk_rows=C)  # warm-up: kernels, cuBLAS handle
+    cp.cuda.Device().synchronize()
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        linear_cross_entropy(xd, wd, td, grad_weight=gw, chunk_rows=C)
+        cp.cuda.Device().synchronize()
+    need = C * V * 2 + N * H * 2  # workspace + dx: 32.8 + 2.1 MB (full logits would be 262 MB)
+    assert pool.total_bytes() <= need + (1 << 20), f"{pool.total_bytes()} bytes held, expected ~{need}"
+    pool.free_all_blocks()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_captured_call_replays(rng, reduction):
+    """A CUDA graph of the call (ck.graph.CapturedStep) replays to the eager result, and follows new contents of
+    its input buffers (new x and new targets: the mean's divisor is recounted on the device each replay)."""
+    import cupy as cp
+
+    N, H, V = 600, 64, 3000
+    x, w, t = _case(rng, N, H, V, ck.bfloat16)
+    xd, wd, td = device_copy(x), device_copy(w), device_copy(t)
+    gw = cp.zeros((V, H), cp.float32)
+    gi = cp.empty((N, H), dtype=ck.bfloat16)
+
+    def step():
+        return linear_cross_entropy(xd, wd, td, reduction=reduction, label_smoothing=0.1, grad_weight=gw,
+                                    grad_input=gi, chunk_rows=256)
+
+    s = ck.graph.CapturedStep(step, warmup=1)
+    s()
+    out = s()  # captured and replayed
+    assert s.graph is not None
+    s.synchronize()
+    ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1, chunk_rows=256)
+    _check([to_host(a) for a in out], ref, ck.bfloat16, reduction, "replay")
+    x2, _, t2 = _case(rng, N, H, V, ck.bfloat16, ignore_frac=0.6)
+    xd[...] = cp.asarray(x2)
+    td[...] = cp.asarray(t2)
+    gi.fill(np.nan)
+    out = s()
+    s.synchronize()
+    replay = [to_host(a) for a in out]  # host copies: dx and dW live in gi / gw, which the eager call rewrites
+    ref = linear_cross_entropy(x2, w, t2, reduction=reduction, label_smoothing=0.1, chunk_rows=256)
+    _check(replay, ref, ck.bfloat16, reduction, "replay with new inputs")
+    eager = [to_host(a) for a in step()]
+    for a, b, name in zip(replay, eager, ("loss", "dx", "dW")):
+        assert a.tobytes() == b.tobytes(), f"{name}: the replay and the eager call differ"
+
+
+@pytest.mark.gpu
+def test_gpu_rejects_mixed_modules(rng):
+    x, w, t = _case(rng, 4, 8, 16, np.float32)
+    with pytest.raises(TypeError, match="weight: is a numpy array but x is a cupy array"):
+        linear_cross_entropy(device_copy(x), w, device_copy(t))
+    with pytest.raises(TypeError, match="dloss: is a numpy array but x is a cupy array"):
+        linear_cross_entropy(device_copy(x), device_copy(w), device_copy(t), dloss=np.ones((), np.float32))
