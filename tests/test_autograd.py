@@ -117,7 +117,7 @@ def test_composite_layer_grads(rng):
     gradcheck(lambda a, b: F.swiglu(a, b, fused=False), [r64(rng, 3, 4), r64(rng, 3, 4)], rng)
     gradcheck(lambda a: F.swiglu_packed(a, fused=False), [r64(rng, 3, 8)], rng)
     gradcheck(lambda a: F.gelu(a, fused=False), [r64(rng, 3, 4)], rng)
-    cos, sin = ck.models.llama.rope_cache(5, 4, 10000.0, None, np)
+    cos, sin = ck.rope_cache(5, 4, theta=10000.0, scaling=None, xp=np)
     gradcheck(lambda x: F.rope(x, cos.astype(np.float64), sin.astype(np.float64), fused=False),
               [r64(rng, 2, 3, 2, 4)], rng)
 
@@ -260,7 +260,7 @@ def test_sparse_embedding_function(rng):
 
 @_needs("rope", "rope_backward")
 def test_rope_function(rng):
-    cos, sin = ck.models.llama.rope_cache(7, 8, 10000.0, None, np)
+    cos, sin = ck.rope_cache(7, 8, theta=10000.0, scaling=None, xp=np)
     fused_check(lambda x: F.rope(x, cos, sin), lambda x: F.rope(x, cos.astype(np.float64), sin.astype(np.float64),
                                                                 fused=False), [r64(rng, 2, 5, 3, 8)], rng)
 

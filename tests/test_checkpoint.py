@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 import cukernels as ck
-from cukernels import checkpoint as C
+from cukernels.io import atomic
+from cukernels.io import checkpoint as C
 
 
 def _arrays(rng):
@@ -59,7 +60,7 @@ def test_failed_write_keeps_previous(tmp_path, rng, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(C.os, "fsync", boom)  # the write dies before the rename
+    monkeypatch.setattr(atomic.os, "fsync", boom)  # the write dies before the rename
     with pytest.raises(OSError):
         C.save(p, _arrays(rng), {"step": 2})
     assert p.read_bytes() == before and not list(tmp_path.glob("*.tmp-*"))
