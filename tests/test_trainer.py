@@ -67,3 +67,58 @@ def test_composite_path_with_grad_accumulation(tmp_path):
     tr, va = _run(tmp_path, ["fused=false", "total_batch_size=512", "max_steps=12", "log_format=csv"])
     assert tr[-1]["loss"] < va[0]["loss"] - 1.0
     assert os.path.exists(os.path.join(tmp_path, "log.csv"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("max_step=5", r"max_step: unknown config key \(did you mean 'max_steps'\?\)"),
+    ("model.num_layers=3", r"model.num_layers: unknown key for model.type llama \(did you mean 'num_hidden_layers'\?\)"),
+    ("log_format=xml", r"log_format: expected one of \['jsonl', 'csv'\]; got 'xml'"),
+    ("data.kind=bogus", r"data.kind: expected one of \['text', 'llmc'\]"),
+    ("fused=maybe", "fused: expected true or false; got 'maybe'"),
+    ("batch_size=0", "batch_size: expected > 0; got 0"),
+    ("batch_size=-4", "batch_size: expected > 0; got -4"),
+    ("batch_size=abc", "batch_size: expected an integer; got 'abc'"),
+    ("max_steps=2.5", "max_steps: expected an integer; got 2.5"),
+    ("device=tpu", r"device: expected one of \['cpu', 'gpu', 'auto'\]; got 'tpu'"),
+    ("betas=[0.9, 1.5]", r"betas: expected two numbers in \[0, 1\)"),
+    ("lr=-1", "lr: expected >= 0; got -1.0"),
+    ("model.type=gpt9", "model.type: expected one of"),
+    ("model.hidden_size=15", "model: .*hidden_size \\(15\\) must be a multiple"),
+    ("total_batch_size=100", "total_batch_size: 100 is not a multiple of batch_size \\* seq_len"),
+    ("nokey", "expected key=value"),
+])
+def test_config_errors_name_the_key(override, match):
+    with pytest.raises(ck.train.ConfigError, match=match):
+        load_config(CFG("tiny"), [override])
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --config {tmp_path / 'nope.yaml'}: no such file"
+    assert cli.main(["--config", CFG("tiny"), "num_layers=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: num_layers: unknown config key") and "\n" not in err
+
+
+def test_run_folder_gets_resolved_config_and_nothing_to_run_says_so(tmp_path, capsys):
+    import yaml
+    cfg = load_config(CFG("tiny"), SMALL + [f"out_dir={tmp_path}", "max_steps=0"])
+    rows = trainer.train(cfg)
+    assert rows == [] and "nothing to run: max_steps is 0" in capsys.readouterr().out
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["model"]["hidden_size"] == 64 and saved["max_steps"] == 0 and saved["model"]["type"] == "llama"
+    assert load_config(str(tmp_path / "config.yaml")) == cfg  # the resolved file is itself a valid config
+
+
+def test_console_bar_and_lines():
+    import io
+    from cukernels.train.console import Console
+    s = io.StringIO()
+    c = Console("bar", stream=s)
+    c.step(5, 10, 0, "step 5/10 | loss 1.0")
+    c.say("val")
+    c.close()
+    assert "\r[############------------] step 5/10" in s.getvalue() and "<" in s.getvalue()
+    s = io.StringIO()
+    Console("auto", stream=s).step(5, 10, 0, "step 5/10 | loss 1.0")  # not a tty: plain lines
+    assert s.getvalue() == "step 5/10 | loss 1.0\n"

@@ -145,7 +145,7 @@ class CausalLM(Module):
         return False
 
     # -- inputs -----------------------------------------------------------------------------------------------
-    def _as_int(self, what, a, xp):
+    def _as_int(self, what, a, xp, floats=False):
         a = a.data if isinstance(a, Tensor) else a
         if isinstance(a, (list, tuple)) or np.isscalar(a):
             a = np.asarray(a)
@@ -153,6 +153,8 @@ class CausalLM(Module):
         if kind is None:
             raise TypeError(f"{what}: expected integer token ids (a list, NumPy or CuPy array); got "
                             f"{type(a).__name__}")
+        if floats and (a.dtype.kind == "f" or a.dtype == B.bfloat16):
+            a = a != 0
         if a.dtype.kind not in "iu" and a.dtype != np.bool_:
             raise TypeError(f"{what}: expected integer ids; got dtype {a.dtype}")
         if kind is not xp:
@@ -186,7 +188,7 @@ class CausalLM(Module):
             if tuple(targets.shape) != (Bsz, T):
                 raise ValueError(f"targets: expected the shape of ids {(Bsz, T)}; got {tuple(targets.shape)}")
         if attention_mask is not None:
-            m = self._as_int("attention_mask", attention_mask, xp)
+            m = self._as_int("attention_mask", attention_mask, xp, floats=True)
             if m.ndim == 1 and Bsz == 1:
                 m = m[None]
             if tuple(m.shape) != (Bsz, p0 + T):
