@@ -229,7 +229,7 @@ def test_gpu_model_flash_path_matches_materialised(rng):
     for flash in (False, True):
         m = ck.Llama(cfg, xp=cp(), seed=3)
         for mod in m.modules():
-            if isinstance(mod, ck.nn.Attention):
+            if isinstance(mod, ck.nn.CausalSelfAttention):
                 mod.flash = flash
         with ck.autocast(BF16):
             loss = m(ids, ids)
