@@ -91,7 +91,8 @@ class OurStep:
         import cupy as cp
 
         import cukernels as ck
-        from cukernels.nn import CausalSelfAttention, CompositeAdamW, Embedding, Linear, RMSNorm
+        from cukernels.nn import Attention, Embedding, Linear, RMSNorm
+        from cukernels.optim import CompositeAdamW
 
         self.cp, self.ck = cp, ck
         mcfg = dict(mcfg or LLAMA_1B)
@@ -109,7 +110,7 @@ class OurStep:
                 m.fused = "fused_ce" in f
             else:
                 m.fused = "fused_rest" in f
-            if isinstance(m, CausalSelfAttention):
+            if isinstance(m, Attention):
                 m.flash = "flash" in f
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]

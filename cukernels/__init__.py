@@ -1,4 +1,8 @@
-"""cukernels: hand-written CUDA kernels for LLM training on CuPy arrays, with NumPy reference paths."""
+"""cukernels: hand-written CUDA kernels for LLM training on CuPy arrays, with NumPy reference paths.
+
+Layers, each importing only from those before it (tests/test_layering.py checks it):
+ops (kernels + references) -> autograd -> functional -> nn / optim / io -> models -> generation -> train.
+"""
 from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
 from .blas import matmul
@@ -14,7 +18,10 @@ from .ops.elementwise import add, cast, mul
 from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
 from .autograd import Function, Tensor, no_grad, tensor
 from .amp import autocast
-from .models.llama import Llama, LlamaConfig
-from . import amp, checkpoint, functional, graph, nn, optim
+from . import functional, graph, io, nn, optim
+from .io import checkpoint
+from .models import Llama, LlamaConfig, from_pretrained
+from . import models, generation
+from .generation import generate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -10,13 +10,16 @@ optimizer hands every parameter a ``.grad`` view into one flat buffer and relies
 Function may also accumulate a leaf's gradient itself (``ctx.leaf_grad(i)`` gives the buffer, e.g. a weight-grad
 GEMM with beta = 1 or a sparse-row embedding gradient) and return ``None`` for that input.
 
-The Functions themselves live in :mod:`cukernels.functional`.
+The Functions themselves live in :mod:`cukernels.functional`, which also installs the Tensor's arithmetic
+operators and methods (``+``, ``**``, ``@``, ``exp``, ``sum``, ``reshape``, indexing, ...): this module imports
+nothing above the ops.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _backend as B
+from .ops.elementwise import add as _ck_add
 
 _grad_enabled = True
 
@@ -48,7 +51,12 @@ def _xp(a):
 
 
 class Tensor:
-    """An array (``numpy.ndarray`` or ``cupy.ndarray``) with a gradient.
+    """An array (``numpy.ndarray`` or ``cupy.ndarray``) with a gradient: the unit of the tape autograd.
+
+    ``ck.tensor([[1., 2.]], requires_grad=True)``; ``y = (x * x).sum(); y.backward(); x.grad``. Arithmetic
+    (``+ - * / ** @``, unary ``-``), indexing, ``.T``, ``reshape``, ``transpose``, ``sum``, ``mean``, ``exp``,
+    ``log``, ``tanh``, ``sigmoid``, ``astype`` record on the tape; the kernel ops are in ``ck.functional``
+    (``ck.functional.rms_norm(x, w)``).
 
     Attributes: ``data`` (the array; the optimizer may replace it by a view of its flat buffer), ``grad``
     (None until a backward reaches it, then an array of ``data``'s shape, accumulated in place), ``requires_grad``,
@@ -62,7 +70,16 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.data
         if B._kind(data) is None:
+            if isinstance(data, (str, bytes)):
+                raise TypeError(f"Tensor: expected numeric data (an array, a number or nested lists of numbers); "
+                                f"got {type(data).__name__} {data!r:.40}")
             data = np.asarray(data)
+        dt = data.dtype
+        if not (dt.kind in "biuf" or dt == B.bfloat16):
+            raise TypeError(f"Tensor: expected a numeric dtype (float32, bfloat16, integers, bool); got {dt}")
+        if requires_grad and not (dt.kind == "f" or dt == B.bfloat16):
+            raise TypeError(f"Tensor: only floating-point tensors can require a gradient; got dtype {dt} "
+                            f"(make it float32: ck.tensor(x.astype('float32'), requires_grad=True))")
         self.data = data
         self.requires_grad = bool(requires_grad)
         self.grad = None
@@ -70,7 +87,7 @@ class Tensor:
         self.shadow = None
         self.sparse_grad = None
         self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
-        self._node = None  # (Function class, ctx, inputs) for a non-leaf
+        self._node = None  # (Function class, ctx) for a non-leaf; _FREED once a backward released it
 
     # -- array-like -----------------------------------------------------------------------------------------
     shape = property(lambda self: tuple(self.data.shape))
@@ -80,9 +97,17 @@ class Tensor:
     xp = property(lambda self: _xp(self.data))
     is_leaf = property(lambda self: self._node is None)
 
+    def __len__(self):
+        return len(self.data)
+
     def __repr__(self):
         n = f", name={self.name!r}" if self.name else ""
-        return f"Tensor(shape={self.shape}, dtype={self.dtype}, {self.xp.__name__}{n}, requires_grad={self.requires_grad})"
+        g = ", requires_grad=True" if self.requires_grad else ""
+        fn = f", grad_fn={self._node[0].__name__}" if isinstance(self._node, tuple) else ""
+        dev = "cpu" if self.xp is np else "cuda"
+        body = np.array2string(self.numpy(), precision=4, threshold=20, edgeitems=2, prefix="Tensor(") \
+            if self.size <= 1000 else f"<{self.shape}>"
+        return f"Tensor({body}, dtype={self.dtype}, device={dev}{n}{g}{fn})"
 
     def numpy(self):
         """A host (NumPy) copy of the data."""
@@ -93,31 +118,15 @@ class Tensor:
         return float(self.numpy())
 
     def detach(self):
+        """The same array, off the tape."""
         return Tensor(self.data)
 
     def backward(self, grad=None, retain_graph=False):
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` (see :func:`backward`)."""
         backward(self, grad, retain_graph=retain_graph)
 
-    # -- operators (thin wrappers over cukernels.functional) ----------------------------------------------------
-    def _F(self):
-        from . import functional
-        return functional
 
-    def __add__(self, o): return self._F().add(self, o)
-    def __radd__(self, o): return self._F().add(o, self)
-    def __sub__(self, o): return self._F().sub(self, o)
-    def __rsub__(self, o): return self._F().sub(o, self)
-    def __mul__(self, o): return self._F().mul(self, o)
-    def __rmul__(self, o): return self._F().mul(o, self)
-    def __neg__(self): return self._F().mul(self, -1.0)
-    def __truediv__(self, o): return self._F().div(self, o)
-    def __matmul__(self, o): return self._F().matmul(self, o)
-    def __getitem__(self, idx): return self._F().getitem(self, idx)
-    def reshape(self, *shape): return self._F().reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-    def transpose(self, *axes): return self._F().transpose(self, axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None))
-    def sum(self, axis=None, keepdims=False): return self._F().sum(self, axis, keepdims)
-    def mean(self, axis=None, keepdims=False): return self._F().mean(self, axis, keepdims)
-    def astype(self, dtype): return self._F().cast(self, dtype)
+_FREED = "freed"  # a non-leaf whose saved arrays a backward released (retain_graph=False)
 
 
 class Context:
@@ -188,8 +197,7 @@ def fast_add(x, y):
     """``x + y`` as a new array, through ``ck.add`` when :func:`_kernel_addable`, else ``+``. Never in place: a
     gradient array may be shared by several inputs (``Add.backward`` returns g twice)."""
     if _kernel_addable(x, y):
-        from .ops.elementwise import add
-        return add(x, y, dtype=np.promote_types(x.dtype, y.dtype))
+        return _ck_add(x, y, dtype=np.promote_types(x.dtype, y.dtype))
     return x + y
 
 
@@ -201,8 +209,7 @@ def _accumulate_leaf(t, g):
         t.grad[...] = g
         t.grad_stale = False
     elif _kernel_addable(t.grad, g):
-        from .ops.elementwise import add
-        add(t.grad, g, out=t.grad)  # in place: the optimizer's flat-buffer view stays bound
+        _ck_add(t.grad, g, out=t.grad)  # in place: the optimizer's flat-buffer view stays bound
     else:
         t.grad += g
 
@@ -218,7 +225,7 @@ def _toposort(root):
             continue
         seen.add(id(t))
         stack.append((t, True))
-        if t._node is not None:
+        if isinstance(t._node, tuple):
             for a in t._node[1].inputs:
                 if isinstance(a, Tensor) and a.requires_grad and id(a) not in seen:
                     stack.append((a, False))
@@ -232,6 +239,9 @@ def backward(root: Tensor, grad=None, retain_graph=False):
     """
     if not root.requires_grad:
         raise RuntimeError("backward(): the tensor does not require a gradient (was it computed under no_grad?)")
+    if root._node is _FREED:
+        raise RuntimeError("backward(): this graph was already released by an earlier backward(); call "
+                           "backward(retain_graph=True) the first time to go through it twice")
     seeded = grad is None
     if seeded:
         grad = root.xp.ones(root.shape, dtype=root.dtype)
@@ -245,6 +255,9 @@ def backward(root: Tensor, grad=None, retain_graph=False):
         if t._node is None:
             _accumulate_leaf(t, g)
             continue
+        if t._node is _FREED:
+            raise RuntimeError("backward(): part of this graph was already released by an earlier backward(); "
+                               "call backward(retain_graph=True) the first time to go through it twice")
         fn, ctx = t._node
         ctx.seed_one = seeded and t is root
         gin = fn.backward(ctx, g)
@@ -260,8 +273,27 @@ def backward(root: Tensor, grad=None, retain_graph=False):
             else:
                 grads[id(a)] = ga
         if not retain_graph:
-            t._node = None  # free the saved activations as we go
+            t._node = _FREED  # free the saved activations as we go
 
 
-def tensor(data, requires_grad=False, name=None):
+def tensor(data, requires_grad=False, name=None, dtype=None):
+    """A :class:`Tensor` from an array (NumPy or CuPy, kept as is: no copy), a number or nested lists.
+
+    ``dtype`` converts first (a copy). Python floats and lists become float32 (not NumPy's float64, which the
+    kernels do not take); integers stay integers (ids, targets) and cannot require a gradient.
+
+    Example::
+
+        >>> x = ck.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+        >>> (x ** 2).sum().backward(); x.grad
+    """
+    if isinstance(data, Tensor):
+        data = data.data
+    if B._kind(data) is None and not isinstance(data, (str, bytes)):
+        a = np.asarray(data)
+        if dtype is None and a.dtype == np.float64 and not isinstance(data, np.ndarray):
+            dtype = np.float32
+        data = a
+    if dtype is not None:
+        data = data.astype(dtype)
     return Tensor(data, requires_grad=requires_grad, name=name)

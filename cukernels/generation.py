@@ -14,7 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .amp import autocast as _autocast
 from .autograd import Tensor, no_grad
+from .io import checkpoint as C
+from .io import hf_folder
+from .models import CausalLM, from_pretrained, model_class
+from .nn import init_context
 
 
 def _host(a):
@@ -51,7 +56,7 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, seed=No
     """Continue ``ids`` ([B, T] or [T] ints, host or device) by ``max_new_tokens`` tokens.
 
     Args:
-        model: a :class:`cukernels.Llama` (on NumPy or CuPy; the ids are moved to its device).
+        model: any registered model (``ck.Llama``, ...), on NumPy or CuPy (the ids are moved to its device).
         temperature, top_k: sampling (``temperature <= 0``: greedy).
         seed / rng: a NumPy ``Generator`` seed, or the generator itself.
         use_cache: True (KV cache) or False (recompute the whole sequence every token; for testing).
@@ -63,7 +68,6 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, seed=No
         NumPy int64 [B, T + n] (or [T + n] for a 1-D prompt): the prompt followed by the n <= max_new_tokens
         generated tokens.
     """
-    from .amp import autocast as _autocast
     prompt = _host(ids).astype(np.int64)
     one_d = prompt.ndim == 1
     prompt = prompt[None] if one_d else prompt
@@ -104,29 +108,44 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, seed=No
     return res[0] if one_d else res
 
 
-def load_model(path, *, xp=np, fused=True):
-    """A :class:`cukernels.Llama` from a Hugging Face folder (``config.json`` + safetensors), a trainer
-    checkpoint file (``step_*.ckpt``), or a folder holding trainer checkpoints (its newest, also looked for in
-    ``<folder>/checkpoints``). Returns ``(model, source description)``."""
-    from . import checkpoint as C
-    from .models.llama import Llama, LlamaConfig
+def load_model(path, *, xp=np, fused=True, dtype=None):
+    """A model from a Hugging Face folder (``config.json`` + safetensors; the class from its ``model_type``), a
+    trainer checkpoint file (``step_*.ckpt``), or a folder holding trainer checkpoints (its newest, also looked
+    for in ``<folder>/checkpoints``). ``dtype=ck.bfloat16`` loads inference weights (no fp32 copy). Returns
+    ``(model, source description)``."""
     p = Path(path)
-    if p.is_dir() and (p / "config.json").is_file():
-        return Llama.from_pretrained(p, xp=xp, fused=fused), f"Hugging Face folder {p}"
+    if hf_folder.is_hf_folder(p):
+        return from_pretrained(p, xp=xp, fused=fused, dtype=dtype), f"Hugging Face folder {p}"
     if p.is_dir():
         found = C.latest(p) or C.latest(p / "checkpoints")
         if found is None:
             raise C.CheckpointError(f"{p}: neither a Hugging Face folder (config.json) nor a folder with "
                                     f"step_*.ckpt checkpoints")
         p = found
-    arrays, meta = C.load(p)
-    if meta.get("kind") != C.TRAIN_KIND:
-        raise C.CheckpointError(f"{p}: not a trainer checkpoint (kind {meta.get('kind')!r})")
-    model = Llama(LlamaConfig.from_dict(meta["model_config"]), xp=xp, fused=fused)
-    sd = {k[len(C.MODEL_PREFIX):]: a for k, a in arrays.items() if k.startswith(C.MODEL_PREFIX)}
-    C.check_compatible(p, sd, model.state_dict(), "model")
+    arrays, meta = C.read_training(p)
+    cls = model_class(meta["model_type"])
+    config = cls.config_class.from_dict(meta["model_config"], strict=False)
+    with init_context(empty=True, dtype=dtype):
+        model = cls(config, xp=xp, fused=fused)
+    sd = C.model_arrays(arrays)
+    C.check_compatible(p, {k: _Like(a.shape) for k, a in sd.items()},
+                       {k: _Like(a.shape) for k, a in model.state_dict().items()}, "model")
     model.load_state_dict(sd)
     return model, f"trainer checkpoint {p} (step {meta.get('step')})"
 
+
+class _Like:
+    dtype = np.dtype(np.float32)  # names and shapes are checked; the dtype converts on load
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+def _generate_method(self, ids, max_new_tokens, **kw):
+    """Sample continuations of ``ids`` [B, T] (int): see :func:`cukernels.generation.generate`."""
+    return generate(self, ids, max_new_tokens, **kw)
+
+
+CausalLM.generate = _generate_method  # every registered model gets model.generate (models sit below generation)
 
 __all__ = ["generate", "sample", "load_model"]

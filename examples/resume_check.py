@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_llama  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cukernels.train import load_config, train  # noqa: E402
 
 
 def main(argv=None):
@@ -23,16 +23,16 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/resume_check")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
-    base = train_llama.load_config(a.config, a.overrides)
+    base = load_config(a.config, a.overrides)
     half = base["max_steps"] // 2
     common = list(a.overrides) + [f"ckpt_every={half}", "plot=true"]
     t0 = time.perf_counter()
-    ra = train_llama.train(train_llama.load_config(a.config, common + [f"out_dir={a.out}/a"]))
+    ra = train(load_config(a.config, common + [f"out_dir={a.out}/a"]))
     ta = time.perf_counter() - t0
-    cfg_b = train_llama.load_config(a.config, common + [f"out_dir={a.out}/b"])
-    train_llama.train(cfg_b, stop_after=half)
+    cfg_b = load_config(a.config, common + [f"out_dir={a.out}/b"])
+    train(cfg_b, stop_after=half)
     print(f"--- run b killed after {half} steps; resuming from its latest checkpoint")
-    rb = train_llama.train(train_llama.load_config(a.config, common + [f"out_dir={a.out}/b", "resume=latest"]))
+    rb = train(load_config(a.config, common + [f"out_dir={a.out}/b", "resume=latest"]))
     tr = lambda rows: [(r["step"], r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"]  # noqa: E731
     A, Bm = tr(ra), tr(rb)
     same = A == Bm

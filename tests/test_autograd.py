@@ -117,7 +117,7 @@ def test_composite_layer_grads(rng):
     gradcheck(lambda a, b: F.swiglu(a, b, fused=False), [r64(rng, 3, 4), r64(rng, 3, 4)], rng)
     gradcheck(lambda a: F.swiglu_packed(a, fused=False), [r64(rng, 3, 8)], rng)
     gradcheck(lambda a: F.gelu(a, fused=False), [r64(rng, 3, 4)], rng)
-    cos, sin = ck.models.llama.rope_cache(5, 4, 10000.0, None, np)
+    cos, sin = ck.rope_cache(5, 4, theta=10000.0, scaling=None, xp=np)
     gradcheck(lambda x: F.rope(x, cos.astype(np.float64), sin.astype(np.float64), fused=False),
               [r64(rng, 2, 3, 2, 4)], rng)
 
@@ -260,7 +260,7 @@ def test_sparse_embedding_function(rng):
 
 @_needs("rope", "rope_backward")
 def test_rope_function(rng):
-    cos, sin = ck.models.llama.rope_cache(7, 8, 10000.0, None, np)
+    cos, sin = ck.rope_cache(7, 8, theta=10000.0, scaling=None, xp=np)
     fused_check(lambda x: F.rope(x, cos, sin), lambda x: F.rope(x, cos.astype(np.float64), sin.astype(np.float64),
                                                                 fused=False), [r64(rng, 2, 5, 3, 8)], rng)
 
@@ -313,3 +313,45 @@ def test_no_grad_and_errors(rng):
     z = (a * 2.0).sum()
     z.backward()
     np.testing.assert_allclose(a.grad, 2.0)
+
+
+# ------------------------------------------------------------------------------ a friendlier Tensor
+@pytest.mark.parametrize("data,kw,err,match", [
+    ("abc", {}, TypeError, "expected numeric data"),
+    (np.array([object()]), {}, TypeError, "expected a numeric dtype"),
+    (np.arange(3), {"requires_grad": True}, TypeError, "only floating-point tensors can require a gradient"),
+])
+def test_tensor_refuses_what_it_cannot_differentiate(data, kw, err, match):
+    with pytest.raises(err, match=match):
+        ck.tensor(data, **kw)
+
+
+def test_tensor_defaults_to_float32_and_backward_twice_raises():
+    x = ck.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    assert x.dtype == np.float32
+    y = (x ** 2).sum()
+    y.backward()
+    np.testing.assert_array_equal(x.grad, 2 * x.data)
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        y.backward()
+    z = (x * 3).sum()
+    z.backward(retain_graph=True)
+    z.backward()  # allowed: the first call kept the graph
+    np.testing.assert_array_equal(x.grad, 2 * x.data + 6)
+
+
+def test_tensor_methods_match_numpy_and_differentiate():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 4)) + 3.0
+    x = ck.tensor(a, requires_grad=True)  # float64 NumPy array kept as is: gradient checks
+    for f, ref in [(lambda t: t.exp(), np.exp), (lambda t: t.log(), np.log), (lambda t: t.T, np.transpose),
+                   (lambda t: t ** 3, lambda v: v ** 3), (lambda t: t[1:, ::2], lambda v: v[1:, ::2]),
+                   (lambda t: t.reshape(2, 6), lambda v: v.reshape(2, 6)), (lambda t: t.mean(axis=0),
+                                                                            lambda v: v.mean(axis=0)),
+                   (lambda t: -t / 2.0, lambda v: -v / 2.0), (lambda t: 1.0 / t, lambda v: 1.0 / v)]:
+        np.testing.assert_allclose(f(x).data, ref(a))
+    y = (x.exp() * x.log()).sum()
+    y.backward()
+    np.testing.assert_allclose(x.grad, np.exp(a) * np.log(a) + np.exp(a) / a, rtol=1e-12)
+    r = repr(x)
+    assert r.startswith("Tensor([[") and "requires_grad=True" in r and "device=cpu" in r

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 import cukernels as ck
-from cukernels import checkpoint as C
+from cukernels.io import atomic
+from cukernels.io import checkpoint as C
 
 
 def _arrays(rng):
@@ -59,7 +60,31 @@ def test_failed_write_keeps_previous(tmp_path, rng, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(C.os, "fsync", boom)  # the write dies before the rename
+    monkeypatch.setattr(atomic.os, "fsync", boom)  # the write dies before the rename
     with pytest.raises(OSError):
         C.save(p, _arrays(rng), {"step": 2})
     assert p.read_bytes() == before and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_version1_training_checkpoint_still_loads(tmp_path, rng):
+    """Files written by the code before the io/ redesign (meta version 1, no model_type) keep loading."""
+    from cukernels.generation import load_model
+    m = ck.Llama(ck.LlamaConfig(vocab_size=17, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                num_attention_heads=2), seed=3)
+    arrays = {C.MODEL_PREFIX + n: a for n, a in m.state_dict().items()}
+    meta = {"kind": C.TRAIN_KIND, "version": 1, "step": 4, "model_config": m.config.to_dict(),
+            "optimizer": {"kind": "AdamW", "step": 4, "lr": 1e-3}}
+    p = C.save(tmp_path / "step_00000004.ckpt", arrays, meta)
+    got, what = load_model(p)
+    assert "step 4" in what
+    for n, a in m.state_dict().items():
+        np.testing.assert_array_equal(got.state_dict()[n], a)
+
+
+def test_load_is_memory_mapped_and_read_only(tmp_path, rng):
+    p = C.save(tmp_path / "m.ckpt", _arrays(rng), {})
+    arrays, _ = C.load(p)
+    a = next(iter(arrays.values()))
+    assert isinstance(a.base, np.ndarray) or isinstance(a, np.memmap) or not a.flags.owndata
+    with pytest.raises(ValueError):
+        a[...] = 0

@@ -78,7 +78,7 @@ def test_sampling_is_seeded_and_respects_top_k():
 
 
 def test_generate_cli_on_trainer_checkpoint_and_hf_folder(tmp_path):
-    from cukernels import checkpoint as C
+    from cukernels.io import checkpoint as C
     m = _model(seed=5)
     arrays = {C.MODEL_PREFIX + n: p for n, p in m.state_dict().items()}
     ck_path = C.save(tmp_path / "run" / "checkpoints" / "step_00000010.ckpt", arrays,

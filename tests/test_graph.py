@@ -1,13 +1,13 @@
 """CUDA-graph capture of whole training steps: the replayed step computes what the eager step computes."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
+from cukernels.train import cli, trainer
+from cukernels.train import load_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import train_llama  # noqa: E402
 
 CFG = os.path.join(ROOT, "examples", "configs", "tiny.yaml")
 OVR = ["device=gpu", "fused=true", "max_steps=8", "eval_every=0", "log_every=1", "plot=false", "batch_size=4",
@@ -21,8 +21,8 @@ def test_graph_steps_equal_eager_steps(tmp_path, extra):
     gives the same losses and grad norms as graph: false, step for step (2 micro-batches per step)."""
     runs = {}
     for g in (False, True):
-        cfg = train_llama.load_config(CFG, OVR + extra + [f"graph={str(g).lower()}", f"out_dir={tmp_path / str(g)}"])
-        rows = train_llama.train(cfg, quiet=True)
+        cfg = load_config(CFG, OVR + extra + [f"graph={str(g).lower()}", f"out_dir={tmp_path / str(g)}"])
+        rows = trainer.train(cfg, quiet=True)
         runs[g] = [(r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"]
     assert len(runs[True]) == 8
     np.testing.assert_allclose(np.array(runs[True]), np.array(runs[False]), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import cukernels as ck
-from cukernels import hf
+from cukernels.io import hf_folder as hf
+from cukernels.io import safetensors as st
 from cukernels.ops.rope import _inv_freq as _rope_inv_freq
 
 
@@ -37,7 +38,7 @@ def _ids(rng, V=61, B=2, T=9):
 def test_export_import_round_trip_is_bit_exact(tmp_path, dtype, tied):
     m = _model(tie_word_embeddings=tied)
     m.save_pretrained(tmp_path / "a", dtype=dtype)
-    names = set(hf.read_safetensors(tmp_path / "a" / hf.SAFE))
+    names = set(st.read(tmp_path / "a" / hf.SAFE))
     assert ("lm_head.weight" in names) == (not tied)
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     assert cfg["torch_dtype"] == ("bfloat16" if dtype is ck.bfloat16 else "float32")
@@ -135,17 +136,17 @@ def test_safetensors_reader_writer_agree_with_the_package(tmp_path):
               "b": rng.standard_normal(7).astype(np.float32).astype(ck.bfloat16),
               "c": np.arange(4, dtype=np.int64), "d": np.zeros((0, 3), np.float16)}
     save_file(arrays, str(tmp_path / "pkg.safetensors"))
-    got = hf.read_safetensors(tmp_path / "pkg.safetensors")
+    got = st.read(tmp_path / "pkg.safetensors")
     for k, a in arrays.items():
         assert got[k].dtype == a.dtype and got[k].shape == a.shape
         np.testing.assert_array_equal(got[k].view(np.uint8), a.view(np.uint8))
-    # our raw writer (used without the package) is read back by the package's own parser
-    hf._write_safetensors_raw(tmp_path / "raw.safetensors", arrays, {"format": "pt"})
+    # our streaming writer's files are read back by the package's own parser
+    st.write(tmp_path / "raw.safetensors", arrays, {"format": "pt"})
     parsed = dict(deserialize((tmp_path / "raw.safetensors").read_bytes()))
     assert {k: (v["dtype"], list(v["shape"])) for k, v in parsed.items()} == {
         "a": ("F32", [3, 5]), "b": ("BF16", [7]), "c": ("I64", [4]), "d": ("F16", [0, 3])}
     assert bytes(parsed["b"]["data"]) == arrays["b"].tobytes()
-    raw = hf.read_safetensors(tmp_path / "raw.safetensors")
+    raw = st.read(tmp_path / "raw.safetensors")
     for k, a in arrays.items():
         np.testing.assert_array_equal(raw[k].view(np.uint8), a.view(np.uint8))
 
@@ -210,14 +211,12 @@ def test_transformers_loads_our_export(tmp_path, rng, tied, rope):
 
 def test_transformers5_rope_parameters_are_read():
     """transformers >= 5 writes rope_theta and the scaling under "rope_parameters"; both must be honoured."""
-    from cukernels import hf
-
     d = dict(model_type="llama", vocab_size=11, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
              num_attention_heads=4, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 16})
-    c = hf.config_from_hf(d)
+    c = ck.LlamaConfig.from_hf(d)
     assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3" and c.rope_scaling["factor"] == 8.0
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
-    c = hf.config_from_hf(d)
+    c = ck.LlamaConfig.from_hf(d)
     assert c.rope_theta == 1234.0 and c.rope_scaling is None

@@ -6,8 +6,8 @@ import pytest
 import cukernels as ck
 from cukernels import functional as F
 from cukernels.autograd import Tensor
-from cukernels.models.llama import rope_cache
-from cukernels.nn import CompositeAdamW, CausalSelfAttention
+from cukernels.nn import Attention
+from cukernels.optim import CompositeAdamW
 
 from test_autograd import numgrad
 
@@ -90,12 +90,12 @@ def _naive_attention(x, att, cos, sin):
 
 
 def test_gqa_attention_matches_naive(rng):
-    att = CausalSelfAttention(16, 4, 2, rng=rng).set_fused(False)
+    att = Attention(16, 4, 2, rng=rng).set_fused(False)
     for p in att.parameters():
         p.data = p.data.astype(np.float64) * 10
     x = rng.standard_normal((2, 5, 16))
-    cos, sin = rope_cache(8, 4, 10000.0, None, np)
-    got = att(Tensor(x), cos[:5].astype(np.float64), sin[:5].astype(np.float64)).data
+    cos, sin = ck.rope_cache(8, 4, theta=10000.0, scaling=None, xp=np)
+    got = att(Tensor(x), cos=cos[:5].astype(np.float64), sin=sin[:5].astype(np.float64)).data
     ref = _naive_attention(x, att, cos.astype(np.float64), sin.astype(np.float64))
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
 
@@ -103,9 +103,9 @@ def test_gqa_attention_matches_naive(rng):
 def test_rope_cache_llama3_scaling():
     sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
-    cos, sin = rope_cache(10, 16, 500000.0, sc, np)
+    cos, sin = ck.rope_cache(10, 16, theta=500000.0, scaling=sc, xp=np)
     assert cos.shape == (10, 8) and cos.dtype == np.float32
-    cos0, sin0 = rope_cache(10, 16, 500000.0, None, np)
+    cos0, sin0 = ck.rope_cache(10, 16, theta=500000.0, scaling=None, xp=np)
     np.testing.assert_allclose(cos[:, 0], cos0[:, 0], rtol=1e-6)  # the highest frequency is not scaled
     np.testing.assert_allclose(sin[1:, -1], sin0[1:, -1] / 8, rtol=1e-3)  # the lowest is divided by factor
 

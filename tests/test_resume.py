@@ -1,17 +1,17 @@
 """Trainer checkpoints: a run killed after a checkpoint and resumed gives exactly the losses of an uninterrupted
 run; corrupt, truncated and mismatched checkpoints are refused with the file named, before anything loads."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
+from cukernels.train import cli, trainer
+from cukernels.train import load_config
+
 import cukernels as ck
-from cukernels import checkpoint as C
+from cukernels.io import checkpoint as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import train_llama  # noqa: E402
 
 KERNELS = all(hasattr(ck, o) for o in ["rms_norm", "attn_softmax", "cross_entropy_fused", "embedding", "rope",
                                        "swiglu"])
@@ -22,7 +22,7 @@ TIMING = ("ms_per_step", "tok_per_s")
 
 
 def _cfg(out, extra=()):
-    return train_llama.load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"),
+    return load_config(os.path.join(ROOT, "examples", "configs", "tiny.yaml"),
                                    BASE + [f"out_dir={out}"] + list(extra))
 
 
@@ -34,13 +34,13 @@ def _rows(rows):
 def adamw_on_cpu(monkeypatch):
     """ck.optim.AdamW (the fused-path optimizer, NumPy reference) under a composite model: the production
     optimizer's checkpoint path on a machine without the model's kernel families."""
-    orig = train_llama.make_optimizer
+    orig = trainer.make_optimizer
 
     def make(cfg, model, xp):
         if cfg["sparse_embedding"]:  # the sparse-row gradient exists on the embedding kernel's path only
             model.model.embed_tokens.set_fused(True)
         return orig(dict(cfg, fused=True), model, xp)
-    monkeypatch.setattr(train_llama, "make_optimizer", make)
+    monkeypatch.setattr(trainer, "make_optimizer", make)
 
 
 VARIANTS = {
@@ -60,14 +60,14 @@ def test_resume_equals_uninterrupted(tmp_path, variant, request):
     if variant == "fused" and not KERNELS:
         pytest.skip("kernel families not merged yet")
     extra = VARIANTS[variant]
-    full = train_llama.train(_cfg(tmp_path / "full", extra), quiet=True)
+    full = trainer.train(_cfg(tmp_path / "full", extra), quiet=True)
     killed_dir = tmp_path / "killed"
-    part = train_llama.train(_cfg(killed_dir, extra + ["ckpt_every=2"]), quiet=True, stop_after=5)
+    part = trainer.train(_cfg(killed_dir, extra + ["ckpt_every=2"]), quiet=True, stop_after=5)
     assert C.latest(killed_dir / "checkpoints").name == "step_00000004.ckpt"
     assert sorted(p.name for p in (killed_dir / "checkpoints").iterdir()) == ["step_00000002.ckpt",
                                                                              "step_00000004.ckpt"]
     assert len(part) > 0
-    resumed = train_llama.train(_cfg(killed_dir, extra + ["ckpt_every=2", "resume=latest"]), quiet=True)
+    resumed = trainer.train(_cfg(killed_dir, extra + ["ckpt_every=2", "resume=latest"]), quiet=True)
     assert _rows(resumed) == _rows(full)  # exact: every loss, lr and grad norm, train and val
     assert len([r for r in full if r["kind"] == "train"]) >= 3
     # the end-of-run checkpoint holds the same parameters as the uninterrupted run's
@@ -80,12 +80,12 @@ def test_resume_equals_uninterrupted(tmp_path, variant, request):
 
 @pytest.fixture
 def one_ckpt(tmp_path):
-    train_llama.train(_cfg(tmp_path / "run", ["fused=false", "max_steps=2"]), quiet=True)
+    trainer.train(_cfg(tmp_path / "run", ["fused=false", "max_steps=2"]), quiet=True)
     return C.latest(tmp_path / "run" / "checkpoints")
 
 
 def _resume(tmp_path, path, extra=()):
-    return train_llama.train(_cfg(tmp_path / "again", ["fused=false", f"resume={path}"] + list(extra)), quiet=True)
+    return trainer.train(_cfg(tmp_path / "again", ["fused=false", f"resume={path}"] + list(extra)), quiet=True)
 
 
 def test_flipped_byte_and_truncation_are_refused(tmp_path, one_ckpt):
@@ -107,6 +107,7 @@ def test_mismatched_checkpoint_is_refused(tmp_path, one_ckpt):
     assert str(one_ckpt) in str(e.value)
     # a well-formed file whose arrays disagree with the model (another dtype, another shape)
     arrays, meta = C.load(one_ckpt)
+    arrays = dict(arrays)  # (the loaded mapping is read-only, memory-mapped)
     arrays["model/model.norm.weight"] = arrays["model/model.norm.weight"].astype(np.float16)
     arrays["model/lm_head.weight"] = arrays["model/lm_head.weight"][:-1]
     bad = C.save(tmp_path / "bad" / "step_00000002.ckpt", arrays, meta)
@@ -120,10 +121,15 @@ def test_mismatched_checkpoint_is_refused(tmp_path, one_ckpt):
         _resume(tmp_path, other)
 
 
-def test_cli_resume_latest_without_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no step_.*ckpt checkpoint in"):
-        train_llama.main(["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), "--resume", "latest",
-                          f"out_dir={tmp_path}", "fused=false"])
+def test_cli_resume_latest_without_checkpoint_is_a_clear_error(tmp_path, capsys):
+    rc = cli.main(["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), "--resume", "latest",
+                   f"out_dir={tmp_path}", "fused=false"])
+    assert rc == 2
+    assert "no step_00000000.ckpt" not in capsys.readouterr().err
+    rc = cli.main(["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), "--resume", "latest",
+                   f"out_dir={tmp_path}", "fused=false"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --resume latest: no step_*.ckpt checkpoint in"), err
 
 
 def test_init_from_trainer_checkpoint_and_hf_folder(tmp_path, one_ckpt):
@@ -133,7 +139,7 @@ def test_init_from_trainer_checkpoint_and_hf_folder(tmp_path, one_ckpt):
     for src in (one_ckpt, tmp_path / "hf"):
         cfg = _cfg(tmp_path / f"init-{src.name}", ["fused=false", f"init_from={src}", "max_steps=1", "lr=0",
                                                    "weight_decay=0", "ckpt_final=true"])
-        train_llama.train(cfg, quiet=True)
+        trainer.train(cfg, quiet=True)
         a, _ = C.load(C.latest(tmp_path / f"init-{src.name}" / "checkpoints"))
         for n, p in m.state_dict().items():  # lr 0: the weights are still the ones it started from
             np.testing.assert_array_equal(a[C.MODEL_PREFIX + n], p, err_msg=n)

@@ -1,25 +1,31 @@
-"""LLaMA assembled from cukernels.nn, with Hugging Face parameter names.
+"""LLaMA (Hugging Face ``model_type: llama``): RMSNorm pre-norm blocks, grouped-query attention with rotary
+positions (LLaMA-3 frequency scaling), the SwiGLU MLP, no biases; output head tied to the embedding or not.
 
 ``Llama(config)(ids)`` -> logits [B, T, V]; ``Llama(config)(ids, targets)`` -> the mean token cross-entropy as a
-0-d fp32 device array (wrapped in a Tensor; the logits are not kept: the fused loss writes dlogits over them).
+0-d fp32 device array (wrapped in a Tensor). Parameter names are Hugging Face's (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight`` unless tied).
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from .. import amp
-from .. import functional as F
-from ..autograd import Tensor
-from ..nn import Embedding, KVCache, Linear, LlamaBlock, Module, ModuleList, RMSNorm
+from .._backend import bfloat16
+from ..io.hf_folder import HFFormatError
+from ..nn import Attention, Embedding, Linear, Module, ModuleList, RMSNorm, SwiGLUMLP
+from ..ops.rope import rope_cache
+from .base import CausalLM, ModelConfig, check_int, check_real, register
+
+_ROPE_TYPES = (None, "default", "llama3", "linear")
 
 
 @dataclasses.dataclass
-class LlamaConfig:
-    """Hugging Face ``LlamaConfig`` fields (same names and meanings)."""
+class LlamaConfig(ModelConfig):
+    """Hugging Face ``LlamaConfig`` fields (same names and meanings); checked at construction."""
+
+    model_type = "llama"
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -35,42 +41,112 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
 
-    def __post_init__(self):
+    def validate(self):
+        w = "LlamaConfig"
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "max_position_embeddings"):
+            check_int(w, k, getattr(self, k))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        check_int(w, "num_key_value_heads", self.num_key_value_heads)
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"{w}: hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                                 f"({self.num_attention_heads}), or give head_dim")
             self.head_dim = self.hidden_size // self.num_attention_heads
+        check_int(w, "head_dim", self.head_dim, minimum=2)
+        if self.head_dim % 2:
+            raise ValueError(f"{w}: head_dim must be even for rotary embeddings; got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{w}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        check_real(w, "rms_norm_eps", self.rms_norm_eps)
+        check_real(w, "rope_theta", self.rope_theta)
+        check_real(w, "initializer_range", self.initializer_range)
+        if not isinstance(self.tie_word_embeddings, (bool, np.bool_)):
+            raise TypeError(f"{w}.tie_word_embeddings: expected true or false; got {self.tie_word_embeddings!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise TypeError(f"{w}.rope_scaling: expected a dict or None; got {type(self.rope_scaling).__name__}")
 
+    # -- config.json ----------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    def from_hf(cls, d: dict, where="config.json"):
+        """From a Hugging Face ``config.json`` dict; HFFormatError for what this LLaMA cannot run (biases, another
+        activation, an unsupported rope_scaling)."""
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise HFFormatError(f"{where}: hidden_act {act!r}; the LLaMA MLP here is SwiGLU (silu)")
+        for k in ("attention_bias", "mlp_bias"):
+            if d.get(k):
+                raise HFFormatError(f"{where}: {k}=true is not supported (no biases in this LLaMA)")
+        rs = d.get("rope_scaling")
+        rp = d.get("rope_parameters")  # transformers >= 5 writes theta and scaling together under this key
+        if isinstance(rp, dict):
+            if "rope_theta" in rp:
+                d = dict(d, rope_theta=rp["rope_theta"])
+            if rs is None:
+                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if rs is not None:
+            rt = rs.get("rope_type", rs.get("type"))
+            if rt not in _ROPE_TYPES:
+                raise HFFormatError(f"{where}: rope_scaling type {rt!r} is not supported (supported: default, "
+                                    f"linear, llama3)")
+            if rt in (None, "default"):
+                rs = None
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise HFFormatError(f"{where}: missing fields {missing}")
+        d = dict(d, rope_scaling=rs)
+        for k in ("head_dim", "num_key_value_heads"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        try:
+            return cls.from_dict(d, strict=False)
+        except (TypeError, ValueError) as e:
+            raise HFFormatError(f"{where}: {e}") from None
 
-    def to_dict(self):
-        return dataclasses.asdict(self)
+    def to_hf(self, dtype=np.float32) -> dict:
+        """The ``config.json`` dict Hugging Face's ``LlamaConfig`` reads."""
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **{k: getattr(self, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim",
+                                             "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                                             "rope_theta", "rope_scaling", "tie_word_embeddings")},
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+            "use_cache": True,
+            "torch_dtype": "bfloat16" if np.dtype(dtype) == bfloat16 else np.dtype(dtype).name,
+        }
 
 
-def rope_cache(seq_len, head_dim, theta, scaling, xp):
-    """(cos, sin) fp32 [seq_len, head_dim // 2] for this config: ``ck.rope_cache`` (HF llama3 scaling)."""
-    from ..ops.rope import rope_cache as _rc
+class LlamaBlock(Module):
+    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``."""
 
-    return _rc(seq_len, head_dim, theta=theta, scaling=scaling, xp=xp)
+    def __init__(self, c: LlamaConfig, *, xp=np, rng=None):
+        std = c.initializer_range
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
+        self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                   bias=False, rope=True, causal=True, xp=xp, rng=rng, std=std)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
+        self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, xp=xp, rng=rng, std=std)
+
+    def forward(self, x, **attn):
+        h = x + self.self_attn(self.input_layernorm(x), **attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(Module):
     def __init__(self, c: LlamaConfig, *, xp=np, rng=None, sparse_embedding=False):
-        std = c.initializer_range
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, sparse=sparse_embedding, xp=xp, rng=rng, std=std)
-        self.layers = ModuleList(
-            LlamaBlock(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                       c.rms_norm_eps, c.head_dim, xp=xp, rng=rng, std=std)
-            for _ in range(c.num_hidden_layers))
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, sparse=sparse_embedding, xp=xp, rng=rng,
+                                      std=c.initializer_range)
+        self.layers = ModuleList(LlamaBlock(c, xp=xp, rng=rng) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
 
 
-class Llama(Module):
-    """LLaMA decoder. Parameters are named exactly as in Hugging Face checkpoints (``model.embed_tokens.weight``,
-    ``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight`` unless tied).
+@register
+class Llama(CausalLM):
+    """LLaMA decoder.
 
     Args:
         config: a :class:`LlamaConfig`.
@@ -78,10 +154,17 @@ class Llama(Module):
         seed: initialisation seed (normal(0, initializer_range) weights, unit norm weights).
         fused: kernel Functions (True) or the composite of plain array operations (False).
         sparse_embedding: sparse-row embedding gradient (ignored with tied embeddings).
-        dtype: parameter dtype (float32 for training; float64 on NumPy for gradient checks with fused=False).
+        dtype: parameter dtype (float32 for training; ck.bfloat16 for inference; float64 on NumPy for gradient
+            checks with fused=False).
     """
 
+    model_type = "llama"
+    config_class = LlamaConfig
+    hf_ignored_suffixes = ("rotary_emb.inv_freq",)
+
     def __init__(self, config: LlamaConfig, *, xp=np, seed=0, fused=True, sparse_embedding=False, dtype=None):
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config: expected a LlamaConfig; got {type(config).__name__}")
         self.config = c = config
         rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
         sparse = sparse_embedding and not c.tie_word_embeddings
@@ -96,103 +179,33 @@ class Llama(Module):
         for n, p in self.named_parameters():
             p.name = n  # Hugging Face names: what the optimizer, checkpoints and from_pretrained key on
 
-    def rope_tables(self, T, xp):
+    def embed(self, ids, position_ids):
+        return self.model.embed_tokens(ids)
+
+    def input_embedding(self):
+        return self.model.embed_tokens
+
+    def layers(self):
+        return self.model.layers
+
+    def final_norm(self, x):
+        return self.model.norm(x)
+
+    def output_weight(self):
+        if self.config.tie_word_embeddings:
+            return self, self.model.embed_tokens.weight, None
+        return self.lm_head, self.lm_head.weight, None
+
+    def rope_tables(self, n, xp):
+        """(cos, sin) fp32 [>= n, head_dim // 2] for this config (``ck.rope_cache``; HF llama3 scaling), grown
+        and cached per array module."""
         key = xp.__name__
         c = self.config
-        if key not in self._rope or self._rope[key][0].shape[0] < T:
-            n = max(T, min(c.max_position_embeddings, 1024))
-            self._rope[key] = rope_cache(n, c.head_dim, c.rope_theta, c.rope_scaling, xp)
-        cos, sin = self._rope[key]
-        return cos[:T], sin[:T]
+        if key not in self._rope or self._rope[key][0].shape[0] < n:
+            m = max(n, min(c.max_position_embeddings, 1024))
+            self._rope[key] = rope_cache(m, c.head_dim, theta=c.rope_theta, scaling=c.rope_scaling, xp=xp)
+        return self._rope[key]
 
-    def head(self, x):
-        """The output projection (lm_head, or the embedding table when tied)."""
-        if self.config.tie_word_embeddings:
-            emb = self.model.embed_tokens
-            x = x if amp.get_autocast_dtype() is None else F.cast(x, amp.get_autocast_dtype())
-            w = emb.weight
-            dt = amp.get_autocast_dtype()
-            if dt is not None and w.dtype != dt:
-                if self.fused:
-                    return F.linear(x, w, amp.lowp_weight(w, dt))
-                return F.linear(x, F.cast(w, dt))
-            return F.linear(x, w)
-        return self.lm_head(x)
-
-    def forward(self, ids, targets=None, *, ignore_index=-100, kv_cache=None):
-        ids = ids.data if isinstance(ids, Tensor) else ids
-        if kv_cache is not None:
-            return self._forward_cached(ids, kv_cache)
-        xp = Tensor(ids).xp
-        Bsz, T = ids.shape
-        cos, sin = self.rope_tables(T, xp)
-        x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        x = self.model.norm(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits
-        targets = targets.data if isinstance(targets, Tensor) else targets
-        return F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
-                               fused=self.fused, inplace=True)
-
-    # ------------------------------------------------------------------------------------- inference
-    def new_kv_cache(self, max_len):
-        """An empty :class:`cukernels.nn.KVCache` for up to ``max_len`` positions (prompt + new tokens)."""
-        return KVCache(self.config.num_hidden_layers, max_len)
-
-    def _forward_cached(self, ids, cache):
-        """Logits [B, 1, V] of the last of the T new tokens ``ids`` [B, T], which take positions
-        ``cache.pos .. cache.pos + T - 1``; their keys and values are appended to ``cache``. No tape."""
-        xp = Tensor(ids).xp
-        Bsz, T = ids.shape
-        p0 = cache.pos
-        cos, sin = self.rope_tables(p0 + T, xp)
-        cos, sin = cos[p0:], sin[p0:]
-        from ..autograd import no_grad
-        with no_grad():
-            x = self.model.embed_tokens(ids)
-            for layer, lc in zip(self.model.layers, cache.layers):
-                x = layer(x, cos, sin, kv_cache=lc)
-            x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))  # only the last position's logits
-            return self.head(self.model.norm(x))
-
-    def generate(self, ids, max_new_tokens, **kw):
-        """Sample continuations of ``ids`` [B, T] (int): see :func:`cukernels.generation.generate`."""
-        from ..generation import generate
-        return generate(self, ids, max_new_tokens, **kw)
-
-    # ------------------------------------------------------------------------------------- Hugging Face
-    @classmethod
-    def from_pretrained(cls, path, *, xp=np, dtype=None, fused=True, **kw):
-        """Load a Hugging Face LLaMA checkpoint folder: ``config.json`` + ``model.safetensors`` or a sharded
-        ``model.safetensors.index.json`` (bf16, fp16 or fp32 tensors; parameters become float32, or ``dtype``).
-        HF names map one to one (tied embeddings: ``lm_head.weight`` absent or ignored); rope_theta and LLaMA-3
-        rope_scaling come from the config. Every name and shape is checked before anything is copied
-        (``cukernels.hf.HFFormatError`` naming the file and what disagrees).
-
-        Example::
-
-            >>> model = ck.Llama.from_pretrained("Llama-3.2-1B", xp=cupy)
-        """
-        from .. import hf
-        config = hf.read_config(path)
-        tensors = hf.read_weights(path)
-        model = cls(config, xp=xp, fused=fused, **kw)
-        where = Path(path)
-        where = where / (hf.INDEX if (where / hf.INDEX).is_file() else hf.SAFE) if where.is_dir() else where
-        sd = hf.hf_to_state(tensors, config, where, model.state_dict())
-        model.load_state_dict(sd)
-        if dtype is not None:
-            for p in model.parameters():
-                p.data = p.data.astype(dtype)
-        return model
-
-    def save_pretrained(self, path, *, dtype=np.float32, max_shard_size=None):
-        """Write the Hugging Face layout into folder ``path``: ``config.json`` and ``model.safetensors`` (or
-        shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``), tensors in ``dtype``
-        (float32, or ck.bfloat16 / float16), so ``transformers.LlamaForCausalLM.from_pretrained(path)`` loads it.
-        """
-        from .. import hf
-        return hf.save_folder(path, self.config, self.state_dict(), dtype=dtype, max_shard_size=max_shard_size)
+    def _positions_note(self):
+        rs = self.config.rope_scaling
+        return f" (rope_scaling {rs} is already in the tables)" if rs else ""

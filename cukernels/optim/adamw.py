@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _backend as B
-from .ops import adam as _A
+from .. import _backend as B
+from ..ops import adam as _A
+from ..ops.embedding import SparseRowGrad
 
 ALIGN = 64  # elements: every parameter view starts on a 256-byte boundary of its fp32 buffer
 
@@ -363,8 +364,6 @@ class AdamW:
         (``p.sparse_grad``): the embedding backward accumulates the touched rows there and lists them on the
         device, ``step()`` updates only those rows, and ``zero_grad()`` clears only them (and resets the row
         list). Returns the SparseRowGrad."""
-        from .ops.embedding import SparseRowGrad
-
         s = self._slot(p)
         g = s.group
         if not g.sparse or len(s.shape) != 2:
@@ -463,34 +462,44 @@ class AdamW:
             g.S[...] = g.P.astype(B.bfloat16)
 
     # ------------------------------------------------------------------------------------------ state
-    def state_dict(self):
-        """``{"step", "lr", "betas", "eps", "weight_decay", "state": {name: {"exp_avg", "exp_avg_sq"}}}`` with
-        NumPy arrays (copied to the host: a sync). Parameter values are not included (save the model)."""
+    def state_dict(self, copy=True):
+        """``{"kind": "AdamW", "step", "lr", "betas", "eps", "weight_decay", "state": {name: {"exp_avg",
+        "exp_avg_sq"}}}`` -- the one format of every ``cukernels.optim`` optimizer. ``copy=True``: NumPy copies (a
+        host sync); ``copy=False``: the optimizer's own moment buffers (views, on its module), for a checkpoint
+        writer that streams them one at a time. Parameter values are not included (save the model)."""
         host = (lambda a: a.copy()) if self.xp is np else (lambda a: a.get())
+        take = host if copy else (lambda a: a)
         return {
+            "kind": "AdamW",
             "step": int(self._step),
             "lr": float(self._lr),
             "betas": self.betas,
             "eps": self.eps,
             "weight_decay": self.weight_decay,
-            "state": {n: {"exp_avg": host(s.exp_avg), "exp_avg_sq": host(s.exp_avg_sq)}
+            "state": {n: {"exp_avg": take(s.exp_avg), "exp_avg_sq": take(s.exp_avg_sq)}
                       for n, s in self._by_name.items()},
         }
 
     def load_state_dict(self, state):
-        """Restore moments, step and lr from :meth:`state_dict` (matched by parameter name; hyperparameters
-        stay those given to the constructor). Shadows are refreshed from the current parameters."""
+        """Restore moments, step and lr from a :meth:`state_dict` (of this class or ``CompositeAdamW``: the same
+        format; matched by parameter name; hyperparameters stay those given to the constructor). Everything is
+        checked before anything is written. Shadows are refreshed from the current parameters."""
         st = state["state"]
         missing = set(self._by_name) - set(st)
         unexpected = set(st) - set(self._by_name)
         if missing or unexpected:
             raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
         for n, s in self._by_name.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if tuple(st[n][key].shape) != s.shape:
+                    raise ValueError(f"state_dict[{n!r}][{key!r}]: expected shape {s.shape}; got "
+                                     f"{tuple(st[n][key].shape)}")
+        for n, s in self._by_name.items():
             for key, dst in (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                src = np.asarray(st[n][key], dtype=np.float32)
-                if tuple(src.shape) != s.shape:
-                    raise ValueError(f"state_dict[{n!r}][{key!r}]: expected shape {s.shape}; got {tuple(src.shape)}")
-                dst[...] = self.xp.asarray(src)
+                src = st[n][key]
+                if B._kind(src) is not self.xp:
+                    src = np.asarray(src.get() if hasattr(src, "get") else src)
+                dst[...] = self.xp.asarray(src).astype(np.float32, copy=False)
         step = int(state["step"])
         if self.xp is np:
             self._step[...] = np.int32(step)

@@ -1,0 +1,449 @@
+"""Plain array Functions: arithmetic, reductions, views, gathers and the GEMMs.
+
+The ``fused=False`` composite path of every layer is a tape of these, so its forward and backward are ordinary
+CuPy/NumPy operations. Every GEMM goes through :func:`gemm` (one place to swap in another cuBLAS path).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+from ..autograd import Function, Tensor, _xp, fast_add
+from ..blas import matmul as _ck_matmul
+
+_FLOAT_KINDS = "fc"
+
+
+def _data(a):
+    return a.data if isinstance(a, Tensor) else a
+
+
+def _contig(g, dtype=None):
+    xp = _xp(g)
+    if dtype is not None and g.dtype != dtype:
+        g = g.astype(dtype)
+    return xp.ascontiguousarray(g)
+
+
+def _unbroadcast(g, shape):
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    lead = g.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape) if s == 1 and g.shape[i + lead] != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape) if axes else g.reshape(shape)
+
+
+def _shape(a):
+    return tuple(a.shape) if hasattr(a, "shape") else ()
+
+
+# ================================================================================================ GEMM
+def gemm(a, b, *, trans_a=False, trans_b=False, out=None, accumulate=False):
+    """``op(a) @ op(b)``, batched over equal leading axes (or one operand 2-D), ``op`` transposing the last two
+    axes when asked; no transpose is materialised.
+
+    The single place where the autograd issues matrix products, through ``ck.matmul`` (cuBLAS GemmEx on our
+    own graph-capturable handle; bf16 inputs accumulate in fp32; NumPy reference on the CPU, float64 kept).
+    With ``out`` the product is written into it, or -- ``accumulate=True``, the weight-gradient case -- added
+    to it with beta = 1: bf16 operands accumulate straight into the fp32 ``.grad`` buffer.
+    """
+    xp = _xp(a)
+    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    if b.dtype != a.dtype:
+        b = b.astype(a.dtype)
+    if out is None:
+        return _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+    direct = out.flags.c_contiguous and (out.dtype == a.dtype or (out.dtype == np.float32 and a.dtype == B.bfloat16))
+    if direct:
+        return _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b, out=out, beta=1.0 if accumulate else 0.0)
+    r = _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+    if accumulate:
+        out += r
+    else:
+        out[...] = r
+    return out
+
+
+# ======================================================================================= elementwise
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        if hasattr(a, "shape") and hasattr(b, "shape"):
+            return fast_add(a, b)  # the residual adds: ck.add on CuPy
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return _unbroadcast(g, sa), _unbroadcast(g, sb)
+
+
+class Sub(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = (_shape(a), _shape(b))
+        return a - b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        return _unbroadcast(g, sa), _unbroadcast(-g, sb)
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = _unbroadcast(g * b, _shape(a)) if ctx.needs_input_grad[0] else None
+        gb = _unbroadcast(g * a, _shape(b)) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = _unbroadcast(g / b, _shape(a)) if ctx.needs_input_grad[0] else None
+        gb = _unbroadcast(-g * a / (b * b), _shape(b)) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class PowScalar(Function):
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.save_for_backward(x)
+        ctx.p = p
+        return x ** p
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (ctx.p * x ** (ctx.p - 1)), None
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _xp(x).exp(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _xp(x).log(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.saved_tensors[0]
+
+
+class Rsqrt(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = 1.0 / _xp(x).sqrt(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (-0.5 * y * y * y)
+
+
+class Sigmoid(Function):
+    @staticmethod
+    def forward(ctx, x):
+        xp = _xp(x)
+        y = 1.0 / (1.0 + xp.exp(-x))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y * (1.0 - y)
+
+
+class Tanh(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _xp(x).tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1.0 - y * y)
+
+
+class Sum(Function):
+    @staticmethod
+    def forward(ctx, x, axis=None, keepdims=False):
+        ctx.shape, ctx.axis, ctx.keepdims = x.shape, axis, keepdims
+        return x.sum(axis=axis, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = _xp(g)
+        if not ctx.keepdims and ctx.axis is not None:
+            axes = (ctx.axis,) if isinstance(ctx.axis, int) else ctx.axis
+            g = xp.expand_dims(g, tuple(a % len(ctx.shape) for a in axes))
+        return xp.broadcast_to(g, ctx.shape)
+
+
+class Cast(Function):
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.src = x.dtype
+        return x.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.astype(ctx.src), None
+
+
+class MaskedFill(Function):
+    """``where(mask, value, x)``; mask is a constant boolean array broadcastable to x."""
+
+    @staticmethod
+    def forward(ctx, x, mask, value):
+        ctx.save_for_backward(mask)
+        return _xp(x).where(mask, x.dtype.type(value), x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return _xp(g).where(mask, g.dtype.type(0), g), None, None
+
+
+# ============================================================================================ views
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.shape = x.shape
+        return x.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.reshape(ctx.shape), None
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, x, axes):
+        ctx.axes = axes
+        return x.transpose(axes)
+
+    @staticmethod
+    def backward(ctx, g):
+        inv = None if ctx.axes is None else tuple(np.argsort(ctx.axes))
+        return g.transpose(inv), None
+
+
+class Contiguous(Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _xp(x).ascontiguousarray(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class GetItem(Function):
+    @staticmethod
+    def forward(ctx, x, idx):
+        ctx.shape, ctx.dtype, ctx.idx = x.shape, x.dtype, idx
+        return x[idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = _xp(g).zeros(ctx.shape, dtype=g.dtype)
+        gx[ctx.idx] = g
+        return gx, None
+
+
+class Concat(Function):
+    @staticmethod
+    def forward(ctx, axis, *xs):
+        ctx.axis, ctx.sizes = axis, [x.shape[axis] for x in xs]
+        return _xp(xs[0]).concatenate(xs, axis=axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        out, start = [None], 0
+        for n in ctx.sizes:
+            idx = [slice(None)] * g.ndim
+            idx[ctx.axis] = slice(start, start + n)
+            out.append(g[tuple(idx)])
+            start += n
+        return tuple(out)
+
+
+class Take(Function):
+    """``table[ids]`` (rows), the composite embedding; backward scatters with an unbuffered add."""
+
+    @staticmethod
+    def forward(ctx, table, ids):
+        ctx.save_for_backward(ids)
+        ctx.shape = table.shape
+        return table[ids]
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        xp = _xp(g)
+        gt = xp.zeros(ctx.shape, dtype=g.dtype)
+        g2 = g.reshape(-1, ctx.shape[-1])
+        if xp is np:
+            np.add.at(gt, ids.reshape(-1), g2)
+        else:
+            import cupyx
+            cupyx.scatter_add(gt, ids.reshape(-1), g2)
+        return gt, None
+
+
+class PickLast(Function):
+    """``x[..., t]`` for integer targets t of shape x.shape[:-1] (the composite cross-entropy's gather)."""
+
+    @staticmethod
+    def forward(ctx, x, t):
+        xp = _xp(x)
+        rows = xp.arange(t.size)
+        ctx.save_for_backward(rows, t.reshape(-1))
+        ctx.shape = x.shape
+        return x.reshape(-1, x.shape[-1])[rows, t.reshape(-1)].reshape(t.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, t = ctx.saved_tensors
+        gx = _xp(g).zeros((rows.size, ctx.shape[-1]), dtype=g.dtype)
+        gx[rows, t] = g.reshape(-1)  # one target per row: a plain scatter
+        return gx.reshape(ctx.shape), None
+
+
+# ============================================================================================== GEMM
+class Matmul(Function):
+    """``a @ b`` (batched, same leading shape; no broadcasting, so every batched GEMM is a strided one)."""
+
+    @staticmethod
+    def forward(ctx, a, b, trans_b=False):
+        ctx.save_for_backward(a, b)
+        ctx.trans_b = trans_b
+        return gemm(a, b, trans_b=trans_b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g if g.dtype == a.dtype else g.astype(a.dtype)
+        ga = gb = None
+        if ctx.trans_b:  # y = a b^T: da = g b, db = g^T a
+            if ctx.needs_input_grad[0]:
+                ga = gemm(g, b)
+            if ctx.needs_input_grad[1]:
+                gb = gemm(g, a, trans_a=True)
+        else:  # y = a b: da = g b^T, db = a^T g
+            if ctx.needs_input_grad[0]:
+                ga = gemm(g, b, trans_b=True)
+            if ctx.needs_input_grad[1]:
+                gb = gemm(a, g, trans_a=True)
+        return ga, gb, None
+
+
+class Linear(Function):
+    """``y = x @ W^T`` over the last axis of x; W is [out, in].
+
+    ``w_lowp`` (optional) is the array the GEMMs read instead of W: the optimizer's bf16 shadow under autocast
+    (no per-use cast), while the gradient still goes to W (fp32). Without it and with x in a lower precision
+    than W, W is cast once per call. The weight gradient is accumulated straight into W's existing ``.grad``
+    buffer through ``gemm(..., out=, accumulate=True)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, w_lowp=None):
+        wl = w_lowp if w_lowp is not None else (w if w.dtype == x.dtype else w.astype(x.dtype))
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, wl)
+        ctx.xshape = x.shape
+        return gemm(x2, wl, trans_b=True).reshape(x.shape[:-1] + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, wl = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        if g2.dtype != x2.dtype:
+            g2 = g2.astype(x2.dtype)
+        gx = gemm(g2, wl).reshape(ctx.xshape) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            buf = ctx.leaf_grad(1)
+            if buf is not None and buf.flags.c_contiguous:
+                buf, acc = ctx.leaf_grad_write(1)  # beta = 0 on the first write of a lazily zeroed step
+                gemm(g2, x2, trans_a=True, out=buf, accumulate=acc)
+            else:
+                gw = gemm(g2, x2, trans_a=True)
+        return gx, gw, None
+
+
+# ===================================================================================== functional API
+def add(a, b): return Add.apply(a, b)
+def sub(a, b): return Sub.apply(a, b)
+def mul(a, b): return Mul.apply(a, b)
+def div(a, b): return Div.apply(a, b)
+def exp(x): return Exp.apply(x)
+def log(x): return Log.apply(x)
+def rsqrt(x): return Rsqrt.apply(x)
+def sigmoid(x): return Sigmoid.apply(x)
+def tanh(x): return Tanh.apply(x)
+def pow(x, p): return PowScalar.apply(x, p)  # noqa: A001
+def sum(x, axis=None, keepdims=False): return Sum.apply(x, axis, keepdims)  # noqa: A001
+def reshape(x, shape): return Reshape.apply(x, tuple(shape))
+def transpose(x, axes=None): return Transpose.apply(x, None if axes is None else tuple(axes))
+def contiguous(x): return Contiguous.apply(x)
+def getitem(x, idx): return GetItem.apply(x, idx)
+def concat(xs, axis=-1): return Concat.apply(axis, *xs)
+def masked_fill(x, mask, value): return MaskedFill.apply(x, mask, value)
+def matmul(a, b, trans_b=False): return Matmul.apply(a, b, trans_b)
+
+
+def mean(x, axis=None, keepdims=False):
+    shape = _data(x).shape
+    axes = range(len(shape)) if axis is None else ((axis,) if isinstance(axis, int) else axis)
+    n = int(np.prod([shape[a] for a in axes]))
+    return mul(sum(x, axis, keepdims), 1.0 / n)
+
+
+def cast(x, dtype):
+    dtype = np.dtype(dtype)
+    return x if _data(x).dtype == dtype else Cast.apply(x, dtype)
+
+
+def linear(x, w, w_lowp=None):
+    """``x @ w.T`` (w is [out, in])."""
+    return Linear.apply(x, w, w_lowp)
+
+
+def silu(x):
+    return mul(x, sigmoid(x))
+
+

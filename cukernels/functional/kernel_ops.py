@@ -1,0 +1,410 @@
+"""One autograd Function per kernel family, and the functional API the layers call.
+
+Each Function's forward calls ``ck.<op>`` and its backward ``ck.<op>_backward`` (on NumPy arrays these run the
+ops' reference paths, so both are checked on the CPU). Each functional entry point takes ``fused``: True runs
+the Function, False the composite of plain array Functions (:mod:`.array_ops`) with the same math, so a kernel's
+gain can be measured and its gradient cross-checked.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+from ..autograd import Function, Tensor, _xp
+from ..ops.activations import gelu as _gelu, gelu_backward as _gelu_bwd
+from ..ops.activations import swiglu as _swiglu, swiglu_backward as _swiglu_bwd
+from ..ops.activations import swiglu_packed as _swiglu_p, swiglu_packed_backward as _swiglu_p_bwd
+from ..ops.attention import flash_attention as _flash, flash_attention_backward as _flash_bwd
+from ..ops.cross_entropy import cross_entropy as _ce, cross_entropy_backward as _ce_bwd
+from ..ops.cross_entropy import cross_entropy_fused as _ce_fused
+from ..ops.embedding import SparseRowGrad, embedding as _emb, embedding_backward as _emb_bwd
+from ..ops.layer_norm import layer_norm as _ln, layer_norm_backward as _ln_bwd
+from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
+from ..ops.rope import rope as _rope, rope_backward as _rope_bwd
+from ..ops.softmax import attn_softmax as _attn_sm, attn_softmax_backward as _attn_sm_bwd
+from ..ops.softmax import softmax as _sm, softmax_backward as _sm_bwd
+from .array_ops import (PickLast, Take, _contig, _data, add, cast, concat, div, exp, getitem, log, masked_fill,
+                        mean, mul, pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh)
+
+
+# ========================================================================== kernel-family Functions
+class RMSNormF(Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = _rms(x, w, eps, return_rstd=True)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = _rms_bwd(_contig(g, x.dtype), x, w, rstd)
+        return dx, dw, None
+
+
+class LayerNormF(Function):
+    @staticmethod
+    def forward(ctx, x, gamma, beta, eps):
+        y, mean, rstd = _ln(x, gamma, beta, eps, return_stats=True)
+        ctx.save_for_backward(x, gamma, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, gamma, mean, rstd = ctx.saved_tensors
+        dx, dgamma, dbeta = _ln_bwd(_contig(g, x.dtype), x, gamma, mean, rstd)
+        return dx, dgamma, dbeta, None
+
+
+class SoftmaxF(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _sm(x, axis=-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return _sm_bwd(y, _contig(g, y.dtype))
+
+
+class AttnSoftmaxF(Function):
+    """``softmax(scale * scores + mask)`` over the last axis of [B, H, Tq, Tk] scores (ck.attn_softmax)."""
+
+    @staticmethod
+    def forward(ctx, scores, key_mask=None, causal=False, scale=1.0):
+        p = _attn_sm(scores, key_mask=key_mask, causal=causal, scale=scale)
+        ctx.save_for_backward(p)
+        ctx.scale = scale
+        return p
+
+    @staticmethod
+    def backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return _attn_sm_bwd(p, _contig(g, p.dtype), scale=ctx.scale), None, None, None
+
+
+class FlashAttentionF(Function):
+    """Fused causal/non-causal attention on [B, T, heads, D] bf16 q, k, v (ck.flash_attention), with an optional
+    key-padding mask [B, Tk] applied inside the kernels (no [B, H, Tq, Tk] mask is made)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=True, scale=None, key_mask=None):
+        kw = {} if key_mask is None else {"key_mask": key_mask}
+        o, lse = _flash(q, k, v, causal=causal, scale=scale, return_lse=True, **kw)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.kw = causal, scale, kw
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, o, lse = ctx.saved_tensors
+        if g.dtype != o.dtype or not g.flags.c_contiguous:
+            g = _contig(g, o.dtype)
+        return (*_flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw),
+                None, None, None)
+
+
+class CrossEntropyF(Function):
+    """Mean (or sum) token cross-entropy of [N, V] logits; a 0-d fp32 device loss.
+
+    When a gradient is wanted, the forward runs ``ck.cross_entropy_fused`` (loss and dlogits in one pass over
+    the logits; with ``inplace=True`` dlogits overwrite the logits, which nothing else keeps) and the backward
+    hands dlogits on as they are when the incoming gradient is the implicit 1 of ``loss.backward()``, scaled
+    by it otherwise. ``fused_backward=False`` uses ``cross_entropy`` + ``cross_entropy_backward`` instead.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                inplace=False, fused_backward=True):
+        kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        ctx.kw = kw
+        if not ctx.needs_input_grad[0]:
+            return _ce(logits, targets, **kw)
+        if fused_backward:
+            loss, dlogits = _ce_fused(logits, targets, **kw, out=logits if inplace else None)
+            ctx.save_for_backward(dlogits)
+            ctx.fused = True
+            return loss
+        loss, lse = _ce(logits, targets, **kw, return_lse=True)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.fused = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fused:
+            (dlogits,) = ctx.saved_tensors
+            if not ctx.seed_one:
+                xp = _xp(dlogits)
+                xp.multiply(dlogits, g.astype(np.float32), out=dlogits, casting="unsafe")
+            return (dlogits,) + (None,) * 6
+        logits, targets, lse = ctx.saved_tensors
+        dl = _ce_bwd(logits, targets, lse, g, **ctx.kw)
+        return (dl,) + (None,) * 6
+
+
+class EmbeddingF(Function):
+    """``table[ids]`` through ``ck.embedding``; dense gradient through ``ck.embedding_backward``, accumulated
+    straight into the table's ``.grad`` buffer when it has one."""
+
+    @staticmethod
+    def forward(ctx, table, ids):
+        ctx.save_for_backward(ids)
+        ctx.V = table.shape[0]
+        return _emb(ids, table)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        g = _contig(g)
+        buf, acc = ctx.leaf_grad_write(0)
+        if buf is not None:
+            _emb_bwd(ids, g, ctx.V, out=buf, accumulate=acc)
+            return None, None
+        return _emb_bwd(ids, g, ctx.V), None
+
+
+class SparseEmbeddingF(Function):
+    """As EmbeddingF, but the gradient goes to ``table_tensor.sparse_grad`` (a ``ck.SparseRowGrad``: only the
+    rows seen are touched, and the optimizer updates only those rows). ``table_lowp`` is an optional array
+    read instead of the table (the bf16 shadow under autocast)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, sparse_grad, table_lowp=None):
+        ctx.save_for_backward(ids)
+        ctx.sg = sparse_grad
+        return _emb(ids, table if table_lowp is None else table_lowp)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        ctx.sg.accumulate(ids, _contig(g))
+        return None, None, None, None
+
+
+class EmbeddingLowpF(Function):
+    """Dense embedding reading a low-precision copy of the table (the shadow) with the gradient to the table."""
+
+    @staticmethod
+    def forward(ctx, table, ids, table_lowp):
+        ctx.save_for_backward(ids)
+        ctx.V = table.shape[0]
+        return _emb(ids, table_lowp)
+
+    @staticmethod
+    def backward(ctx, g):
+        gt, _ = EmbeddingF.backward(ctx, g)
+        return gt, None, None
+
+
+class RopeF(Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, positions=None):
+        ctx.save_for_backward(cos, sin, positions)
+        return _rope(x, cos, sin, positions=positions)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin, positions = ctx.saved_tensors
+        return _rope_bwd(_contig(g), cos, sin, positions=positions), None, None, None
+
+
+class SwiGLUF(Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        return _swiglu_bwd(gate, up, _contig(g, gate.dtype))
+
+
+class SwiGLUPackedF(Function):
+    @staticmethod
+    def forward(ctx, gu):
+        ctx.save_for_backward(gu)
+        return _swiglu_p(gu)
+
+    @staticmethod
+    def backward(ctx, g):
+        (gu,) = ctx.saved_tensors
+        return _swiglu_p_bwd(gu, _contig(g, gu.dtype))
+
+
+class GeluF(Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _gelu(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _gelu_bwd(x, _contig(g, x.dtype))
+
+
+def rms_norm(x, w, eps=1e-6, fused=True):
+    """RMSNorm over the last axis. fused -> ck.rms_norm; else pow/mean/rsqrt/mul in fp32."""
+    if fused:
+        return RMSNormF.apply(x, w, eps)
+    dt = _data(x).dtype
+    xf = cast(x, np.float32) if dt == B.bfloat16 else x
+    r = rsqrt(add(mean(pow(xf, 2), axis=-1, keepdims=True), eps))
+    wf = cast(w, _data(xf).dtype)
+    return cast(mul(mul(xf, r), wf), dt)
+
+
+def layer_norm(x, gamma, beta, eps=1e-5, fused=True):
+    if fused:
+        return LayerNormF.apply(x, gamma, beta, eps)
+    dt = _data(x).dtype
+    xf = cast(x, np.float32) if dt == B.bfloat16 else x
+    c = sub(xf, mean(xf, axis=-1, keepdims=True))
+    r = rsqrt(add(mean(pow(c, 2), axis=-1, keepdims=True), eps))
+    ft = _data(xf).dtype
+    return cast(add(mul(mul(c, r), cast(gamma, ft)), cast(beta, ft)), dt)
+
+
+def softmax(x, fused=True):
+    """Softmax over the last axis. fused -> ck.softmax; else max/exp/sum (max held constant: exact)."""
+    if fused:
+        return SoftmaxF.apply(x)
+    dt = _data(x).dtype
+    xf = cast(x, np.float32) if dt == B.bfloat16 else x
+    m = _data(xf).max(axis=-1, keepdims=True)
+    e = exp(sub(xf, m))
+    return cast(div(e, sum(e, axis=-1, keepdims=True)), dt)
+
+
+def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None):
+    """Fused attention (ck.flash_attention): q [B, Tq, H, D], k/v [B, Tk, Hkv, D], bf16 -> o [B, Tq, H, D];
+    ``key_mask`` [B, Tk] (nonzero = keep) removes padded keys."""
+    return FlashAttentionF.apply(q, k, v, causal, scale, key_mask)
+
+
+def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, fused=True):
+    """softmax(scale * scores) over [B, H, Tq, Tk] with a causal mask aligned at the end (query i sees keys
+    <= i + Tk - Tq) and an optional boolean key mask [B, Tk] (True = keep). Fully masked rows give zeros."""
+    if fused:
+        return AttnSoftmaxF.apply(scores, key_mask, causal, scale)
+    s = _data(scores)
+    xp, (Tq, Tk) = _xp(s), s.shape[-2:]
+    dt = s.dtype
+    x = mul(cast(scores, np.float32) if dt == B.bfloat16 else scores, scale)
+    drop = None
+    if causal:
+        drop = xp.arange(Tk)[None, :] > (xp.arange(Tq)[:, None] + (Tk - Tq))
+    if key_mask is not None:
+        km = ~key_mask.astype(bool)[:, None, None, :]
+        drop = km if drop is None else (drop | km)
+    if drop is None:
+        return cast(softmax(x, fused=False), dt)
+    x = masked_fill(x, drop, -np.inf)
+    xd = _data(x)
+    m = xd.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0).astype(xd.dtype)
+    e = exp(sub(x, m))
+    ssum = _data(e).sum(axis=-1, keepdims=True)
+    den = add(sum(e, axis=-1, keepdims=True), (ssum == 0).astype(xd.dtype))  # fully masked rows -> 0
+    return cast(div(e, den), dt)
+
+
+def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, fused=True,
+                  inplace=False, fused_backward=True):
+    """Token cross-entropy of [N, V] logits against int targets [N]; a 0-d fp32 loss. Targets equal to
+    ignore_index count for nothing; "mean" divides by the number of the others."""
+    if fused:
+        return CrossEntropyF.apply(logits, targets, ignore_index, reduction, label_smoothing, inplace,
+                                   fused_backward)
+    t = _data(targets)
+    xp = _xp(t)
+    x = cast(logits, np.float32) if _data(logits).dtype == B.bfloat16 else logits
+    m = _data(x).max(axis=-1, keepdims=True)
+    z = sub(x, m)
+    lse = log(sum(exp(z), axis=-1, keepdims=True))
+    valid = t != ignore_index
+    nll = sub(reshape(lse, t.shape), PickLast.apply(z, xp.where(valid, t, 0)))
+    if label_smoothing:
+        V = _data(x).shape[-1]
+        smooth = sub(reshape(lse, t.shape), mul(sum(z, axis=-1), 1.0 / V))
+        nll = add(mul(nll, 1.0 - label_smoothing), mul(smooth, label_smoothing))
+    ft = _data(x).dtype
+    tot = sum(mul(nll, valid.astype(ft)))
+    if reduction == "sum":
+        return tot
+    return mul(tot, (1.0 / xp.maximum(valid.sum(), 1)).astype(ft))
+
+
+def embedding(table, ids, *, fused=True, table_lowp=None, sparse=False):
+    """Rows of ``table`` [V, D] at int ids; gradient dense (into table.grad) or sparse-row
+    (into table.sparse_grad, a ck.SparseRowGrad)."""
+    ids = _data(ids)
+    if not fused:
+        out = Take.apply(table, ids)
+        return cast(out, table_lowp.dtype) if table_lowp is not None else out
+    if sparse and isinstance(table, Tensor) and table.requires_grad:
+        if table.sparse_grad is None:
+            table.sparse_grad = _new_sparse_grad(table)
+        return SparseEmbeddingF.apply(table, ids, table.sparse_grad, table_lowp)
+    if table_lowp is not None:
+        return EmbeddingLowpF.apply(table, ids, table_lowp)
+    return EmbeddingF.apply(table, ids)
+
+
+def _new_sparse_grad(table):
+    return SparseRowGrad(table.shape[0], table.shape[1])
+
+
+def rotate_half(x):
+    D = _data(x).shape[-1]
+    return concat([mul(getitem(x, (Ellipsis, slice(D // 2, None))), -1.0),
+                   getitem(x, (Ellipsis, slice(0, D // 2)))], axis=-1)
+
+
+def rope(x, cos, sin, *, positions=None, fused=True):
+    """Rotary embedding on [B, T, H, D] (HF rotate-half layout) with fp32 cos/sin [>=T, D/2]."""
+    if fused:
+        return RopeF.apply(x, cos, sin, positions)
+    xd = _data(x)
+    xp, T = _xp(xd), xd.shape[1]
+    c = cos[positions] if positions is not None else cos[:T]
+    s = sin[positions] if positions is not None else sin[:T]
+    c = xp.concatenate([c, c], axis=-1)
+    s = xp.concatenate([s, s], axis=-1)
+    c = (c[:, :, None, :] if c.ndim == 3 else c[None, :, None, :])
+    s = (s[:, :, None, :] if s.ndim == 3 else s[None, :, None, :])
+    dt = xd.dtype
+    xf = cast(x, np.float32) if dt == B.bfloat16 else x
+    ft = _data(xf).dtype
+    return cast(add(mul(xf, c.astype(ft)), mul(rotate_half(xf), s.astype(ft))), dt)
+
+
+def swiglu(gate, up, fused=True):
+    """``silu(gate) * up``."""
+    if fused:
+        return SwiGLUF.apply(gate, up)
+    return mul(silu(gate), up)
+
+
+def swiglu_packed(gu, fused=True):
+    """``silu(gu[..., :F]) * gu[..., F:]`` for gu [..., 2F]."""
+    if fused:
+        return SwiGLUPackedF.apply(gu)
+    F2 = _data(gu).shape[-1]
+    return swiglu(getitem(gu, (Ellipsis, slice(0, F2 // 2))), getitem(gu, (Ellipsis, slice(F2 // 2, None))),
+                  fused=False)
+
+
+def gelu(x, fused=True):
+    """tanh-approximated GELU: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    if fused:
+        return GeluF.apply(x)
+    c = float(np.sqrt(2.0 / np.pi))
+    inner = mul(add(x, mul(pow(x, 3), 0.044715)), c)
+    return mul(mul(x, 0.5), add(tanh(inner), 1.0))
+
+

@@ -1,0 +1,351 @@
+"""What every causal language model here shares: the config base, the input handling of ``forward``, the output
+head (tied or not), the loss, the KV cache, Hugging Face import/export through the model's name map, and the
+registry keyed by Hugging Face's ``model_type``.
+
+A model family is one file: a :class:`ModelConfig` dataclass (Hugging Face field names), a :class:`CausalLM`
+subclass that builds its modules under Hugging Face's parameter names and defines ``embed`` (ids -> hidden
+states), ``layers`` (the blocks, each called as ``block(x, **attention_kwargs)``), ``final_norm`` and
+``output_weight``, and ``@register``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+
+import numpy as np
+
+from .. import _backend as B
+from .. import functional as F
+from ..autograd import Tensor, no_grad
+from ..io import hf_folder
+from ..io.checkpoint import CheckpointError, check_compatible
+from ..nn import KVCache, Module, init_context, project
+
+REGISTRY: dict = {}
+
+
+def register(cls):
+    """Class decorator: make ``cls`` the model of ``cls.model_type`` for ``ck.from_pretrained`` and the trainer."""
+    REGISTRY[cls.model_type] = cls
+    return cls
+
+
+def model_class(model_type):
+    if model_type not in REGISTRY:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {sorted(REGISTRY)}")
+    return REGISTRY[model_type]
+
+
+def suggest(key, choices):
+    m = difflib.get_close_matches(str(key), list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+# ------------------------------------------------------------------------------------------------ config
+def check_int(where, name, v, minimum=1):
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{where}.{name}: expected an integer; got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise ValueError(f"{where}.{name}: expected an integer >= {minimum}; got {v}")
+
+
+def check_real(where, name, v, *, positive=True):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
+        raise TypeError(f"{where}.{name}: expected a finite number; got {type(v).__name__} {v!r}")
+    if positive and v <= 0:
+        raise ValueError(f"{where}.{name}: expected a number > 0; got {v}")
+
+
+class ModelConfig:
+    """Mixin of the model config dataclasses: ``from_dict`` (unknown keys are errors naming the closest field),
+    ``to_dict``, and ``validate`` (called at construction)."""
+
+    model_type = ""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        pass
+
+    @classmethod
+    def field_names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d, *, strict=True, where=None):
+        """A config from a dict of field values. ``strict``: an unknown key is a ValueError that names it and
+        the closest field (``num_layers`` -> ``num_hidden_layers``); else unknown keys are ignored (config.json
+        files carry many)."""
+        names = cls.field_names()
+        where = where or cls.__name__
+        d = {k: v for k, v in dict(d).items() if k not in ("model_type", "type")}
+        unknown = [k for k in d if k not in names]
+        if strict and unknown:
+            k = unknown[0]
+            raise ValueError(f"{where}: unknown key {k!r}{suggest(k, names)}; the keys of {cls.__name__} are "
+                             f"{', '.join(names)}")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------ model
+class CausalLM(Module):
+    """Base of the decoder-only language models.
+
+    ``forward(ids, targets=None, *, attention_mask=None, position_ids=None, kv_cache=None, ignore_index=-100)``
+    has Hugging Face's meanings: ``attention_mask`` [B, T] (1 = keep, 0 = padding, left or right; with a cache,
+    [B, cached + T]) removes padded keys; ``position_ids`` [B, T] (or [T]) default to 0..T-1 after what the cache
+    holds. Returns the logits [B, T, V] (with ``kv_cache``: only the last position's, [B, 1, V]), or with
+    ``targets`` [B, T] the mean token cross-entropy over targets != ignore_index as a 0-d fp32 device Tensor (the
+    logits are not kept: the fused loss writes dlogits over them). Padded positions should carry ignore_index
+    targets; their logits are finite but meaningless.
+
+    ids may be anything integer a user holds: a list, NumPy or CuPy, int64 or int32, a slice ``batch[:, :-1]``,
+    a 1-D sequence (taken as a batch of one): the model makes the one small contiguous int32 copy itself, on its
+    own device. The kernel ops stay strict; this is where convenience lives.
+    """
+
+    model_type = ""
+    config_class = None
+    hf_head = "lm_head.weight"
+    hf_ignored_suffixes: tuple = ()
+
+    # -- what each family defines ---------------------------------------------------------------------------
+    def embed(self, ids, position_ids):
+        raise NotImplementedError
+
+    def layers(self):
+        raise NotImplementedError
+
+    def final_norm(self, x):
+        raise NotImplementedError
+
+    def output_weight(self):
+        """``(module whose fused flag applies, weight [V, hidden], bias or None)`` of the output projection."""
+        raise NotImplementedError
+
+    def input_embedding(self):
+        """The token :class:`cukernels.nn.Embedding` (sparse-row gradients attach to its weight)."""
+        raise NotImplementedError
+
+    def rope_tables(self, n, xp):
+        """``(cos, sin)`` covering positions [0, n) for rotary models; ``(None, None)`` otherwise."""
+        return None, None
+
+    def max_positions(self):
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @classmethod
+    def hf_transposed(cls, name) -> bool:
+        """True for parameters stored transposed in Hugging Face files (GPT-2's Conv1D weights)."""
+        return False
+
+    # -- inputs -----------------------------------------------------------------------------------------------
+    def _as_int(self, what, a, xp, floats=False):
+        a = a.data if isinstance(a, Tensor) else a
+        if isinstance(a, (list, tuple)) or np.isscalar(a):
+            a = np.asarray(a)
+        kind = B._kind(a)
+        if kind is None:
+            raise TypeError(f"{what}: expected integer token ids (a list, NumPy or CuPy array); got "
+                            f"{type(a).__name__}")
+        if floats and (a.dtype.kind == "f" or a.dtype == B.bfloat16):
+            a = a != 0
+        if a.dtype.kind not in "iu" and a.dtype != np.bool_:
+            raise TypeError(f"{what}: expected integer ids; got dtype {a.dtype}")
+        if kind is not xp:
+            a = a.get() if hasattr(a, "get") else xp.asarray(a)
+            a = xp.asarray(a)
+        return xp.ascontiguousarray(a.astype(np.int32, copy=False))
+
+    def _prepare(self, ids, targets, attention_mask, position_ids, kv_cache):
+        xp = self.xp
+        ids = self._as_int("ids", ids, xp)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ValueError(f"ids: expected [batch, seq] (or [seq]); got shape {tuple(ids.shape)}")
+        Bsz, T = ids.shape
+        if Bsz == 0 or T == 0:
+            raise ValueError(f"ids: expected a non-empty batch of non-empty sequences; got shape {tuple(ids.shape)}")
+        p0 = kv_cache.pos if kv_cache is not None else 0
+        if p0 + T > self.max_positions():
+            raise ValueError(f"ids: {p0 + T} positions exceed max_position_embeddings = {self.max_positions()} of "
+                             f"this model{self._positions_note()}")
+        if xp is np:
+            V = self.config.vocab_size
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= V:
+                raise ValueError(f"ids: token ids must lie in [0, {V}); got [{lo}, {hi}]")
+        if targets is not None:
+            targets = self._as_int("targets", targets, xp)
+            if targets.ndim == 1 and Bsz == 1:
+                targets = targets[None]
+            if tuple(targets.shape) != (Bsz, T):
+                raise ValueError(f"targets: expected the shape of ids {(Bsz, T)}; got {tuple(targets.shape)}")
+        if attention_mask is not None:
+            m = self._as_int("attention_mask", attention_mask, xp, floats=True)
+            if m.ndim == 1 and Bsz == 1:
+                m = m[None]
+            if tuple(m.shape) != (Bsz, p0 + T):
+                raise ValueError(f"attention_mask: expected shape {(Bsz, p0 + T)} ([batch, cached + new tokens]); "
+                                 f"got {tuple(m.shape)}")
+            attention_mask = xp.ascontiguousarray(m != 0)
+        if position_ids is not None:
+            position_ids = self._as_int("position_ids", position_ids, xp)
+            if tuple(position_ids.shape) not in ((T,), (Bsz, T)):
+                raise ValueError(f"position_ids: expected shape ({T},) or ({Bsz}, {T}); got "
+                                 f"{tuple(position_ids.shape)}")
+        return ids, targets, attention_mask, position_ids
+
+    def _positions_note(self):
+        return ""
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, ids, targets=None, *, attention_mask=None, position_ids=None, kv_cache=None,
+                ignore_index=-100):
+        ids, targets, attention_mask, position_ids = self._prepare(ids, targets, attention_mask, position_ids,
+                                                                    kv_cache)
+        if kv_cache is not None:
+            with no_grad():
+                return self._run(ids, None, attention_mask, position_ids, kv_cache, ignore_index)
+        return self._run(ids, targets, attention_mask, position_ids, None, ignore_index)
+
+    def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index):
+        xp = self.xp
+        Bsz, T = ids.shape
+        p0 = kv_cache.pos if kv_cache is not None else 0
+        cos, sin = self.rope_tables(self.max_positions() if position_ids is not None else p0 + T, xp)
+        x = self.embed(ids, position_ids if position_ids is not None else p0)
+        caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers())
+        for block, lc in zip(self.layers(), caches):
+            x = block(x, cos=cos, sin=sin, position_ids=position_ids, attention_mask=attention_mask, kv_cache=lc)
+        if kv_cache is not None:  # only the last position's logits are needed to sample
+            x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))
+        logits = self.head(self.final_norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
+                               fused=self.fused, inplace=True)
+
+    def head(self, x):
+        """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""
+        mod, w, b = self.output_weight()
+        return project(mod, x, w, b)
+
+    def positions(self, position_ids, T, xp):
+        """``position_ids`` as an int32 array [T] or [B, T] (an int offset p0 -> p0..p0+T-1)."""
+        if isinstance(position_ids, (int, np.integer)):
+            return xp.arange(int(position_ids), int(position_ids) + T, dtype=np.int32)
+        return position_ids
+
+    # -- inference --------------------------------------------------------------------------------------------
+    def new_kv_cache(self, max_len):
+        """An empty :class:`cukernels.nn.KVCache` for up to ``max_len`` positions (prompt + new tokens)."""
+        if max_len > self.max_positions():
+            raise ValueError(f"max_len: {max_len} positions exceed max_position_embeddings = "
+                             f"{self.max_positions()}{self._positions_note()}")
+        return KVCache(len(self.layers()), max_len)
+
+    # -- Hugging Face -------------------------------------------------------------------------------------------
+    @classmethod
+    def _hf_state(cls, tensors, config, where, expected):
+        """Hugging Face tensors (a lazy mapping) -> {our name: lazily converted array}, every name and shape
+        checked first (HFFormatError naming ``where`` and what disagrees)."""
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        names = {}
+        for k in tensors:
+            if cls.hf_ignored_suffixes and k.endswith(cls.hf_ignored_suffixes):
+                continue
+            if k == cls.hf_head and tied:
+                continue  # tied: the embedding table is the output projection
+            names[k] = k
+        shapes = {}
+        for k in names:
+            shape, dt = tensors.info(k) if hasattr(tensors, "info") else (tensors[k].shape, tensors[k].dtype)
+            if np.dtype(dt).kind != "f" and np.dtype(dt) != B.bfloat16:
+                raise hf_folder.HFFormatError(f"{where}: {k}: dtype {dt}; expected a floating-point tensor")
+            shapes[k] = _Spec(tuple(reversed(shape)) if cls.hf_transposed(k) else shape)
+        try:
+            check_compatible(where, shapes, {k: _Spec(e.shape) for k, e in expected.items()}, "model")
+        except CheckpointError as e:
+            raise hf_folder.HFFormatError(str(e)) from None
+        return _Converted(tensors, names, cls.hf_transposed)
+
+    @classmethod
+    def from_pretrained(cls, path, *, xp=np, dtype=None, fused=True, **kw):
+        """Load a Hugging Face checkpoint folder of this family (``config.json`` + ``model.safetensors`` or a
+        sharded index; bf16, fp16 or fp32 tensors). Parameters become float32, or ``dtype`` (``ck.bfloat16`` for
+        inference: no fp32 copy is ever made). Every name and shape is checked before anything is copied; the
+        tensors are then copied one at a time (host memory stays near one tensor).
+
+        Example::
+
+            >>> model = ck.Llama.from_pretrained("Llama-3.2-1B", xp=cupy, dtype=ck.bfloat16)
+        """
+        d, where = hf_folder.read_config(path)
+        mt = d.get("model_type", cls.model_type)
+        if mt != cls.model_type:
+            raise hf_folder.HFFormatError(f"{where}: model_type {mt!r}; {cls.__name__} reads {cls.model_type!r} "
+                                          f"(ck.from_pretrained picks the class from model_type)")
+        config = cls.config_class.from_hf(d, where=where)
+        tensors = hf_folder.read_weights(path)
+        with init_context(empty=True, dtype=dtype):
+            model = cls(config, xp=xp, fused=fused, **kw)
+        sd = cls._hf_state(tensors, config, str(hf_folder.weights_path(path)), model.state_dict())
+        model.load_state_dict(sd)
+        return model
+
+    def save_pretrained(self, path, *, dtype=np.float32, max_shard_size=None):
+        """Write the Hugging Face layout into folder ``path``: ``config.json`` and ``model.safetensors`` (or
+        shards of at most ``max_shard_size`` bytes plus the index), tensors in ``dtype`` (float32, ck.bfloat16 or
+        float16), streamed one at a time, so ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
+        """
+        dt = np.dtype(dtype)
+        if dt not in (np.dtype(np.float32), B.bfloat16, np.dtype(np.float16)):
+            raise TypeError(f"dtype: expected float32, bfloat16 or float16; got {dt}")
+        state = self.state_dict()
+        tr = type(self).hf_transposed
+        specs = {k: (tuple(reversed(a.shape)) if tr(k) else tuple(a.shape), dt) for k, a in state.items()}
+
+        def get(k):
+            a = state[k].astype(dt)
+            return a.T if tr(k) else a
+        return hf_folder.save_folder(path, self.config.to_hf(dt), specs, get, max_shard_size=max_shard_size)
+
+    def extra_repr(self):
+        return f"params={self.num_parameters() / 1e6:.2f}M, fused={self.fused}"
+
+
+class _Spec:
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
+class _Converted:
+    """{our name: array} over Hugging Face tensors, transposing the listed ones when read (one at a time)."""
+
+    def __init__(self, tensors, names, transposed):
+        self._t, self._names, self._tr = tensors, names, transposed
+
+    def __contains__(self, k):
+        return k in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self):
+        return len(self._names)
+
+    def keys(self):
+        return self._names.keys()
+
+    def __getitem__(self, k):
+        a = self._t[self._names[k]]
+        return np.ascontiguousarray(a.T) if self._tr(k) else a

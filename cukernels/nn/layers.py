@@ -1,0 +1,106 @@
+"""Layers: Linear (bias or not), Embedding (dense or sparse-row gradient), RMSNorm, LayerNorm.
+
+Every layer has ``fused`` (default True): True runs the kernel-family Functions (``ck.rms_norm``, ...), False a
+composite of plain array operations (RMSNorm as pow/mean/rsqrt/mul, per-use weight casts), so each kernel's gain
+can be measured. Under ``ck.autocast(ck.bfloat16)`` the GEMM layers read the optimizer's bf16 shadow weights.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import amp
+from .. import functional as F
+from ..autograd import Tensor
+from .module import Module, new_param
+
+
+def autocast_input(x):
+    """x cast to the autocast dtype when one is active (on the tape)."""
+    dt = amp.get_autocast_dtype()
+    if dt is not None and x.dtype != dt:
+        return F.cast(x, dt)
+    return x
+
+
+def weight_for_gemm(module, w):
+    """``(weight tensor to differentiate, low-precision array to read or None)`` under the active autocast.
+
+    Fused layers read the optimizer's shadow (no per-use cast; Linear casts once per call without one); the
+    composite path records a cast on the tape. One place for every GEMM layer and for tied output heads."""
+    dt = amp.get_autocast_dtype()
+    if dt is None or w.dtype == dt:
+        return w, None
+    if module.fused:
+        return w, amp.lowp_weight(w, dt)
+    return F.cast(w, dt), None
+
+
+def project(module, x, w, bias=None):
+    """``x @ w.T (+ bias)`` with autocast handled as :class:`Linear` does (tied heads reuse it)."""
+    x = autocast_input(x)
+    wt, wl = weight_for_gemm(module, w)
+    y = F.linear(x, wt, wl)
+    if bias is not None:
+        y = y + (F.cast(bias, y.dtype) if bias.dtype != y.dtype else bias)
+    return y
+
+
+class Linear(Module):
+    """``y = x W^T (+ b)``; W is [out_features, in_features] (PyTorch's and Hugging Face's layout)."""
+
+    def __init__(self, in_features, out_features, bias=False, *, xp=np, rng=None, std=0.02, dtype=None):
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = new_param(xp, (out_features, in_features), std=std, rng=rng, dtype=dtype)
+        self.bias = new_param(xp, (out_features,), init="zeros", dtype=dtype) if bias else None
+
+    def forward(self, x):
+        return project(self, x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """Rows of a [num_embeddings, dim] table. ``sparse=True``: the gradient goes to ``weight.sparse_grad``
+    (a ``ck.SparseRowGrad``; only the rows seen are updated by the optimizer) instead of a dense ``.grad``."""
+
+    def __init__(self, num_embeddings, dim, *, sparse=False, xp=np, rng=None, std=0.02, dtype=None):
+        self.num_embeddings, self.dim, self.sparse = num_embeddings, dim, sparse
+        self.weight = new_param(xp, (num_embeddings, dim), std=std, rng=rng, dtype=dtype)
+
+    def forward(self, ids):
+        ids = ids.data if isinstance(ids, Tensor) else ids
+        dt = amp.get_autocast_dtype()
+        lowp = amp.lowp_weight(self.weight, dt) if (dt is not None and self.fused) else None
+        y = F.embedding(self.weight, ids, fused=self.fused, table_lowp=lowp, sparse=self.sparse)
+        if dt is not None and y.dtype != dt:
+            y = F.cast(y, dt)
+        return y
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.dim}" + (", sparse=True" if self.sparse else "")
+
+
+class RMSNorm(Module):
+    def __init__(self, dim, eps=1e-6, *, xp=np, dtype=None):
+        self.eps = eps
+        self.weight = new_param(xp, (dim,), init="ones", dtype=dtype)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight, self.eps, fused=self.fused)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(Module):
+    def __init__(self, dim, eps=1e-5, *, xp=np, dtype=None):
+        self.eps = eps
+        self.weight = new_param(xp, (dim,), init="ones", dtype=dtype)
+        self.bias = new_param(xp, (dim,), init="zeros", dtype=dtype)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight, self.bias, self.eps, fused=self.fused)
+
+    def extra_repr(self):
+        return f"{self.weight.shape[0]}, eps={self.eps}"

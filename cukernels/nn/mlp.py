@@ -1,0 +1,21 @@
+"""Feed-forward blocks: the gated SwiGLU MLP (LLaMA) and the two-layer GELU MLP (GPT-2)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import functional as F
+from .layers import Linear
+from .module import Module
+
+
+class SwiGLUMLP(Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` (Hugging Face LLaMA names)."""
+
+    def __init__(self, hidden, ffn, *, bias=False, xp=np, rng=None, std=0.02, dtype=None):
+        kw = dict(bias=bias, xp=xp, rng=rng, std=std, dtype=dtype)
+        self.gate_proj = Linear(hidden, ffn, **kw)
+        self.up_proj = Linear(hidden, ffn, **kw)
+        self.down_proj = Linear(ffn, hidden, **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused))

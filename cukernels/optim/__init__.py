@@ -1,0 +1,7 @@
+"""Optimizers over the autograd's parameters: :class:`AdamW` (flat buffers, one fused kernel launch per group, bf16
+shadows, sparse embedding rows, device step/lr) and :class:`CompositeAdamW` (plain array ops, the baseline); both
+share one ``state_dict`` format."""
+from .adamw import ALIGN, AdamW, WarmupCosine
+from .composite import CompositeAdamW
+
+__all__ = ["AdamW", "CompositeAdamW", "WarmupCosine", "ALIGN"]

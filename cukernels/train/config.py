@@ -1,0 +1,260 @@
+"""The training configuration: every key, its type, its default and what it means, in one table.
+
+A config is YAML (``--config file.yaml``) plus ``key=value`` overrides (``model.hidden_size=256``, ``lr=3e-3``);
+:func:`load_config` merges them over the defaults and checks everything before a run starts: an unknown or
+misspelled key is an error that names it and the closest key (``max_step`` -> ``max_steps``), a wrong type or an
+invalid choice is a one-line error naming the key (:class:`ConfigError`). The ``model`` section is the model
+family's own config (``model.type``, default ``llama``; its fields are Hugging Face's and are checked by that
+config class). The resolved config is written as ``<out_dir>/config.yaml`` next to the log.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+import os
+from typing import Any, Callable, Optional
+
+import yaml
+
+from ..models import REGISTRY
+from ..models.base import suggest
+
+
+class ConfigError(ValueError):
+    """A training config key that is unknown, of the wrong type, or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    default: Any
+    doc: str
+    kind: str = "str"               # int | float | bool | str | choice | betas | section
+    choices: tuple = ()
+    check: Optional[Callable] = None  # value -> error text or None
+    optional: bool = False          # None allowed
+
+
+def _ge(lo):
+    return lambda v: None if v >= lo else f"expected >= {lo}; got {v}"
+
+
+def _gt(lo):
+    return lambda v: None if v > lo else f"expected > {lo}; got {v}"
+
+
+def _unit(v):
+    return None if 0 <= v <= 1 else f"expected a number in [0, 1]; got {v}"
+
+
+DATA = {
+    "kind": Key("text", "text: tinyshakespeare-style UTF-8 bytes (vocab 256); llmc: an llm.c token file",
+                "choice", ("text", "llmc")),
+    "path": Key(None, "the text file (default: examples/data/tinyshakespeare.txt) or the llm.c train token file",
+                optional=True),
+    "val_path": Key(None, "llm.c validation token file (default: the last val_fraction of the train tokens)",
+                    optional=True),
+    "val_fraction": Key(0.1, "fraction of the tokens held out for validation", "float",
+                        check=lambda v: None if 0 < v < 1 else f"expected a number in (0, 1); got {v}"),
+    "sampling": Key("sequential", "sequential: llm.c's cursor over the tokens; random: seeded windows (nanoGPT)",
+                    "choice", ("sequential", "random")),
+}
+
+SCHEMA = {
+    "model": Key({}, "the model family's config: type (default llama) and its Hugging Face fields", "section"),
+    "data": Key(None, "training data (its keys: " + ", ".join(DATA) + ")", "section"),
+    "device": Key("auto", "cpu (NumPy reference path), gpu (CUDA kernels) or auto", "choice", ("cpu", "gpu", "auto")),
+    "fused": Key(True, "kernels (true) or the composite of plain array ops (false, the baseline)", "bool"),
+    "autocast": Key(None, "bf16: bf16 GEMMs over fp32 master weights; null: fp32", "choice", ("bf16",), optional=True),
+    "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
+    "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
+    "seq_len": Key(64, "tokens per sequence", "int", check=_gt(0)),
+    "total_batch_size": Key(None, "tokens per optimizer step (a multiple of batch_size * seq_len; gradient "
+                                  "accumulation makes up the rest); default batch_size * seq_len", "int",
+                            check=_gt(0), optional=True),
+    "max_steps": Key(100, "optimizer steps", "int", check=_ge(0)),
+    "lr": Key(1e-3, "peak learning rate (linear warmup, then cosine decay)", "float", check=_ge(0)),
+    "min_lr_ratio": Key(0.1, "the cosine ends at lr * min_lr_ratio", "float", check=_unit),
+    "warmup_steps": Key(10, "linear warmup steps", "int", check=_ge(0)),
+    "weight_decay": Key(0.1, "AdamW decoupled weight decay (not on 1-D parameters: norms, biases)", "float",
+                        check=_ge(0)),
+    "betas": Key([0.9, 0.95], "AdamW betas, each in [0, 1)", "betas"),
+    "eps": Key(1e-8, "AdamW epsilon", "float", check=_gt(0)),
+    "grad_clip": Key(1.0, "clip the global gradient norm to this (0: no clipping)", "float", check=_ge(0)),
+    "eval_every": Key(50, "validation loss every N steps and at the end (0: never)", "int", check=_ge(0)),
+    "eval_steps": Key(4, "validation batches per evaluation", "int", check=_gt(0)),
+    "log_every": Key(10, "log a train line every N steps", "int", check=_gt(0)),
+    "seed": Key(1337, "initialisation and data-sampling seed", "int"),
+    "out_dir": Key("runs/llama", "run folder: log.jsonl, config.yaml, loss.png, checkpoints/"),
+    "log_format": Key("jsonl", "log file format", "choice", ("jsonl", "csv")),
+    "plot": Key(True, "draw loss.png at the end (needs matplotlib: pip install '.[train]')", "bool"),
+    "progress": Key("auto", "console: a progress bar on a terminal, plain lines when piped (auto)", "choice",
+                    ("auto", "bar", "lines")),
+    "sample_chars": Key(200, "bytes of text generated at the end of a run on text data (0: none)", "int",
+                        check=_ge(0)),
+    "graph": Key(False, "replay each step from one captured CUDA graph (GPU, fused)", "bool"),
+    "ckpt_every": Key(0, "save a checkpoint every N steps (0: only at the end)", "int", check=_ge(0)),
+    "ckpt_final": Key(True, "save a checkpoint at the end", "bool"),
+    "ckpt_dir": Key(None, "checkpoint folder (default <out_dir>/checkpoints)", optional=True),
+    "keep_last": Key(3, "keep the N newest checkpoints (0: all)", "int", check=_ge(0)),
+    "resume": Key(None, "a checkpoint file, a folder of them, or 'latest' (newest in ckpt_dir)", optional=True),
+    "init_from": Key(None, "initial weights: a Hugging Face folder or a trainer checkpoint", optional=True),
+}
+
+# Keys that may differ between a checkpoint and the run resuming it without touching the trajectory.
+RESUME_FREE = {"out_dir", "ckpt_dir", "ckpt_every", "ckpt_final", "keep_last", "resume", "log_every", "log_format",
+               "plot", "eval_every", "eval_steps", "progress", "sample_chars"}
+
+
+def defaults() -> dict:
+    cfg = {k: copy.deepcopy(v.default) for k, v in SCHEMA.items()}
+    cfg["data"] = {k: v.default for k, v in DATA.items()}
+    cfg["model"] = {}
+    return cfg
+
+
+def describe() -> str:
+    """Every key with its default and meaning (``python -m cukernels.train --help-config``)."""
+    out = []
+    for k, v in SCHEMA.items():
+        out.append(f"{k:18s} {v.default!r:>14}  {v.doc}")
+        if k == "data":
+            out += [f"  data.{dk:11s} {dv.default!r:>14}  {dv.doc}" for dk, dv in DATA.items()]
+    return "\n".join(out)
+
+
+def _check(path, spec: Key, v):
+    if v is None:
+        if spec.optional:
+            return None
+        raise ConfigError(f"{path}: expected {spec.kind if spec.kind != 'choice' else 'one of ' + str(list(spec.choices))}"
+                          f"; got null")
+    if spec.kind == "int":
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            else:
+                raise ConfigError(f"{path}: expected an integer; got {v!r}")
+    elif spec.kind == "float":
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ConfigError(f"{path}: expected a number; got {v!r}")
+        v = float(v)
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ConfigError(f"{path}: expected a finite number; got {v!r}")
+    elif spec.kind == "bool":
+        if not isinstance(v, bool):
+            raise ConfigError(f"{path}: expected true or false; got {v!r}")
+    elif spec.kind == "choice":
+        if v not in spec.choices:
+            opts = list(spec.choices) + (["null"] if spec.optional else [])
+            raise ConfigError(f"{path}: expected one of {opts}; got {v!r}{suggest(v, spec.choices)}")
+    elif spec.kind == "betas":
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
+            raise ConfigError(f"{path}: expected two numbers in [0, 1), e.g. [0.9, 0.95]; got {v!r}")
+        v = [float(b) for b in v]
+    elif spec.kind == "str":
+        if not isinstance(v, (str, os.PathLike)):
+            raise ConfigError(f"{path}: expected a string (a path or name); got {v!r}")
+        v = str(v)
+    if spec.check is not None and spec.kind in ("int", "float"):
+        err = spec.check(v)
+        if err:
+            raise ConfigError(f"{path}: {err}")
+    return v
+
+
+def _check_model(m):
+    if not isinstance(m, dict):
+        raise ConfigError(f"model: expected a mapping of model config fields; got {m!r}")
+    m = dict(m)
+    mt = m.pop("type", m.pop("model_type", "llama"))
+    if mt not in REGISTRY:
+        raise ConfigError(f"model.type: expected one of {sorted(REGISTRY)}; got {mt!r}{suggest(mt, REGISTRY)}")
+    cls = REGISTRY[mt].config_class
+    names = cls.field_names()
+    for k in m:
+        if k not in names:
+            raise ConfigError(f"model.{k}: unknown key for model.type {mt}{suggest(k, names)}")
+    try:
+        cls.from_dict(m)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model: {e}") from None
+    return dict(m, type=mt)
+
+
+def validate(cfg: dict) -> dict:
+    """Check every key of a merged config; returns the normalised config (ints, floats, lists)."""
+    out = {}
+    for k, v in cfg.items():
+        if k not in SCHEMA:
+            raise ConfigError(f"{k}: unknown config key{suggest(k, SCHEMA)}")
+    for k, spec in SCHEMA.items():
+        v = cfg.get(k, spec.default)
+        if k == "data":
+            if not isinstance(v, dict):
+                raise ConfigError(f"data: expected a mapping; got {v!r}")
+            for dk in v:
+                if dk not in DATA:
+                    raise ConfigError(f"data.{dk}: unknown config key{suggest(dk, DATA)}")
+            out[k] = {dk: _check(f"data.{dk}", ds, v.get(dk, ds.default)) for dk, ds in DATA.items()}
+        elif k == "model":
+            out[k] = _check_model(v)
+        else:
+            out[k] = _check(k, spec, v)
+    B, T = out["batch_size"], out["seq_len"]
+    tbs = out["total_batch_size"]
+    if tbs is not None and tbs % (B * T):
+        raise ConfigError(f"total_batch_size: {tbs} is not a multiple of batch_size * seq_len = {B * T}")
+    return out
+
+
+def _parse_override(o):
+    if "=" not in o:
+        raise ConfigError(f"override {o!r}: expected key=value (e.g. max_steps=500)")
+    k, v = o.split("=", 1)
+    v = yaml.safe_load(v) if v.strip() else None
+    if isinstance(v, str):  # YAML 1.1 reads "3e-3" (no dot) as a string: take it as the number meant
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    return k.strip(), v
+
+
+def load_config(path=None, overrides=()) -> dict:
+    """Defaults <- the YAML file <- ``key=value`` overrides, checked (ConfigError names the key)."""
+    cfg = defaults()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        with open(path) as f:
+            try:
+                user = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+        if not isinstance(user, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of keys; got {type(user).__name__}")
+        for k, v in user.items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k].update(v)
+            else:
+                cfg[k] = v
+    for o in overrides:
+        k, v = _parse_override(o)
+        d = cfg
+        *parents, leaf = k.split(".")
+        for p in parents:
+            if p not in d:
+                raise ConfigError(f"{k}: unknown config key{suggest(p, SCHEMA)}")
+            if not isinstance(d[p], dict):
+                raise ConfigError(f"{k}: {p} is not a section")
+            d = d[p]
+        d[leaf] = v
+    return validate(cfg)
+
+
+def save_yaml(cfg: dict, path):
+    from ..io.atomic import atomic_open
+    with atomic_open(path, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)

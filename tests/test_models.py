@@ -1,0 +1,183 @@
+"""The model layer above the kernels: attention_mask / position_ids with Hugging Face's meanings, ids in any
+layout a user holds, config validation, ck.from_pretrained dispatch, inference dtype, and (GPU) the same logits
+as transformers with a padding mask through both attention paths."""
+import json
+
+import numpy as np
+import pytest
+
+import cukernels as ck
+
+
+def _config(**kw):
+    d = dict(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2)
+    d.update(kw)
+    return ck.LlamaConfig(**d)
+
+
+def _logits(model, ids, **kw):
+    with ck.no_grad():
+        return model(ids, **kw).data
+
+
+def _left_padded(rng, lens, T, V):
+    """A left-padded batch: (ids [B, T], mask [B, T], position_ids [B, T], the sequences)."""
+    seqs = [rng.integers(0, V, n).astype(np.int32) for n in lens]
+    ids = np.zeros((len(lens), T), np.int32)
+    mask = np.zeros((len(lens), T), np.int32)
+    for b, s in enumerate(seqs):
+        ids[b, T - len(s):] = s
+        mask[b, T - len(s):] = 1
+    pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int32)
+    return ids, mask, pos, seqs
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ref", "composite"])
+def test_left_padded_batch_equals_each_sequence_alone(rng, fused):
+    m = ck.Llama(_config(), seed=3, fused=fused)
+    ids, mask, pos, seqs = _left_padded(rng, [9, 4, 1], 9, 53)
+    got = _logits(m, ids, attention_mask=mask, position_ids=pos)
+    assert np.isfinite(got).all()  # padded query rows see no key: zeros, never NaN
+    for b, s in enumerate(seqs):
+        alone = _logits(m, s[None])
+        np.testing.assert_allclose(got[b, -len(s):], alone[0], rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
+
+
+def test_right_padding_and_loss_ignore_padded_targets(rng):
+    m = ck.Llama(_config(), seed=4, fused=True)
+    T = 7
+    seqs = [rng.integers(0, 53, n).astype(np.int32) for n in (7, 3)]
+    ids = np.zeros((2, T), np.int32)
+    mask = np.zeros((2, T), np.int32)
+    tgt = np.full((2, T), -100, np.int32)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = s
+        mask[b, :len(s)] = 1
+        tgt[b, :len(s) - 1] = s[1:]
+    got = _logits(m, ids, attention_mask=mask)
+    for b, s in enumerate(seqs):
+        np.testing.assert_allclose(got[b, :len(s)], _logits(m, s[None])[0], rtol=1e-5, atol=1e-5)
+    # the loss over the padded batch = the token-weighted mean of the two sequences' losses
+    loss = m(ids, tgt, attention_mask=mask)
+    loss.backward()
+    per = [float(m(s[None, :-1], s[None, 1:]).data) for s in seqs]
+    want = (per[0] * 6 + per[1] * 2) / 8
+    assert abs(float(loss.data) - want) < 1e-5
+    assert all(np.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_ids_in_any_layout_and_dtype(rng):
+    m = ck.Llama(_config(), seed=1)
+    batch = rng.integers(0, 53, (2, 10)).astype(np.int64)
+    want = _logits(m, np.ascontiguousarray(batch[:, :-1]).astype(np.int32))
+    np.testing.assert_array_equal(_logits(m, batch[:, :-1]), want)           # an int64 slice
+    np.testing.assert_array_equal(_logits(m, batch[:, :-1].tolist()), want)  # a Python list
+    np.testing.assert_array_equal(_logits(m, ck.tensor(batch[:, :-1])), want)
+    np.testing.assert_allclose(_logits(m, batch[0, :-1]), want[:1], rtol=1e-5, atol=1e-5)  # 1-D: batch of one
+    loss = m(batch[:, :-1], batch[:, 1:])
+    assert np.isfinite(float(loss.data))
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (np.zeros((2, 0), np.int32), ValueError, "ids: expected a non-empty"),
+    (np.zeros((1, 65), np.int32), ValueError, "ids: 65 positions exceed max_position_embeddings = 64"),
+    (np.zeros((1, 3), np.float32), TypeError, "ids: expected integer ids"),
+    (np.zeros((1, 2, 3), np.int32), ValueError, r"ids: expected \[batch, seq\]"),
+    (np.full((1, 3), 53, np.int32), ValueError, r"ids: token ids must lie in \[0, 53\)"),
+    ("abc", TypeError, "ids: expected integer"),
+])
+def test_bad_ids_are_one_line_errors(bad, err, match):
+    m = ck.Llama(_config())
+    with pytest.raises(err, match=match):
+        m(bad)
+
+
+def test_bad_mask_and_positions_shapes():
+    m = ck.Llama(_config())
+    ids = np.zeros((2, 5), np.int32)
+    with pytest.raises(ValueError, match=r"attention_mask: expected shape \(2, 5\)"):
+        m(ids, attention_mask=np.ones((2, 4)))
+    with pytest.raises(ValueError, match=r"position_ids: expected shape \(5,\) or \(2, 5\)"):
+        m(ids, position_ids=np.arange(6))
+    with pytest.raises(ValueError, match=r"targets: expected the shape of ids"):
+        m(ids, np.zeros((2, 4), np.int32))
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    (dict(hidden_size=15, num_attention_heads=2), ValueError, "hidden_size \\(15\\) must be a multiple"),
+    (dict(vocab_size=0), ValueError, "vocab_size: expected an integer >= 1; got 0"),
+    (dict(intermediate_size=0), ValueError, "intermediate_size"),
+    (dict(num_hidden_layers=-1), ValueError, "num_hidden_layers"),
+    (dict(hidden_size="16"), TypeError, "hidden_size: expected an integer; got str"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), ValueError, "multiple of num_key_value_heads"),
+    (dict(rms_norm_eps=0.0), ValueError, "rms_norm_eps"),
+    (dict(tie_word_embeddings="yes"), TypeError, "tie_word_embeddings"),
+])
+def test_config_validated_at_construction(kw, err, match):
+    with pytest.raises(err, match=match):
+        _config(**kw)
+
+
+def test_config_from_dict_names_unknown_keys():
+    with pytest.raises(ValueError, match="unknown key 'num_layers' \\(did you mean 'num_hidden_layers'\\?\\)"):
+        ck.LlamaConfig.from_dict(dict(vocab_size=10, num_layers=2))
+
+
+def test_from_pretrained_dispatches_on_model_type_and_bf16_holds_no_fp32(tmp_path, rng):
+    src = ck.Llama(_config(tie_word_embeddings=True), seed=2, fused=False)
+    src.save_pretrained(tmp_path / "hf")
+    m = ck.from_pretrained(tmp_path / "hf", fused=False)
+    assert isinstance(m, ck.Llama)
+    ids = rng.integers(0, 53, (2, 6)).astype(np.int32)
+    np.testing.assert_array_equal(_logits(m, ids), _logits(src, ids))
+    mb = ck.from_pretrained(tmp_path / "hf", dtype=ck.bfloat16)
+    assert {p.dtype for p in mb.parameters()} == {np.dtype(ck.bfloat16)}
+    cj = tmp_path / "hf" / "config.json"
+    cj.write_text(json.dumps(dict(json.loads(cj.read_text()), model_type="mamba")))
+    with pytest.raises(ck.io.HFFormatError, match="model_type 'mamba' is not supported; supported: \\['llama'"):
+        ck.from_pretrained(tmp_path / "hf")
+
+
+def test_model_to_dtype_and_repr():
+    m = ck.Llama(_config())
+    assert "Llama(params=" in repr(m) and "(q_proj): Linear(32, 32, bias=False)" in repr(m)
+    m.to(ck.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {np.dtype(ck.bfloat16)}
+    with pytest.raises(TypeError, match="to: parameters are float32 or bfloat16"):
+        m.to(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["materialised-fp32", "materialised-bf16", "flash-bf16"])
+def test_padded_batch_matches_transformers(tmp_path, rng, path):
+    """Left padding + attention_mask + position_ids: our logits on the real positions equal
+    transformers.LlamaForCausalLM's with the same mask (fp32: 1e-4; bf16 autocast: bf16 tolerance), through the
+    materialised attention (GEMM + attn_softmax) and the fused flash kernel (key-padding mask in the kernel)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import cupy as cp
+
+    cfg = _config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+                  max_position_embeddings=128, vocab_size=97)  # head_dim 64: the flash kernel's
+    src = ck.Llama(cfg, seed=5, fused=False)
+    src.save_pretrained(tmp_path / "hf")
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    ids, mask, pos, seqs = _left_padded(rng, [40, 17, 1, 33], 40, 97)
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids.astype(np.int64)), attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                     position_ids=torch.from_numpy(pos.astype(np.int64))).logits.numpy()
+    m = ck.from_pretrained(tmp_path / "hf", xp=cp)
+    for mod in m.modules():
+        if isinstance(mod, ck.nn.Attention):
+            mod.flash = path.startswith("flash")
+    bf16 = path.endswith("bf16")
+    with ck.autocast(ck.bfloat16, enabled=bf16):
+        got = _logits(m, cp.asarray(ids), attention_mask=cp.asarray(mask), position_ids=cp.asarray(pos))
+    got = cp.asnumpy(got.astype(cp.float32))
+    assert np.isfinite(got).all()
+    tol = 0.1 if bf16 else 1e-4
+    for b, s in enumerate(seqs):
+        np.testing.assert_allclose(got[b, -len(s):], theirs[b, -len(s):], atol=tol, rtol=0, err_msg=f"row {b}")
