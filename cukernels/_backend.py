@@ -1,12 +1,23 @@
-"""The two array paths and the validation every op shares.
+"""The two array paths, the validation every op shares, and interop with other array libraries.
 
 A public op takes CuPy arrays (CUDA kernel on the current stream) or NumPy arrays (NumPy reference, same
 semantics); mixing them is a TypeError. Validation runs before anything is launched and names the argument,
-what was expected and what came.
+what was expected and what came: arrays (``check_dtype``, ``check_shape``, ``check_out`` ...) and plain
+numbers (``check_real``, ``check_int``, ``check_bool``).
+
+``@interop`` (applied to every public op) lets the ops take other libraries' arrays without a copy: a GPU
+array exposing ``__dlpack__`` (PyTorch, JAX, CuPy-compatible libraries) or ``__cuda_array_interface__`` (Numba)
+becomes a CuPy view of the same memory, a CPU array exposing ``__dlpack__`` (a CPU ``torch.Tensor``) a NumPy
+view (the reference path); results come back as ``torch.Tensor`` when a torch tensor was passed, else as CuPy
+/ NumPy arrays. Arguments that are already NumPy or CuPy arrays or plain values cost one set lookup each.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+import numbers
+import sys
 import threading
 
 import ml_dtypes
@@ -49,6 +60,27 @@ def _kind(a):
     return None
 
 
+def is_autograd_tensor(a) -> bool:
+    """A cukernels autograd ``Tensor`` (duck-typed: ops sit below autograd and do not import it): a class named
+    Tensor with ``requires_grad`` whose ``.data`` is a NumPy or CuPy array (a ``torch.Tensor``'s is not)."""
+    return type(a).__name__ == "Tensor" and hasattr(a, "requires_grad") and _kind(getattr(a, "data", None)) is not None
+
+
+def tensor_message(name, op=None) -> str:
+    """The TypeError text for an autograd Tensor passed to kernel op ``op``: where the differentiable version is."""
+    F = sys.modules.get("cukernels.functional")  # looked up, not imported: functional sits above the ops
+    if op is None:
+        hint = f"use the differentiable version in ck.functional, or pass {name}.data"
+        what = "the kernel ops take"
+    elif F is not None and callable(getattr(F, op, None)):
+        hint = f"use ck.functional.{op} (the differentiable version), or pass {name}.data"
+        what = f"ck.{op} takes"
+    else:
+        hint = f"pass {name}.data (ck.functional has no {op})"
+        what = f"ck.{op} takes"
+    return f"{name}: got a cukernels autograd Tensor; {what} arrays: {hint}"
+
+
 def array_module(**arrays):
     """numpy or cupy, from the arrays given by name (None values are skipped).
 
@@ -62,7 +94,13 @@ def array_module(**arrays):
             continue
         k = _kind(a)
         if k is None:
-            raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__name__}")
+            if is_autograd_tensor(a):
+                raise TypeError(tensor_message(name))
+            hint = ""
+            if _foreign_kind(a) is not None:
+                hint = " (another library's array: the public ck.* ops take it without a copy; or convert it " \
+                       "with cupy.from_dlpack / numpy.from_dlpack)"
+            raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__name__}{hint}")
         if xp is None:
             xp, first = k, name
         elif k is not xp:
@@ -84,7 +122,12 @@ def check_dtype(name, a, allowed):
     allowed = tuple(np.dtype(d) for d in allowed)
     if a.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}; got {a.dtype}")
+        hint = ""
+        if a.dtype == np.float64 and float32 in allowed:
+            # NumPy's default dtype is the first thing a NumPy user passes.
+            hint = f" (the ops take float32 or bfloat16 only, not NumPy's default float64: cast with " \
+                   f"{name}.astype(numpy.float32))"
+        raise TypeError(f"{name}: expected dtype {names}; got {a.dtype}{hint}")
 
 
 def check_shape(name, a, shape, what=""):
@@ -105,11 +148,19 @@ def check_contiguous(name, a):
         )
 
 
+def check_writable(name, a):
+    """A NumPy array the op writes into must be writable (CuPy arrays always are)."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name}: is read-only (flags.writeable is False) but the op writes into it; "
+                         "pass a writable array (e.g. a .copy())")
+
+
 def check_out(name, out, shape, dtype):
     """Validate a caller-provided output buffer."""
     check_dtype(name, out, (dtype,))
     check_shape(name, out, shape)
     check_contiguous(name, out)
+    check_writable(name, out)
 
 
 def empty(xp, shape, dtype, out=None, name="out"):
@@ -162,10 +213,89 @@ def as_f32(a):
 
 
 def scalar_f32(name, v):
+    """A real-number argument as np.float32 (TypeError naming it for a string, None, a bool, an array ...)."""
+    return np.float32(check_real(name, v, finite=False))
+
+
+# ---------------------------------------------------------------- plain-number arguments
+def _short(v) -> str:
+    r = repr(v)
+    return r[:40] + "..." if len(r) > 43 else r
+
+
+def _got(v) -> str:
+    return f"{type(v).__name__} {_short(v)}"
+
+
+def _range_text(lo, lo_open, hi, hi_open) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f" {'<' if hi_open else '<='} {hi}"
+    return ""
+
+
+def check_real(name, v, *, min=None, max=None, min_open=False, max_open=False, finite=True) -> float:  # noqa: A002
+    """``v`` as a Python float, after checking it is a real number (an int, a float or a NumPy scalar; not a bool,
+    a string, None or an array: TypeError) within the range (ValueError): finite unless ``finite=False``, and
+    ``min <= v`` (``min < v`` with ``min_open``), ``v <= max`` (``v < max`` with ``max_open``) when given."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}: expected a real number; got {_got(v)}")
     try:
-        return np.float32(v)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a real number; got {type(v).__name__}") from None
+        f = float(v)
+    except OverflowError:  # an int beyond the double range
+        f = math.inf if v > 0 else -math.inf
+    bad = (finite and not math.isfinite(f)) or math.isnan(f)
+    if not bad and min is not None:
+        bad = f <= min if min_open else f < min
+    if not bad and max is not None:
+        bad = f >= max if max_open else f > max
+    if bad:
+        what = "a finite number" if finite else "a number"
+        raise ValueError(f"{name}: expected {what}{_range_text(min, min_open, max, max_open)}; got {_short(v)}")
+    return f
+
+
+def check_f32(name, v, **limits) -> np.float32:
+    """A finite real-number argument (``check_real`` with ``limits``) that stays finite in float32 (|v| <= 3.4e38):
+    the value the kernels take, as np.float32."""
+    f = check_real(name, v, **limits)
+    if abs(f) > float(np.finfo(np.float32).max):
+        raise ValueError(f"{name}: expected a number that is finite in float32 (|{name}| <= 3.4e38); got {v!r}")
+    return np.float32(f)
+
+
+def check_int(name, v, *, min=None, max=None) -> int:  # noqa: A002
+    """``v`` as a Python int, after checking it is an integer (Python or NumPy; not a bool or a float: TypeError)
+    with ``min <= v <= max`` where given (ValueError)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer; got {_got(v)}")
+    i = int(v)
+    if (min is not None and i < min) or (max is not None and i > max):
+        raise ValueError(f"{name}: expected an integer{_range_text(min, False, max, False)}; got {_short(v)}")
+    return i
+
+
+def check_bool(name, v) -> bool:
+    """``v`` as a Python bool, after checking it is one (``True``/``False`` or a NumPy bool: a string such as
+    "False" would otherwise read as true)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False; got {_got(v)}")
+    return bool(v)
+
+
+def check_dtype_arg(name, dtype, allowed=FLOATS) -> np.dtype:
+    """A dtype argument (``np.float32``, ``"float32"``, ``ck.bfloat16`` ...) as ``np.dtype``, one of ``allowed``."""
+    names = " or ".join(str(d) for d in allowed)
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected a dtype ({names}); got {_got(dtype)}") from None
+    if dtype is None or d not in allowed:  # np.dtype(None) is float64
+        raise TypeError(f"{name}: expected {names}; got {dtype if dtype is None else d}")
+    return d
 
 
 _err_words: dict[tuple[str, int], object] = {}
@@ -186,3 +316,199 @@ def error_word(family: str):
                 w = _err_words[key] = cupy.zeros((), dtype=np.int32)
     return w
 
+
+
+# ---------------------------------------------------------------- interop: other libraries' arrays, zero copy
+# DLPack device types (dlpack.h): where a __dlpack__ array lives.
+_DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
+
+# Types that are never another library's array, so the decorator passes them straight through with one set
+# lookup. NumPy and CuPy array types and other plain types seen in the slow path are added as they are met.
+_PLAIN = {np.ndarray, float, int, bool, str, bytes, complex, type(None), dict, slice, type, np.float32,
+          np.float64, np.float16, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+          np.uint64, np.bool_, type(bfloat16.type(0))}
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.partition(".")[0] == "torch"
+
+
+def _foreign_kind(a):
+    """How a non-NumPy/CuPy argument is taken in: "dlpack-gpu" (``__dlpack__`` on a CUDA device),
+    "dlpack-cpu" (``__dlpack__`` on the host), "cai" (``__cuda_array_interface__`` only), "dlpack-other" (a
+    DLPack device we cannot use), or None (not an array: the op's own validation reports it)."""
+    if hasattr(a, "__dlpack__") and hasattr(a, "__dlpack_device__"):
+        try:
+            dev = int(a.__dlpack_device__()[0])
+        except Exception:
+            dev = None
+        if dev in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return "dlpack-gpu"
+        if dev == _DL_CPU:
+            return "dlpack-cpu"
+    try:
+        if hasattr(a, "__cuda_array_interface__"):
+            return "cai"
+    except Exception:  # some producers raise other errors from the property (a torch tensor requiring grad)
+        return "cai"
+    if hasattr(a, "__dlpack__"):
+        return "dlpack-other"
+    return None
+
+
+def _learnable(t) -> bool:
+    """Whether every instance of type ``t`` is a plain (non-array) value, so the fast path may skip it."""
+    return (t not in (list, tuple) and t.__name__ != "Tensor" and not hasattr(t, "__dlpack__")
+            and not hasattr(t, "__cuda_array_interface__") and not hasattr(t, "__getattr__"))
+
+
+def _torch_in(name, a, torch):
+    """A torch tensor as something DLPack can carry (bf16 as an int16 view: CuPy / NumPy may not import
+    DLPack's bfloat16 code), and whether it was bf16."""
+    if a.requires_grad:
+        raise TypeError(f"{name}: a torch.Tensor that requires grad; the ck ops do not record torch autograd: "
+                        f"pass {name}.detach()")
+    if a.dtype == torch.bfloat16:
+        return a.view(torch.int16), True
+    return a, False
+
+
+class _Interop:
+    """One call's conversions: the originals of converted arguments (so an ``out=`` given as a torch tensor is
+    returned as itself) and the torch module when a torch tensor was among them."""
+
+    __slots__ = ("op", "originals", "keep", "torch")
+
+    def __init__(self, op):
+        self.op, self.originals, self.keep, self.torch = op, {}, [], None
+
+    def take(self, name, a):
+        t = type(a)
+        if t in _PLAIN:
+            return a
+        if t is list or t is tuple:
+            items = [self.take(f"{name}[{i}]", e) for i, e in enumerate(a)]
+            return a if all(x is y for x, y in zip(items, a)) else t(items)
+        k = _kind(a)
+        if k is not None:
+            if t is np.ndarray or t is getattr(k, "ndarray", None):
+                _PLAIN.add(t)  # cupy.ndarray: first met here (importing CuPy is not free)
+            return a
+        if is_autograd_tensor(a):
+            raise TypeError(tensor_message(name, self.op))
+        kind = _foreign_kind(a)
+        if kind is None:
+            if _learnable(t):
+                _PLAIN.add(t)
+            return a
+        conv = self._convert(name, a, kind)
+        self.originals[id(conv)] = a
+        self.keep.append(conv)  # alive for the call: ids stay unique
+        return conv
+
+    def _convert(self, name, a, kind):
+        torch = sys.modules.get("torch") if _is_torch(a) else None
+        if torch is not None:
+            self.torch = torch
+        what = f"{name}: a {type(a).__module__}.{type(a).__name__}"
+        if kind == "dlpack-other":
+            raise TypeError(f"{what} on DLPack device {a.__dlpack_device__()}; expected a CUDA or a CPU array")
+        if kind == "dlpack-cpu":
+            # The NumPy reference path: a view of the same host memory, never a copy to the GPU.
+            src, bf16 = _torch_in(name, a, torch) if torch is not None else (a, False)
+            try:
+                arr = np.from_dlpack(src)
+            except (BufferError, TypeError, RuntimeError, ValueError) as e:
+                raise TypeError(f"{what} (CPU, DLPack) could not be viewed as a NumPy array: {e}") from None
+            return arr.view(bfloat16) if bf16 else arr
+        cp = _cupy()
+        if cp is None or not gpu_available():
+            raise TypeError(f"{what} lives on a GPU but CuPy sees no CUDA device")
+        if kind == "dlpack-gpu":
+            # DLPack hands CuPy's current stream to the producer, which orders its pending work before it
+            # (an event, no host sync). The result is a view: cupy.from_dlpack does not copy device memory.
+            src, bf16 = _torch_in(name, a, torch) if torch is not None else (a, False)
+            try:
+                arr = cp.from_dlpack(src)
+            except (BufferError, TypeError, RuntimeError, ValueError, NotImplementedError) as e:
+                raise TypeError(f"{what} (CUDA, DLPack) could not be viewed as a CuPy array: {e}") from None
+            return arr.view(bfloat16) if bf16 else arr
+        # __cuda_array_interface__ only (e.g. Numba): cupy.asarray wraps the pointer without a copy. CuPy
+        # synchronises the producer's stream when the interface names one (CUPY_CUDA_ARRAY_INTERFACE_SYNC=0
+        # turns that off); DLPack is preferred above for that reason.
+        return cp.asarray(a)
+
+    def give_back(self, r):
+        if r is None:
+            return r
+        t = type(r)
+        if t is tuple or t is list:
+            return t(self.give_back(e) for e in r)
+        orig = self.originals.get(id(r))
+        if orig is not None:
+            return orig
+        if self.torch is not None and _kind(r) is not None:
+            return to_torch(r, self.torch)
+        return r
+
+
+def to_torch(a, torch=None):
+    """A NumPy or CuPy array as a ``torch.Tensor`` over the same memory (DLPack on the GPU, ``from_numpy`` on the
+    host; bfloat16 through an int16 view)."""
+    torch = torch if torch is not None else sys.modules["torch"]
+    bf16 = a.dtype == bfloat16
+    if isinstance(a, np.ndarray):
+        t = torch.from_numpy(a.view(np.int16) if bf16 else a)
+    else:
+        t = torch.from_dlpack(a.view(np.int16) if bf16 else a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def as_array(a, name="a"):
+    """``a`` as the NumPy or CuPy array the ops see: itself for NumPy / CuPy, a zero-copy view of another
+    library's array (see :func:`interop`)."""
+    return _Interop(None).take(name, a)
+
+
+def interop(fn):
+    """Decorator of a public op: other libraries' arrays in, zero copy; torch tensors out when torch tensors came in.
+
+    Each argument (lists and tuples looked into) that is not a NumPy / CuPy array or a plain value is taken in
+    as follows, without copying memory:
+
+    * ``__dlpack__`` on a CUDA device (PyTorch, JAX, ...): ``cupy.from_dlpack`` (stream-ordered, no host sync);
+    * ``__cuda_array_interface__`` only (Numba): ``cupy.asarray``;
+    * ``__dlpack__`` on the host (a CPU ``torch.Tensor``): ``numpy.from_dlpack``, and the NumPy reference path
+      runs; a CPU array is never copied to the GPU (mixing it with GPU arrays stays a TypeError);
+    * a cukernels autograd ``Tensor``: TypeError pointing to ``ck.functional.<op>``.
+
+    torch bfloat16 tensors travel as int16 views. A torch tensor that requires grad is refused (TypeError: pass
+    ``.detach()``). When a torch tensor was passed, array results come back as ``torch.Tensor`` over the same
+    memory (``torch.from_dlpack``); an ``out=`` (or in-place) argument comes back as the very object passed.
+    Otherwise results are CuPy (or NumPy) arrays. With only NumPy / CuPy arrays and plain values the cost is one
+    set lookup per argument (about 0.3 us for a call with ten arguments on the CPU).
+    """
+    params = inspect.signature(fn).parameters.values()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    op = fn.__name__
+    plain = _PLAIN
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for a in args:
+            if type(a) not in plain:
+                break
+        else:
+            for a in kwargs.values():
+                if type(a) not in plain:
+                    break
+            else:
+                return fn(*args, **kwargs)
+        st = _Interop(op)
+        args = tuple(st.take(names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args))
+        kwargs = {k: st.take(k, v) for k, v in kwargs.items()}
+        res = fn(*args, **kwargs)
+        return st.give_back(res) if st.originals else res
+
+    wrapper.__interop__ = True
+    return wrapper

@@ -119,6 +119,7 @@ def _handle():
     return h.bind()
 
 
+@B.interop
 def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alpha=1.0, beta=0.0,
            allow_tf32=False):
     """``out = alpha * op(a) @ op(b) + beta * out`` with ``op(x) = x.T`` (last two axes) when asked.
@@ -130,7 +131,7 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         out: optional ``(..., M, N)`` output; required when ``beta != 0`` (it is accumulated into).
         out_dtype: float32 or bfloat16 (default: ``out.dtype`` or ``a.dtype``); bf16 inputs with an fp32
             output accumulate and store in fp32.
-        alpha, beta: host scalars (captured by value in a CUDA graph).
+        alpha, beta: finite host numbers (captured by value in a CUDA graph).
         allow_tf32: fp32 inputs use TF32 tensor cores (faster, ~1e-3 relative error).
 
     Returns:
@@ -142,6 +143,11 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         >>> ck.matmul(dy_bf16, x_bf16, trans_a=True, out=dw, beta=1.0)   # dw += dy^T @ x, fp32 accumulate
     """
     xp = B.array_module(a=a, b=b, out=out)
+    trans_a = B.check_bool("trans_a", trans_a)
+    trans_b = B.check_bool("trans_b", trans_b)
+    allow_tf32 = B.check_bool("allow_tf32", allow_tf32)
+    alpha = B.check_real("alpha", alpha)
+    beta = B.check_real("beta", beta)
     allowed = B.FLOATS + ((np.dtype(np.float64),) if xp is np else ())
     B.check_dtype("a", a, allowed)
     B.check_dtype("b", b, (a.dtype,))
@@ -159,7 +165,10 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
     batch = ba or bb
     nbatch = int(np.prod(batch)) if batch else 1
     shape = (*batch, M, N)
-    odt = np.dtype(out_dtype) if out_dtype is not None else (out.dtype if out is not None else a.dtype)
+    if out_dtype is not None:
+        odt = B.check_dtype_arg("out_dtype", out_dtype, allowed)
+    else:
+        odt = out.dtype if out is not None else a.dtype
     if beta != 0 and out is None:
         raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
     if xp is np:

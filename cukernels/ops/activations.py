@@ -68,6 +68,7 @@ def _launch_packed(kname, gu, others, rows, F, vec):
         k((grid,), (THREADS, 1, 1), (*args, np.uint32(nr), np.uint32(F), np.int64(2 * F)))
 
 
+@B.interop
 def swiglu(gate, up, *, out=None):
     """SwiGLU: ``y = silu(gate) * up`` with ``silu(g) = g * sigmoid(g)``, computed in fp32.
 
@@ -97,6 +98,7 @@ def swiglu(gate, up, *, out=None):
     return y
 
 
+@B.interop
 def swiglu_backward(gate, up, dy, *, out_dgate=None, out_dup=None):
     """Gradients of :func:`swiglu`: with ``s = sigmoid(gate)``,
 
@@ -143,6 +145,7 @@ def _validate_packed(gu):
     return F2 // 2
 
 
+@B.interop
 def swiglu_packed(gu, *, out=None):
     """SwiGLU on a packed gate/up buffer (one matmul producing both): ``gu[..., :F]`` is the gate,
     ``gu[..., F:]`` the up projection, and ``y = silu(gate) * up`` of shape ``gu.shape[:-1] + (F,)``.
@@ -173,6 +176,7 @@ def swiglu_packed(gu, *, out=None):
     return y
 
 
+@B.interop
 def swiglu_packed_backward(gu, dy, *, out=None):
     """Gradient of :func:`swiglu_packed`: ``dgu[..., :F] = dgate``, ``dgu[..., F:] = dup`` (formulas as
     :func:`swiglu_backward`).
@@ -207,6 +211,7 @@ def swiglu_packed_backward(gu, dy, *, out=None):
     return dgu
 
 
+@B.interop
 def gelu(x, *, out=None):
     """GELU, tanh approximation (GPT-2): ``y = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``.
 
@@ -236,6 +241,7 @@ def gelu(x, *, out=None):
     return y
 
 
+@B.interop
 def gelu_backward(x, dy, *, out=None):
     """Gradient of :func:`gelu`: with ``t = tanh(k (x + 0.044715 x^3))``, ``k = sqrt(2/pi)``,
 

@@ -6,6 +6,7 @@ the row is treated as ignored and 1 is ORed into a device error word (``ck.cross
 """
 from __future__ import annotations
 
+import numbers
 
 import numpy as np
 
@@ -41,20 +42,15 @@ def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
     B.check_dtype("targets", targets, INTS)
     B.check_shape("targets", targets, logits.shape[:-1], " (logits.shape[:-1])")
     B.check_contiguous("targets", targets)
-    if reduction not in REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}; got {reduction!r}")
-    try:
-        ig = int(ignore_index)
-    except (TypeError, ValueError):
-        raise TypeError(f"ignore_index: expected an integer; got {type(ignore_index).__name__}") from None
-    if ig != ignore_index:
-        raise TypeError(f"ignore_index: expected an integer; got {ignore_index!r}")
-    eps = float(B.scalar_f32("label_smoothing", label_smoothing))
-    if not (0.0 <= eps <= 1.0):
-        raise ValueError(f"label_smoothing: expected a number in [0, 1]; got {label_smoothing}")
+    # int64 targets compare against ignore_index as int64 in the kernels.
+    ig = B.check_int("ignore_index", ignore_index, min=-2**63, max=2**63 - 1)
+    eps = float(np.float32(B.check_real("label_smoothing", label_smoothing, min=0, max=1)))
     if error is not None:
         B.check_dtype("error", error, (np.int32,))
         B.check_shape("error", error, ())
+        B.check_writable("error", error)
     return V, ig, eps
 
 
@@ -119,10 +115,10 @@ def _dloss_rows(xp, dloss, reduction, valid, shape):
 
 def _check_dloss(xp, dloss, reduction, shape):
     """dloss: a Python float, a 0-d float32 array, or (reduction 'none') a float32 array of the row shape."""
-    if isinstance(dloss, (int, float, np.floating, np.integer)) and not isinstance(dloss, bool):
-        return float(dloss), None
-    if not isinstance(dloss, (np.ndarray,)) and B._kind(dloss) is None:
-        raise TypeError(f"dloss: expected a float or a float32 array; got {type(dloss).__name__}")
+    if B._kind(dloss) is None:
+        if isinstance(dloss, (bool, np.bool_)) or not isinstance(dloss, numbers.Real):
+            raise TypeError(f"dloss: expected a finite number or a float32 array; got {type(dloss).__name__}")
+        return float(B.check_f32("dloss", dloss)), None
     B.array_module(dloss=dloss)
     if B._kind(dloss) is not xp:
         raise TypeError(f"dloss: is a {B._kind(dloss).__name__} array but logits is a {xp.__name__} array")
@@ -161,14 +157,15 @@ def _count(xp, targets, N, V, ig):
     return cnt
 
 
-def _reduce(xp, loss_row, N, cnt):
-    loss = xp.empty((), dtype=np.float32)
+def _reduce(xp, loss_row, N, cnt, out=None):
+    loss = out if out is not None else xp.empty((), dtype=np.float32)
     get_function(FAMILY, "ce_reduce_loss")((1,), (1024, 1, 1), (loss_row, np.int64(N), cnt if cnt is not None else B.NULL, loss))
     return loss
 
 
+@B.interop
 def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, return_lse=False,
-                  error=None):
+                  out=None, error=None):
     """Softmax cross-entropy of ``logits`` against integer ``targets``.
 
     Per row i with target t (eps = label_smoothing)::
@@ -186,29 +183,36 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
         reduction: "mean" | "sum" | "none".
         label_smoothing: eps in [0, 1].
         return_lse: also return lse (float32, ``logits.shape[:-1]``) for :func:`cross_entropy_backward`.
+        out: optional float32 buffer for the loss: shape ``()`` for mean/sum, ``logits.shape[:-1]`` for none.
         error: optional 0-d int32 device error word (default :func:`cross_entropy_error`).
 
     Returns:
-        ``loss`` (0-d float32 device array for mean/sum, float32 ``logits.shape[:-1]`` for none), or
-        ``(loss, lse)``.
+        ``loss`` (0-d float32 device array for mean/sum, float32 ``logits.shape[:-1]`` for none; ``out`` when
+        given), or ``(loss, lse)``.
 
     Example::
 
         >>> loss, lse = ck.cross_entropy(logits, targets, return_lse=True)     # loss.shape == ()
         >>> dlogits = ck.cross_entropy_backward(logits, targets, lse, cp.ones((), cp.float32))
     """
-    xp = B.array_module(logits=logits, targets=targets, error=error)
+    xp = B.array_module(logits=logits, targets=targets, out=out, error=error)
     V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    return_lse = B.check_bool("return_lse", return_lse)
     rshape = logits.shape[:-1]
+    if out is not None:
+        B.check_out("out", out, rshape if reduction == "none" else (), np.float32)
     N = targets.size
     if xp is np:
         _host_check_targets(targets, V, ig)
         loss, lse, valid, _, _ = _ref_rows(logits, targets, V, ig, eps)
-        out = _ref_reduce(loss, valid, reduction, rshape)
-        return (out, lse.astype(np.float32).reshape(rshape)) if return_lse else out
+        res = _ref_reduce(loss, valid, reduction, rshape)
+        if out is not None:
+            out[...] = res
+            res = out
+        return (res, lse.astype(np.float32).reshape(rshape)) if return_lse else res
 
     lse = xp.empty(rshape, dtype=np.float32) if return_lse else None
-    loss_row = xp.empty(rshape, dtype=np.float32)
+    loss_row = out if (out is not None and reduction == "none") else xp.empty(rshape, dtype=np.float32)
     if N:
         threads = _threads(V, logits.itemsize)
         k = get_function(FAMILY, f"ce_fwd_{_tag(logits, targets)}")
@@ -216,11 +220,11 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
           (logits, targets, loss_row, lse if lse is not None else B.NULL, _err(xp, error), np.int64(N), np.int32(V),
            np.int64(ig), np.float32(eps)))
     if reduction == "none":
-        out = loss_row
+        res = loss_row
     else:
         cnt = _count(xp, targets, N, V, ig) if reduction == "mean" else None
-        out = _reduce(xp, loss_row, N, cnt)
-    return (out, lse) if return_lse else out
+        res = _reduce(xp, loss_row, N, cnt, out)
+    return (res, lse) if return_lse else res
 
 
 def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ig, eps, reduction, dscalar, darr, error):
@@ -246,6 +250,7 @@ def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ig, eps, reduc
     return cnt
 
 
+@B.interop
 def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                            out=None, error=None):
     """Gradient of :func:`cross_entropy` with respect to the logits.
@@ -284,6 +289,7 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
     return dx
 
 
+@B.interop
 def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, dloss=1.0,
                         out=None, error=None):
     """Cross-entropy forward and backward in one pass over the logits (llm.c's fused classifier).

@@ -16,13 +16,7 @@ FAMILY = "elementwise"
 
 
 def resolve_dtype(name, dtype):
-    try:
-        d = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name}: expected a dtype (float32 or bfloat16); got {dtype!r}") from None
-    if d not in B.FLOATS:
-        raise TypeError(f"{name}: expected float32 or bfloat16; got {d}")
-    return d
+    return B.check_dtype_arg(name, dtype)
 
 
 def _result_dtype(a, out, dtype):
@@ -56,7 +50,7 @@ def _binary(a, b, out, dtype, alpha, is_mul):
     xp = B.array_module(a=a, b=b, out=out)
     bcast = _validate_binary(a, b)
     rd = _result_dtype(a, out, dtype)
-    al = B.scalar_f32("alpha", alpha)
+    al = B.check_f32("alpha", alpha)
     y = B.empty(xp, a.shape, rd, out)
     if xp is np:
         af, bf = a.astype(np.float32), b.astype(np.float32)
@@ -88,6 +82,7 @@ def _binary(a, b, out, dtype, alpha, is_mul):
     return y
 
 
+@B.interop
 def add(a, b, *, out=None, dtype=None, alpha=1.0):
     """``out = a + alpha * b``, computed in fp32 and rounded once to the output dtype.
 
@@ -102,7 +97,7 @@ def add(a, b, *, out=None, dtype=None, alpha=1.0):
         out: optional output buffer of ``a.shape``; may be ``a`` itself (in place), or ``b`` when b is not
             broadcast. Other overlaps between out and the inputs are not supported.
         dtype: result dtype (float32 or bfloat16). Default: ``out.dtype`` if out is given, else ``a.dtype``.
-        alpha: scalar multiplier of b (rounded to float32).
+        alpha: scalar multiplier of b (a finite number, rounded to float32).
 
     Returns:
         the result array (``out`` when given).
@@ -116,6 +111,7 @@ def add(a, b, *, out=None, dtype=None, alpha=1.0):
     return _binary(a, b, out, dtype, alpha, False)
 
 
+@B.interop
 def mul(a, b, *, out=None, dtype=None):
     """``out = a * b``, computed in fp32 and rounded once to the output dtype.
 
@@ -130,6 +126,7 @@ def mul(a, b, *, out=None, dtype=None):
     return _binary(a, b, out, dtype, 1.0, True)
 
 
+@B.interop
 def cast(x, dtype, *, out=None):
     """``x`` converted to ``dtype`` (float32 <-> bfloat16; same dtype is a copy).
 

@@ -33,6 +33,7 @@ def _error_word(xp, error):
         return None if xp is np else embedding_error()
     B.check_dtype("error", error, (np.int32,))
     B.check_shape("error", error, ())
+    B.check_writable("error", error)
     return error
 
 
@@ -57,6 +58,7 @@ def _row_plan(units: int):
     return tpr, max(1, 256 // tpr)
 
 
+@B.interop
 def embedding(ids, table, *, out=None, error=None):
     """Gather rows of an embedding table: ``out[..., :] = table[ids[...], :]``.
 
@@ -157,6 +159,7 @@ def _check_bwd(ids, dout):
     return dout.shape[-1]
 
 
+@B.interop
 def embedding_backward(ids, dout, vocab_size, *, out=None, accumulate=False, error=None):
     """Gradient of :func:`embedding` with respect to the table (dense, deterministic).
 
@@ -181,9 +184,8 @@ def embedding_backward(ids, dout, vocab_size, *, out=None, accumulate=False, err
     """
     xp = B.array_module(ids=ids, dout=dout, out=out, error=error)
     D = _check_bwd(ids, dout)
-    V = int(vocab_size)
-    if V < 1 or V != vocab_size:
-        raise ValueError(f"vocab_size: expected an integer >= 1; got {vocab_size!r}")
+    V = B.check_int("vocab_size", vocab_size, min=1)
+    accumulate = B.check_bool("accumulate", accumulate)
     if accumulate and out is None:
         raise ValueError("out: accumulate=True needs the buffer to add into")
     if out is not None:
@@ -241,6 +243,7 @@ class SparseRowGrad:
         >>> g.zero()
     """
 
+    @B.interop
     def __init__(self, vocab_size, dim, dtype=np.float32, *, xp=None, grad=None):
         if grad is not None:  # an existing (V, D) buffer, e.g. the optimizer's gradient buffer of the table
             xp = B.array_module(grad=grad) if xp is None else xp
@@ -249,14 +252,9 @@ class SparseRowGrad:
             xp = B._cupy() if B.gpu_available() else np
         if xp is not np and (B._cupy() is None or xp is not B._cupy()):
             raise TypeError(f"xp: expected numpy or cupy; got {xp!r}")
-        V, D = int(vocab_size), int(dim)
-        if V < 1 or V != vocab_size:
-            raise ValueError(f"vocab_size: expected an integer >= 1; got {vocab_size!r}")
-        if D < 1 or D != dim:
-            raise ValueError(f"dim: expected an integer >= 1; got {dim!r}")
-        dt = np.dtype(dtype)
-        if dt not in B.FLOATS:
-            raise TypeError(f"dtype: expected float32 or bfloat16; got {dt}")
+        V = B.check_int("vocab_size", vocab_size, min=1)
+        D = B.check_int("dim", dim, min=1)
+        dt = B.check_dtype_arg("dtype", dtype)
         self.xp, self.vocab_size, self.dim, self.dtype = xp, V, D, dt
         if grad is not None:
             B.check_out("grad", grad, (V, D), dt)
@@ -268,6 +266,7 @@ class SparseRowGrad:
         self.stamps = xp.zeros((V,), dtype=np.int32)
         self.generation = xp.ones((), dtype=np.int32)
 
+    @B.interop
     def accumulate(self, ids, dout, *, error=None):
         """``grad[v] += sum of dout[p] over ids[p] == v`` for every touched v, and list the new rows."""
         xp = B.array_module(ids=ids, dout=dout, error=error)

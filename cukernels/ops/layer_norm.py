@@ -14,7 +14,7 @@ FAMILY = "layer_norm"
 TARGET_VPT = 2
 
 
-def _validate(x, gamma, beta=None, eps=None):
+def _validate(x, gamma, beta=None):
     B.check_dtype("x", x, B.FLOATS)
     B.check_dtype("gamma", gamma, B.FLOATS)
     B.check_ndim("x", x, 1)
@@ -30,8 +30,6 @@ def _validate(x, gamma, beta=None, eps=None):
         if beta.ndim != 1 or beta.shape[0] != C:
             raise ValueError(f"beta: expected shape ({C},) to match x's last axis; got {tuple(beta.shape)}")
         B.check_contiguous("beta", beta)
-    if eps is not None and not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite number >= 0; got {eps}")
     return C
 
 
@@ -52,6 +50,7 @@ def _tag(x, gamma):
     return f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[gamma.dtype]}"
 
 
+@B.interop
 def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     """Layer normalisation over the last axis.
 
@@ -61,7 +60,7 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     Args:
         x: ``(..., C)`` float32 or bfloat16, C-contiguous; any number of rows (including 0), C >= 1.
         gamma, beta: ``(C,)``, float32 or bfloat16 (both the same dtype).
-        eps: added to the variance.
+        eps: added to the variance; a finite number > 0.
         return_stats: also return ``mean`` and ``rstd``, float32, shape ``x.shape[:-1]`` (what
             :func:`layer_norm_backward` needs).
         out: optional output buffer, same shape and dtype as ``x``.
@@ -78,7 +77,9 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     xp = B.array_module(x=x, gamma=gamma, beta=beta, out=out)
     if beta is None:
         raise TypeError("beta: expected an array of shape (C,); got None")
-    C = _validate(x, gamma, beta, eps)
+    C = _validate(x, gamma, beta)
+    eps = B.check_real("eps", eps, min=0, min_open=True)
+    return_stats = B.check_bool("return_stats", return_stats)
     y = B.empty(xp, x.shape, x.dtype, out)
     rows = x.size // C
     if xp is np:
@@ -111,6 +112,7 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     return (y, mean, rstd) if return_stats else y
 
 
+@B.interop
 def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     """Gradients of :func:`layer_norm`.
 

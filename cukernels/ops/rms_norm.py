@@ -10,7 +10,7 @@ from . import _launch as L
 FAMILY = "rms_norm"
 
 
-def _validate(x, weight, eps=None):
+def _validate(x, weight):
     B.check_dtype("x", x, B.FLOATS)
     B.check_dtype("weight", weight, B.FLOATS)
     B.check_ndim("x", x, 1)
@@ -21,8 +21,6 @@ def _validate(x, weight, eps=None):
         raise ValueError(f"weight: expected shape ({C},) to match x's last axis; got {tuple(weight.shape)}")
     B.check_contiguous("x", x)
     B.check_contiguous("weight", weight)
-    if eps is not None and not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite number >= 0; got {eps}")
     return C
 
 
@@ -42,6 +40,7 @@ def _names(x, weight, vec):
     return f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[weight.dtype]}", "v" if vec else "s"
 
 
+@B.interop
 def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
     """Root-mean-square normalisation over the last axis.
 
@@ -50,7 +49,7 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
     Args:
         x: ``(..., C)`` float32 or bfloat16, C-contiguous; any number of rows (including 0), C >= 1.
         weight: ``(C,)`` float32 or bfloat16.
-        eps: added to the mean square.
+        eps: added to the mean square; a finite number > 0.
         return_rstd: also return ``rstd = 1 / sqrt(mean(x**2) + eps)``, float32, shape ``x.shape[:-1]``.
         out: optional output buffer, same shape and dtype as ``x``.
 
@@ -63,7 +62,9 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
         >>> y, rstd = ck.rms_norm(x, cp.ones(2048, cp.float32), return_rstd=True)
     """
     xp = B.array_module(x=x, weight=weight, out=out)
-    C = _validate(x, weight, eps)
+    C = _validate(x, weight)
+    eps = B.check_real("eps", eps, min=0, min_open=True)
+    return_rstd = B.check_bool("return_rstd", return_rstd)
     y = B.empty(xp, x.shape, x.dtype, out)
     rows = x.size // C
     if xp is np:
@@ -92,6 +93,7 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
     return (y, rstd) if return_rstd else y
 
 
+@B.interop
 def rms_norm_backward(dy, x, weight, rstd, *, out=None):
     """Gradients of :func:`rms_norm`.
 

@@ -13,30 +13,47 @@ FAMILY = "rope"
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def _inv_freq(head_dim, theta, scaling):
-    """inv_freq[i] = theta^(-2i / head_dim), i < head_dim / 2, float64, with Hugging Face's rope_scaling applied."""
-    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _check_scaling(scaling):
+    """Hugging Face's rope_scaling dict, validated: (kind, {key: value}) with the numbers the kind needs."""
     if scaling is None:
-        return inv
+        return "default", {}
     if not isinstance(scaling, dict):
         raise TypeError(f"scaling: expected None or a dict in Hugging Face's rope_scaling form; got {type(scaling).__name__}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
+        raise ValueError(f"scaling: rope_type {kind!r} is not supported (use 'llama3', 'linear' or 'default')")
+    need = {"default": (), "linear": ("factor",), "llama3": _LLAMA3_KEYS}[kind]
+    missing = [k for k in need if k not in scaling]
+    if missing:
+        raise ValueError(f"scaling: rope_type {kind!r} needs keys {list(need)}; missing {missing}")
+    v = {}
+    for k in need:
+        if k == "original_max_position_embeddings":
+            v[k] = B.check_int(f"scaling[{k!r}]", scaling[k], min=1)
+        else:  # factor 0 gave NaN tables, a negative one flipped the rotation: both refused
+            v[k] = B.check_real(f"scaling[{k!r}]", scaling[k], min=0, min_open=True)
+    if kind == "llama3" and not v["high_freq_factor"] > v["low_freq_factor"]:
+        raise ValueError(f"scaling['high_freq_factor']: expected a number > low_freq_factor "
+                         f"({v['low_freq_factor']!r}); got {v['high_freq_factor']!r}")
+    return kind, v
+
+
+def _inv_freq(head_dim, theta, scaling):
+    """inv_freq[i] = theta^(-2i / head_dim), i < head_dim / 2, float64, with Hugging Face's rope_scaling applied."""
+    inv = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    kind, v = _check_scaling(scaling)
     if kind == "default":
         return inv
     if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind != "llama3":
-        raise ValueError(f"scaling: rope_type {kind!r} is not supported (use 'llama3', 'linear' or 'default')")
-    missing = [k for k in _LLAMA3_KEYS if k not in scaling]
-    if missing:
-        raise ValueError(f"scaling: rope_type 'llama3' needs keys {list(_LLAMA3_KEYS)}; missing {missing}")
+        return inv / v["factor"]
     # transformers.modeling_rope_utils._compute_llama3_parameters, in float64.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    if high_freq_factor == low_freq_factor:
-        raise ValueError("scaling: high_freq_factor must differ from low_freq_factor")
+    factor = v["factor"]
+    low_freq_factor = v["low_freq_factor"]
+    high_freq_factor = v["high_freq_factor"]
+    old_context_len = float(v["original_max_position_embeddings"])
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -68,7 +85,9 @@ def rope_cache(seq_len, head_dim, theta=500000.0, scaling=None, *, xp=None):
             "original_max_position_embeddings": 8192}`` (LLaMA-3.1/3.2; transformers'
             ``_compute_llama3_parameters``: wavelengths above ``orig / low_freq_factor`` are divided by
             ``factor``, below ``orig / high_freq_factor`` kept, smoothly interpolated in between), also
-            ``{"rope_type": "linear", "factor": f}`` and ``{"rope_type": "default"}``.
+            ``{"rope_type": "linear", "factor": f}`` and ``{"rope_type": "default"}``. Checked: factors
+            finite and > 0, ``high_freq_factor > low_freq_factor``, ``original_max_position_embeddings`` an
+            integer >= 1 (ValueError / TypeError naming the key).
         xp: ``numpy`` or ``cupy``: the module of the returned arrays (default: cupy when a GPU is visible).
 
     Returns:
@@ -79,14 +98,15 @@ def rope_cache(seq_len, head_dim, theta=500000.0, scaling=None, *, xp=None):
         >>> cos, sin = ck.rope_cache(8192, 64, 500000.0, {"rope_type": "llama3", "factor": 32.0,
         ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise ValueError(f"seq_len: expected an integer >= 1; got {seq_len!r}")
-    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
+    seq_len = B.check_int("seq_len", seq_len, min=1)
+    head_dim = B.check_int("head_dim", head_dim)
+    if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: expected an even integer >= 2; got {head_dim!r}")
-    if not (np.isfinite(theta) and theta > 0):
-        raise ValueError(f"theta: expected a finite number > 0; got {theta!r}")
-    inv = _inv_freq(int(head_dim), theta, scaling)
-    ang = np.arange(int(seq_len), dtype=np.float64)[:, None] * inv[None, :]
+    theta = B.check_real("theta", theta, min=0, min_open=True)
+    if xp is not None and xp is not np and (B._cupy() is None or xp is not B._cupy()):
+        raise TypeError(f"xp: expected numpy, cupy or None; got {xp!r}")
+    inv = _inv_freq(head_dim, theta, scaling)
+    ang = np.arange(seq_len, dtype=np.float64)[:, None] * inv[None, :]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     if xp is None:
         xp = B._cupy() if B.gpu_available() else np
@@ -176,6 +196,7 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     return y
 
 
+@B.interop
 def rope(x, cos, sin, *, positions=None, interleaved=False, out=None):
     """Apply rotary position embedding to ``x`` [batch, seq, heads, head_dim] (fp32 math).
 
@@ -202,13 +223,14 @@ def rope(x, cos, sin, *, positions=None, interleaved=False, out=None):
         >>> cos, sin = ck.rope_cache(4096, 64)
         >>> q = ck.rope(q, cos, sin, out=q)          # q: [batch, seq, heads, 64], in place
     """
-    return _rope("x", x, cos, sin, positions, bool(interleaved), out, 1.0)
+    return _rope("x", x, cos, sin, positions, B.check_bool("interleaved", interleaved), out, 1.0)
 
 
+@B.interop
 def rope_backward(dy, cos, sin, *, positions=None, interleaved=False, out=None):
     """Gradient of :func:`rope`: the inverse (transposed) rotation, ``(dy1 c + dy2 sn, dy2 c - dy1 sn)``.
 
     Same arguments as :func:`rope` with ``dy`` in place of ``x``; ``out=dy`` works in place. Because the
     rotation is orthogonal, ``<rope(x), y> == <x, rope_backward(y)>``.
     """
-    return _rope("dy", dy, cos, sin, positions, bool(interleaved), out, -1.0)
+    return _rope("dy", dy, cos, sin, positions, B.check_bool("interleaved", interleaved), out, -1.0)

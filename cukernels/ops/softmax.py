@@ -72,10 +72,12 @@ def _ref_softmax(z64, out_dtype):
 
 
 def _check_axis(x, axis):
-    if not isinstance(axis, (int, np.integer)) or axis not in (-1, x.ndim - 1):
+    axis = B.check_int("axis", axis)
+    if axis not in (-1, x.ndim - 1):
         raise ValueError(f"axis: only the last axis is supported (-1 or {x.ndim - 1}); got {axis!r}")
 
 
+@B.interop
 def softmax(x, axis=-1, *, out=None):
     """Softmax over the last axis: ``y = exp(x - max(x)) / sum(exp(x - max(x)))``, fp32 math.
 
@@ -117,6 +119,7 @@ def _check_backward(y, dy, names):
     B.check_contiguous(names[1], dy)
 
 
+@B.interop
 def softmax_backward(y, dy, *, out=None):
     """Gradient of :func:`softmax`: ``dx = y * (dy - sum(dy * y, axis=-1))``.
 
@@ -146,6 +149,7 @@ def _softmax_backward(y, dy, scale, out, names):
     return dx
 
 
+@B.interop
 def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
     """Masked, scaled softmax of attention scores over the keys.
 
@@ -159,7 +163,7 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
         key_mask: optional ``[batch, k_len]`` key-padding mask, broadcast over heads and queries: bool
             (True = keep) or an additive float mask (float32, or the dtype of ``scores``).
         causal: mask keys after the query, the diagonal aligned at the end (needs ``q_len <= k_len``).
-        scale: multiplies the scores before the mask is added and before the max.
+        scale: a finite number; multiplies the scores before the mask is added and before the max.
         out: optional output buffer like ``scores``; ``out=scores`` works in place.
 
     Returns:
@@ -181,12 +185,10 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
         B.check_dtype("key_mask", key_mask, sorted({np.dtype(np.bool_), B.float32, scores.dtype}, key=str))
         B.check_shape("key_mask", key_mask, (Bn, K), " ([batch, k_len] of scores)")
         B.check_contiguous("key_mask", key_mask)
-    causal = bool(causal)
+    causal = B.check_bool("causal", causal)
     if causal and Q > K:
         raise ValueError(f"causal: needs q_len <= k_len (the diagonal is aligned at the end); got q_len {Q} > k_len {K}")
-    scale = B.scalar_f32("scale", scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number; got {scale}")
+    scale = B.check_f32("scale", scale)
     y = B.empty(xp, scores.shape, scores.dtype, out)
     if xp is np:
         z = (scores.astype(np.float32) * scale).astype(np.float32)
@@ -207,6 +209,7 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
     return y
 
 
+@B.interop
 def attn_softmax_backward(probs, dprobs, *, scale=1.0, out=None):
     """Gradient of :func:`attn_softmax` with respect to the scores.
 
@@ -223,5 +226,5 @@ def attn_softmax_backward(probs, dprobs, *, scale=1.0, out=None):
     Returns:
         ``dscores``, like ``probs``.
     """
-    scale = B.scalar_f32("scale", scale)
+    scale = B.check_f32("scale", scale)
     return _softmax_backward(probs, dprobs, float(scale), out, ("probs", "dprobs"))
