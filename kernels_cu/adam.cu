@@ -27,6 +27,13 @@
 // - lr and step may live in device memory (pointer != null; step as int32, int64 or fp32), so a captured CUDA
 //   graph of the training step stays valid as they change; so may grad_scale (clipping scale, inverse loss
 //   scale). Each is a (pointer, value) pair: the pointer wins when not null.
+// - Those device values cannot be checked on the host without a sync, so every thread checks them after
+//   loading them (the same uniform values in every thread: 3 compares on floats and 3 on the double step, next
+//   to the two double pow() the coefficients already cost) and, when lr or grad_scale is NaN, inf or negative,
+//   or step is not an integer >= 1, returns before writing anything: params, moments and shadow stay
+//   bit-identical, and thread 0 of block 0 ORs a bit per problem into the error word (1 lr, 2 step,
+//   4 grad_scale; ck.adam_error()). Host numbers were checked by the launcher and always pass. The loads and
+//   stores are unchanged (28-30 B/param), so the time is unchanged.
 // - Sparse rows: a fixed grid (sized from the rows capacity, known on the host) reads row_count on the device
 //   and blocks past it exit at once: no host sync between the embedding backward and the update. Rows of D
 //   elements are split over blockDim.x threads (8-element units when D % 8 == 0 and pointers are aligned),
@@ -39,20 +46,32 @@
 
 struct AdamCoef {
   float b1, omb1, b2, omb2, step_size, inv_sqrt_bc2, eps, decay, gs;
+  int bad;  // error bits: 1 lr, 2 step, 4 grad_scale (0: the update may be applied)
 };
+
+#define ADAM_ERR_LR 1
+#define ADAM_ERR_STEP 2
+#define ADAM_ERR_GRAD_SCALE 4
+
+// x >= 0 and finite (false for NaN: every ordered compare with NaN is false).
+__device__ __forceinline__ bool nonneg_finite(float x) { return x >= 0.f && x < CK_INF; }
 
 // lr = *lr_ptr or lr_val; grad scale = *gs_ptr or gs_val;
 // step_kind: 0 = step_val (host number), 1 = *(int*)step_ptr, 2 = *(long long*), 3 = *(float*).
 __device__ __forceinline__ AdamCoef adam_coef(const float* lr_ptr, float lr_val, const void* step_ptr, int step_kind,
                                               double step_val, const float* gs_ptr, float gs_val, double beta1,
                                               double beta2, float eps, float wd) {
-  const double lr = (double)(lr_ptr != nullptr ? *lr_ptr : lr_val);
+  const float lr_f = lr_ptr != nullptr ? *lr_ptr : lr_val;
+  const double lr = (double)lr_f;
   double t = step_val;
   if (step_kind == 1) t = (double)*(const int*)step_ptr;
   else if (step_kind == 2) t = (double)*(const long long*)step_ptr;
   else if (step_kind == 3) t = (double)*(const float*)step_ptr;
   const double bc1 = 1.0 - pow(beta1, t), bc2 = 1.0 - pow(beta2, t);
   AdamCoef c;
+  // step: an integer >= 1 (t <= 2^53: every such double is an integer, and t == floor(t) excludes NaN).
+  c.bad = (nonneg_finite(lr_f) ? 0 : ADAM_ERR_LR) |
+          ((t >= 1.0 && t <= 9007199254740992.0 && t == floor(t)) ? 0 : ADAM_ERR_STEP);
   c.b1 = (float)beta1;
   c.omb1 = (float)(1.0 - beta1);
   c.b2 = (float)beta2;
@@ -62,7 +81,13 @@ __device__ __forceinline__ AdamCoef adam_coef(const float* lr_ptr, float lr_val,
   c.eps = eps;
   c.decay = (float)(1.0 - lr * (double)wd);
   c.gs = gs_ptr != nullptr ? *gs_ptr : gs_val;
+  if (!nonneg_finite(c.gs)) c.bad |= ADAM_ERR_GRAD_SCALE;
   return c;
+}
+
+// Bad hyperparameters: block 0's first thread reports them (every thread saw the same values and returns).
+__device__ __forceinline__ void adam_report(int* err, int bad) {
+  if (blockIdx.x == 0 && threadIdx.x == 0 && threadIdx.y == 0) atomicOr(err, bad);
 }
 
 __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v, const AdamCoef& c) {
@@ -201,21 +226,25 @@ __device__ __forceinline__ int clamp_count(const int* row_count, int capacity) {
 // ---- extern "C" entry points: adam_<grad dtype>_<v|s>, adam_rows_<grad dtype>_<v|s>.
 #define ADAM_ARGS                                                                                              \
   const float *lr_ptr, float lr_val, const void *step_ptr, int step_kind, double step_val, const float *gs_ptr, \
-      float gs_val, double beta1, double beta2, float eps, float wd
+      float gs_val, double beta1, double beta2, float eps, float wd, int *err
 #define ADAM_COEF adam_coef(lr_ptr, lr_val, step_ptr, step_kind, step_val, gs_ptr, gs_val, beta1, beta2, eps, wd)
 
 #define ADAM_ENTRY(G, GN, VEC, VS)                                                                             \
   extern "C" __global__ void __launch_bounds__(256)                                                            \
       adam_##GN##_##VS(float* p, const G* g, float* m, float* v, bf16* sh, long long n, ADAM_ARGS) {           \
     const AdamCoef c = ADAM_COEF;                                                                              \
+    if (c.bad) return adam_report(err, c.bad);                                                                 \
     adam_dense<G, VEC>(p, g, m, v, sh, n, c);                                                                  \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                                            \
       adam_rows_##GN##_##VS(float* p, const G* g, float* m, float* v, bf16* sh, const int* rows,               \
                             const int* row_count, int capacity, long long V, int D, ADAM_ARGS) {               \
     const int count = clamp_count(row_count, capacity);                                                        \
-    if ((long long)blockIdx.x * blockDim.y >= count) return;                                                   \
+    const bool idle = (long long)blockIdx.x * blockDim.y >= count;                                             \
+    if (idle && blockIdx.x != 0) return; /* block 0 stays to report bad values even with no rows */           \
     const AdamCoef c = ADAM_COEF;                                                                              \
+    if (c.bad) return adam_report(err, c.bad);                                                                 \
+    if (idle) return;                                                                                          \
     adam_rows<G, VEC>(p, g, m, v, sh, rows, count, V, D, c);                                                   \
   }
 

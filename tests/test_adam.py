@@ -177,7 +177,7 @@ def test_bad_buffers(mutate, exc, msg):
     (dict(lr="0.1", step=1), TypeError, "lr: expected a number or a 0-d"),
     (dict(lr=1e-3, step=0), ValueError, "step: expected the 1-based step number"),
     (dict(lr=1e-3, step=np.array(1, np.int16)), TypeError, "step: expected dtype"),
-    (dict(lr=1e-3, step=1, beta2=1.0), ValueError, "beta2: expected a number in"),
+    (dict(lr=1e-3, step=1, beta2=1.0), ValueError, r"beta2: expected a finite number in \[0, 1\)"),
     (dict(lr=1e-3, step=1, eps=-1.0), ValueError, "eps: expected a finite number"),
     (dict(lr=1e-3, step=1, grad_scale=np.array(1.0, np.float64)), TypeError, "grad_scale: expected dtype"),
     (dict(lr=1e-3, step=1, shadow=np.zeros(8, F32)), TypeError, "shadow: expected dtype bfloat16"),

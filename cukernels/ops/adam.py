@@ -1,12 +1,19 @@
 """Optimizer ops: ``ck.adam_step``, ``ck.adam_step_rows``, ``ck.global_norm``, ``ck.clip_scale``,
-``ck.zero_rows``. Kernels: ``kernels_cu/adam.cu``.
+``ck.zero_rows``, ``ck.adam_error``. Kernels: ``kernels_cu/adam.cu``.
 
 Every op here is graph-capturable: values that change from step to step (learning rate, step count, gradient
 scale, the count of touched rows) may be 0-d device arrays that the kernels read, so a captured training step
 stays valid as they change. Nothing reads back to the host.
+
+Hyperparameters get ``torch.optim.AdamW``'s ranges: lr >= 0, weight_decay >= 0, betas in [0, 1), eps > 0, all
+finite, step an integer >= 1 (grad_scale finite and >= 0). Numbers and 0-d NumPy arrays are checked at the call
+(TypeError / ValueError naming the argument). 0-d device arrays are checked by the kernels themselves: an
+invalid value leaves params, moments and shadow untouched and sets a bit of the device error word, read (and
+cleared) by :func:`adam_error` whenever a host sync is acceptable.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -52,45 +59,130 @@ def _scalar_array(name, v, dtypes):
 
 
 def _hyper(beta1, beta2, eps, weight_decay):
-    for name, b in (("beta1", beta1), ("beta2", beta2)):
-        if not _is_number(b) or not (0.0 <= float(b) < 1.0):
-            raise ValueError(f"{name}: expected a number in [0, 1); got {b!r}")
-    if not _is_number(eps) or not (np.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite number >= 0; got {eps!r}")
-    if not _is_number(weight_decay) or not np.isfinite(weight_decay):
-        raise ValueError(f"weight_decay: expected a finite number; got {weight_decay!r}")
+    """beta1, beta2 in [0, 1), eps > 0, weight_decay >= 0, all finite numbers (torch.optim.AdamW's ranges)."""
+    B.check_real("beta1", beta1, min=0, max=1, max_open=True)
+    B.check_real("beta2", beta2, min=0, max=1, max_open=True)
+    B.check_real("eps", eps, min=0, min_open=True)
+    if np.float32(eps) == 0:  # the kernels add eps as fp32: a value that rounds to 0 would divide 0 by 0
+        raise ValueError(f"eps: expected a number > 0 in float32 (at least 1.4e-45); got {eps!r}")
+    B.check_f32("weight_decay", weight_decay, min=0)
+
+
+# Device error word bits (ADAM_ERR_* in adam.cu): what was wrong with a hyperparameter read on the device.
+ADAM_ERR_LR, ADAM_ERR_STEP, ADAM_ERR_GRAD_SCALE = 1, 2, 4
+ADAM_ERRORS = {ADAM_ERR_LR: "lr was NaN, inf or negative", ADAM_ERR_STEP: "step was not an integer >= 1",
+               ADAM_ERR_GRAD_SCALE: "grad_scale was NaN, inf or negative"}
+_STEP_TEXT = "the 1-based step number, an integer >= 1 (bias correction divides by 1 - beta**step; at most 2**53)"
+
+
+def _step_ok(t) -> bool:
+    """An integer in [1, 2^53] (the kernels take the step as a double; the device check uses the same bounds)."""
+    try:
+        t = float(t)
+    except OverflowError:  # an int beyond the double range
+        return False
+    return 1 <= t <= 2.0**53 and t == math.floor(t)
+
+
+def _check_lr_number(lr):
+    B.check_f32("lr", lr, min=0)
+
+
+def _check_step_number(step):
+    """A positive integer: Python / NumPy integers, or a float holding one (2.0); not 1.5, inf, 0, -3, a bool."""
+    if not _is_number(step):
+        raise TypeError(f"step: expected {_STEP_TEXT}; got {B._got(step)}")
+    if not _step_ok(step):
+        raise ValueError(f"step: expected {_STEP_TEXT}; got {B._short(step)}")
+
+
+def _check_grad_scale_number(gs):
+    B.check_f32("grad_scale", gs, min=0)
 
 
 def _lr_step_scale(lr, step, grad_scale):
     """Validate lr / step / grad_scale (numbers or 0-d arrays); returns the arrays among them by name."""
     arrays = {}
     if _is_number(lr):
-        if not np.isfinite(lr):
-            raise ValueError(f"lr: expected a finite number; got {lr!r}")
+        _check_lr_number(lr)
     elif B._kind(lr) is not None:
         _scalar_array("lr", lr, (np.float32,))
         arrays["lr"] = lr
     else:
         raise TypeError(f"lr: expected a number or a 0-d float32 array; got {type(lr).__name__}")
     if _is_number(step):
-        if not float(step) >= 1:
-            raise ValueError(f"step: expected the 1-based step number (>= 1, bias correction divides by "
-                             f"1 - beta**step); got {step!r}")
+        _check_step_number(step)
     elif B._kind(step) is not None:
         _scalar_array("step", step, tuple(_STEP_KIND))
         arrays["step"] = step
     else:
-        raise TypeError(f"step: expected a number or a 0-d int32/int64/float32 array; got {type(step).__name__}")
+        raise TypeError(f"step: expected {_STEP_TEXT} or a 0-d int32/int64/float32 array; got {type(step).__name__}")
     if grad_scale is not None:
         if _is_number(grad_scale):
-            if not np.isfinite(grad_scale):
-                raise ValueError(f"grad_scale: expected a finite number; got {grad_scale!r}")
+            _check_grad_scale_number(grad_scale)
         elif B._kind(grad_scale) is not None:
             _scalar_array("grad_scale", grad_scale, (np.float32,))
             arrays["grad_scale"] = grad_scale
         else:
             raise TypeError(f"grad_scale: expected a 0-d float32 array or a number; got {type(grad_scale).__name__}")
     return arrays
+
+
+def _check_host_arrays(arrays):
+    """NumPy path: the values of 0-d NumPy hyperparameter arrays, checked now (the kernels check device ones)."""
+    for name, a in arrays.items():
+        v = float(a)
+        ok = _step_ok(v) if name == "step" else (math.isfinite(v) and v >= 0)
+        if not ok:
+            want = _STEP_TEXT if name == "step" else "a finite number >= 0"
+            raise ValueError(f"{name}: the 0-d array holds {a.item()!r}; expected {want}")
+
+
+def _error_word(xp, error):
+    """The device error word the kernels report bad device hyperparameters to (None on the NumPy path)."""
+    if error is None:
+        return None if xp is np else adam_error_word()
+    _scalar_array("error", error, (np.int32,))
+    B.check_writable("error", error)
+    return error
+
+
+def adam_error_word():
+    """The module's device error word (0-d int32 CuPy array) for the current device: :func:`adam_step` and
+    :func:`adam_step_rows` OR bits into it (``ADAM_ERRORS``) when a hyperparameter read on the device was
+    invalid and the update was skipped, unless they were given an ``error=`` word of their own."""
+    return B.error_word("adam")
+
+
+def adam_error(*, clear=True) -> int:
+    """The Adam error code of the current device, read (4 bytes, after the work queued on the current stream)
+    and cleared: 0 when every :func:`adam_step` / :func:`adam_step_rows` since the last read found its device
+    hyperparameters valid; else a bit per problem, ``ADAM_ERR_LR`` (1: lr NaN, inf or negative),
+    ``ADAM_ERR_STEP`` (2: step not an integer >= 1), ``ADAM_ERR_GRAD_SCALE`` (4: grad_scale NaN, inf or
+    negative); those updates left params, moments and shadow untouched. :func:`adam_error_message` spells a
+    code out. Nothing else is synchronised; returns 0 without a GPU (the NumPy path raises at the call instead).
+
+    Example::
+
+        >>> opt_step()                      # a captured step: lr / step / grad_scale live on the device
+        >>> if (code := ck.adam_error()):
+        ...     raise FloatingPointError(ck.ops.adam.adam_error_message(code))
+    """
+    if not B.gpu_available():
+        return 0
+    w = adam_error_word()
+    code = int(w)
+    if code and clear:
+        B.zero_(w)
+    return code
+
+
+def adam_error_message(code: int) -> str:
+    """A sentence for an :func:`adam_error` code: which hyperparameters were invalid (the update was skipped)."""
+    parts = [text for bit, text in ADAM_ERRORS.items() if code & bit]
+    if not parts:
+        return "no Adam error"
+    return "AdamW update skipped (params and moments unchanged): " + "; ".join(parts)
 
 
 def _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same):
@@ -106,6 +198,8 @@ def _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same):
         if a is None:
             continue
         B.check_contiguous(name, a)
+        if name != "grad":
+            B.check_writable(name, a)
         if name != "param":
             same(name, a)
     _check_disjoint(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow)
@@ -135,8 +229,9 @@ def _adam_math(p, g, m, v, *, lr, step, beta1, beta2, eps, weight_decay, grad_sc
     return p.astype(np.float32), m.astype(np.float32), v.astype(np.float32)
 
 
-def _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay):
-    """The trailing ADAM_ARGS of every adam kernel: (pointer, value) pairs, the pointer wins when not null."""
+def _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err):
+    """The trailing ADAM_ARGS of every adam kernel: (pointer, value) pairs, the pointer wins when not null, and
+    the error word."""
     lr_dev, st_dev = not _is_number(lr), not _is_number(step)
     gs_dev = grad_scale is not None and not _is_number(grad_scale)
     return (
@@ -151,6 +246,7 @@ def _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay):
         np.float64(beta2),
         np.float32(eps),
         np.float32(weight_decay),
+        err,
     )
 
 
@@ -166,8 +262,9 @@ def _grid(wave, work_items):
 
 
 # ---------------------------------------------------------------------------------------------- adam_step
+@B.interop
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=0.0, shadow=None, grad_scale=None):
+              weight_decay=0.0, shadow=None, grad_scale=None, error=None):
     """One fused AdamW update, in place (decoupled weight decay, PyTorch's ``AdamW`` formula).
 
     With ``g = grad_scale * grad`` and ``t = step``::
@@ -186,12 +283,19 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
     Args:
         param, exp_avg, exp_avg_sq: float32, updated in place.
         grad: float32 or bfloat16, same size.
-        lr: a number or a 0-d float32 array (read on the device: a captured graph sees its current value).
-        step: the 1-based step number (>= 1): a number or a 0-d int32 / int64 / float32 array.
-        beta1, beta2, eps, weight_decay: numbers.
+        lr: >= 0, a number or a 0-d float32 array (read on the device: a captured graph sees its current value).
+        step: the 1-based step number, an integer >= 1: a number or a 0-d int32 / int64 / float32 array.
+        beta1, beta2: numbers in [0, 1). eps: a number > 0. weight_decay: a number >= 0. All finite.
         shadow: optional bfloat16 array of the same size; receives the updated param rounded to bf16.
-        grad_scale: optional 0-d float32 array multiplying the gradient first (clipping scale, inverse loss
-            scale); a plain number is accepted for eager use.
+        grad_scale: optional 0-d float32 array (>= 0) multiplying the gradient first (clipping scale, inverse
+            loss scale); a plain number is accepted for eager use.
+        error: optional 0-d int32 device array for the kernel's error bits (default: :func:`adam_error_word`).
+
+    Numbers and 0-d NumPy arrays out of range raise here (TypeError / ValueError naming the argument). 0-d
+    device arrays are checked by the kernel: if lr or grad_scale is NaN, inf or negative, or step is not an
+    integer >= 1, nothing is written (params, moments and shadow stay bit-identical) and the error word gets a
+    bit per problem (:func:`adam_error`), with no host sync. So a NaN clipping scale (from a NaN gradient norm)
+    skips the step instead of turning every parameter into NaN.
 
     Returns:
         None (everything is updated in place).
@@ -203,8 +307,12 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
         >>> ck.adam_step(p, g, m, v, lr=3e-4, step=1, weight_decay=0.1)
     """
     scal = _lr_step_scale(lr, step, grad_scale)
-    xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, **scal)
+    xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, **scal,
+                        error=error)
     _hyper(beta1, beta2, eps, weight_decay)
+    if xp is np:
+        _check_host_arrays(scal)
+    err = _error_word(xp, error)
 
     def same_size(name, a):
         if a.size != param.size:
@@ -230,7 +338,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
     k, wave = _kernel(f"adam_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
     tail = (n % 8) if vec else n
     grid = _grid(wave, max(n // 8 if vec else 0, tail))
-    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay)
+    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err)
     k((grid,), (THREADS,),
       (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, np.int64(n), *args))
     return None
@@ -268,8 +376,9 @@ def _rows_grid(wave, capacity, ry):
     return min(max(1, -(-capacity // ry)), wave)
 
 
+@B.interop
 def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, step, beta1=0.9, beta2=0.999,
-                   eps=1e-8, weight_decay=0.0, shadow=None, grad_scale=None):
+                   eps=1e-8, weight_decay=0.0, shadow=None, grad_scale=None, error=None):
     """Sparse ("lazy") AdamW: the :func:`adam_step` update applied only to listed rows of a 2-D parameter.
 
     For ``r`` in ``rows[:row_count]`` the row ``param[r, :]`` (with ``grad[r]``, ``exp_avg[r]``,
@@ -289,8 +398,9 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
         grad: ``(V, D)`` float32 or bfloat16 (only the listed rows are read).
         rows: 1-D int32, capacity >= count.
         row_count: 0-d int32 array, the number of valid entries of ``rows``.
-        lr, step, beta1, beta2, eps, weight_decay, shadow, grad_scale: as :func:`adam_step`; shadow
-            ``(V, D)`` bfloat16.
+        lr, step, beta1, beta2, eps, weight_decay, shadow, grad_scale, error: as :func:`adam_step` (the same
+            checks; device values are checked by the kernel, which then writes no row); shadow ``(V, D)``
+            bfloat16.
 
     Returns:
         None.
@@ -301,8 +411,11 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
     """
     scal = _lr_step_scale(lr, step, grad_scale)
     xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, rows=rows,
-                        row_count=row_count, **scal)
+                        row_count=row_count, **scal, error=error)
     _hyper(beta1, beta2, eps, weight_decay)
+    if xp is np:
+        _check_host_arrays(scal)
+    err = _error_word(xp, error)
     if param.ndim != 2:
         raise ValueError(f"param: expected a 2-D (V, D) array; got shape {tuple(param.shape)}")
 
@@ -330,13 +443,14 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
     k, wave = _kernel(f"adam_rows_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
     tx, ry = _rows_plan(D // 8 if vec else D)
     grid = _rows_grid(wave, rows.size, ry)
-    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay)
+    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err)
     k((grid,), (tx, ry, 1),
       (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, rows, row_count,
        np.int32(rows.size), np.int64(V), np.int32(D), *args))
     return None
 
 
+@B.interop
 def zero_rows(buf, rows, row_count):
     """Zero the listed rows of a 2-D buffer: ``buf[r, :] = 0`` for ``r`` in ``rows[:row_count]``.
 
@@ -361,6 +475,7 @@ def zero_rows(buf, rows, row_count):
     if buf.ndim != 2:
         raise ValueError(f"buf: expected a 2-D (V, D) array; got shape {tuple(buf.shape)}")
     B.check_contiguous("buf", buf)
+    B.check_writable("buf", buf)
     _check_rows(rows, row_count)
     V, D = buf.shape
     if xp is np:
@@ -432,6 +547,7 @@ def _check_norm_rows(arrs, rows):
     return list(rows)
 
 
+@B.interop
 def global_norm_workspace(arrays, rows=None):
     """A float32 buffer big enough for :func:`global_norm`'s per-block partials of ``arrays`` (and ``rows``,
     as passed to it) on their device. Allocate it once and pass it as ``workspace=`` to keep a captured graph
@@ -443,6 +559,7 @@ def global_norm_workspace(arrays, rows=None):
     return xp.empty((max(1, _norm_plan(arrs, _check_norm_rows(arrs, rows))[1]),), dtype=np.float32)
 
 
+@B.interop
 def global_norm(arrays, *, out=None, workspace=None, rows=None):
     """Global L2 norm of one array or of a list of arrays, as a 0-d float32 array (no host sync).
 
@@ -495,6 +612,7 @@ def global_norm(arrays, *, out=None, workspace=None, rows=None):
             raise ValueError(f"workspace: expected a 1-D float32 buffer of at least {total_parts} elements; got "
                              f"shape {tuple(workspace.shape)} (use global_norm_workspace(arrays))")
         B.check_contiguous("workspace", workspace)
+        B.check_writable("workspace", workspace)
         part = workspace
     else:
         part = xp.empty((max(total_parts, 1),), dtype=np.float32)
@@ -512,6 +630,7 @@ def global_norm(arrays, *, out=None, workspace=None, rows=None):
     return res
 
 
+@B.interop
 def clip_scale(norm, max_norm, *, out=None):
     """The gradient-clipping factor as a 0-d float32 array: ``min(1, max_norm / (norm + 1e-6))``.
 
@@ -533,8 +652,7 @@ def clip_scale(norm, max_norm, *, out=None):
     """
     xp = B.array_module(norm=norm, out=out)
     _scalar_array("norm", norm, (np.float32,))
-    if not _is_number(max_norm) or not (np.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm: expected a finite number > 0; got {max_norm!r}")
+    max_norm = B.check_f32("max_norm", max_norm, min=0, min_open=True)
     if out is not None:
         B.check_out("out", out, (), np.float32)
     res = out if out is not None else xp.empty((), dtype=np.float32)
@@ -546,13 +664,33 @@ def clip_scale(norm, max_norm, *, out=None):
     return res
 
 
+def _check_schedule(schedule):
+    """``(max_lr, min_lr, warmup, total)``: learning rates finite and >= 0, 0 <= warmup <= total integers."""
+    if not isinstance(schedule, (tuple, list)) or len(schedule) != 4:
+        raise TypeError(f"schedule: expected None or a (max_lr, min_lr, warmup, total) tuple; got {schedule!r:.80}")
+    mx, mn, w, tot = schedule
+    mx = float(B.check_f32("schedule[0] (max_lr)", mx, min=0))
+    mn = float(B.check_f32("schedule[1] (min_lr)", mn, min=0))
+    w = B.check_int("schedule[2] (warmup)", w, min=0, max=2**62)
+    tot = B.check_int("schedule[3] (total)", tot, min=w, max=2**62)
+    return mx, mn, w, tot
+
+
+@B.interop
 def tick(step, lr, *, increment=1, schedule=None):
     """Advance the optimizer's device clock: ``step += increment``; with ``schedule = (max_lr, min_lr, warmup,
     total)`` also ``lr = warmup_cosine(step)`` (see ``cukernels.optim.WarmupCosine``). One tiny launch,
-    capturable. ``step``: 0-d int32 array; ``lr``: 0-d float32 array. NumPy arrays: the same in Python."""
+    capturable. ``step``: 0-d int32 array; ``lr``: 0-d float32 array (both written in place). NumPy arrays: the
+    same in Python. ``increment``: an integer >= 0; the schedule's rates finite and >= 0,
+    ``0 <= warmup <= total`` integers."""
     xp = B.array_module(step=step, lr=lr)
     _scalar_array("step", step, (np.int32,))
     _scalar_array("lr", lr, (np.float32,))
+    B.check_writable("step", step)
+    B.check_writable("lr", lr)
+    increment = B.check_int("increment", increment, min=0, max=2**31 - 1)
+    if schedule is not None:
+        schedule = _check_schedule(schedule)
     if xp is np:
         step[...] = step + np.int32(increment)
         if schedule is not None:
@@ -566,7 +704,10 @@ def tick(step, lr, *, increment=1, schedule=None):
 
 def warmup_cosine(t, max_lr, min_lr, warmup, total):
     """Linear warmup to ``max_lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at step ``total``
-    (held there after). ``t`` is the 1-based step number: the same formula as the ``adam_tick`` kernel."""
+    (held there after). ``t`` is the 1-based step number (a number >= 0): the same formula as the ``adam_tick``
+    kernel. ``max_lr``, ``min_lr``: finite, >= 0; ``0 <= warmup <= total``, integers."""
+    t = B.check_real("t", t, min=0)
+    max_lr, min_lr, warmup, total = _check_schedule((max_lr, min_lr, warmup, total))
     if warmup > 0 and t <= warmup:
         return max_lr * t / warmup
     span = total - warmup
