@@ -486,7 +486,13 @@ def interop(fn):
     ``.detach()``). When a torch tensor was passed, array results come back as ``torch.Tensor`` over the same
     memory (``torch.from_dlpack``); an ``out=`` (or in-place) argument comes back as the very object passed.
     Otherwise results are CuPy (or NumPy) arrays. With only NumPy / CuPy arrays and plain values the cost is one
-    set lookup per argument (about 0.3 us for a call with ten arguments on the CPU).
+    set lookup per argument (0.3-0.6 us a call on the CPU; benchmarks/NOTES.md).
+
+    Streams: the kernels run on CuPy's current stream; DLPack orders the producer's current stream before it
+    (an event, when the two differ). Both libraries default to the legacy default stream, so plain eager use
+    needs nothing. Inside a CUDA-graph capture that event crosses into the capture: make torch's current stream
+    the capturing one (``torch.cuda.ExternalStream(cupy_stream.ptr)``), or take views once before capturing
+    (:func:`as_array`) and pass those.
     """
     params = inspect.signature(fn).parameters.values()
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -92,6 +92,22 @@ def test_reference_backward_matches_finite_differences(rng, reduction, eps):
     np.testing.assert_allclose(loss_f, f64_loss(x, t, eps=eps, reduction=reduction), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reference_forward_out(rng, reduction):
+    """out= takes the loss: the per-row losses for 'none', the 0-d loss otherwise; it is what comes back."""
+    x = randn(rng, (3, 4, 11), np.float32)
+    t = _targets(rng, (3, 4), 11)
+    ref = ck.cross_entropy(x, t, reduction=reduction)
+    out = np.full((3, 4) if reduction == "none" else (), np.nan, np.float32)
+    got, lse = ck.cross_entropy(x, t, reduction=reduction, out=out, return_lse=True)
+    assert got is out and lse.shape == (3, 4)
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match=r"out: expected shape \(\)"):
+        ck.cross_entropy(x, t, out=np.zeros((3, 4), np.float32))
+    with pytest.raises(TypeError, match="out: expected dtype float32"):
+        ck.cross_entropy(x, t, reduction="none", out=np.zeros((3, 4), ck.bfloat16))
+
+
 def test_reference_all_ignored_is_zero_not_nan(rng):
     x = randn(rng, (3, 7), np.float32)
     t = np.full(3, -100, np.int32)
@@ -184,6 +200,23 @@ def test_gpu_matches_reference(rng, V, N, dtype, misalign):
         assert dx_f is outf
         assert_close(loss_f, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="fused loss")
         assert_close(dx_f, ref_dx, dtype, rtol=rt, atol=at, what="fused dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [0, 1, 37])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_forward_out(rng, N, dtype):
+    """out= receives the loss (poisoned first: an unwritten element fails), and is the object returned."""
+    V = 1000
+    x = randn(rng, (N, V), dtype, scale=3.0)
+    t = _targets(rng, N, V, np.int32)
+    xd, td = device_copy(x), device_copy(t)
+    for reduction in ("mean", "sum", "none"):
+        ref = ck.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1)
+        out = poisoned((N,) if reduction == "none" else (), np.float32)
+        got = ck.cross_entropy(xd, td, reduction=reduction, label_smoothing=0.1, out=out)
+        assert got is out
+        assert_close(out, ref, np.float32, rtol=1e-4, atol=1e-5, what=f"out {reduction}")
 
 
 @pytest.mark.gpu
