@@ -2,6 +2,7 @@
 //
 // Math, per batch b and query head h (K/V head j = h / G with G = H / Hkv: grouped-query attention):
 //   s[i, n] = scale * <q_i, k_n>,  masked to -inf where n >= Tk or (causal and n > i + Tk - Tq)
+//             or (with a key-padding mask) key_mask[b, n] == 0
 //   lse_i   = log sum_n exp(s[i, n]),  p[i, n] = exp(s[i, n] - lse_i),  o_i = sum_n p[i, n] v_n
 // Backward (dO given):  delta_i = <dO_i, o_i>,  dP = dO V^T,  dS = P * (dP - delta)  (row-wise),
 //   dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO   (dK, dV summed over the G query heads of a group).
@@ -26,6 +27,9 @@
 //   * exp2 with scale * log2(e) folded in; lse is stored in natural-log units (the public contract) and
 //     converted on load.
 //   * Causal blocks are scheduled heaviest first (the longest key loops start in the first wave).
+//   * Key-padding masks ([B, Tk], Hugging Face's attention_mask) in separate *_km instantiations: per-column
+//     keep bits from a warp ballot per key tile, tiles of padding only skipped (neither loaded nor computed), a
+//     row that sees no real key gives o = 0, lse = -inf and contributes nothing to the backward.
 //   * q, k, v, dO may be strided views ([B, T, heads, D] with any batch / token / head strides that are multiples
 //     of 8 elements, 16-byte aligned): the projections' outputs are read in place, no transposes.
 #include "common/vec.cuh"
@@ -175,6 +179,106 @@ __device__ __forceinline__ void apply_mask(float (&s)[N / 8][4], int row0, int c
   }
 }
 
+// ------------------------------------------------------------------------------------------ key-padding mask
+// The KM = true instantiations (entry points *_km) take a [B, Tk] key mask of 1-, 2-, 4- or 8-byte entries
+// (bool / integer; nonzero = keep), row stride by value, read in place: no converted copy, no [Tq, Tk] mask.
+// A key tile's mask is BN entries (64 bytes as uint8, 512 as int64) against 2 * BN * (D + 8) * 2 bytes of K/V
+// (18 KB at D = 64): the read is noise. Each warp reads the tile's entries itself (lane l: keys n0 + l and
+// n0 + 32 + l) and reduces them with warp votes: per key-loop iteration, two flags for the next tile (does it
+// hold a real key; is it all real keys), and only for a partly padded tile the per-column keep bits (a ballot).
+// No shared memory, no extra barrier; all warps read the same immutable entries, so every warp (and every
+// block-level decision made from them, such as skipping a tile of padding) agrees.
+struct KeyMask {
+  const unsigned char* row;  // this batch row's first entry
+  int esz;                   // bytes per entry: 1, 2, 4 or 8
+};
+
+// Keys past the sequence end count as padding. The load is clamped to the last key (Tk >= 1 wherever this is
+// called) rather than skipped, so that a lane's loads are straight-line code and all in flight at once.
+template <typename T> __device__ __forceinline__ bool kept_t(const unsigned char* row, int n, int Tk) {
+  const T x = __ldg(reinterpret_cast<const T*>(row) + min(n, Tk - 1));
+  return (n < Tk) & (x != 0);
+}
+__device__ __forceinline__ bool key_kept(const KeyMask& m, int n, int Tk) {
+  switch (m.esz) {
+    case 1: return kept_t<unsigned char>(m.row, n, Tk);
+    case 2: return kept_t<unsigned short>(m.row, n, Tk);
+    case 4: return kept_t<unsigned>(m.row, n, Tk);
+    default: return kept_t<unsigned long long>(m.row, n, Tk);
+  }
+}
+
+// Keep bits of key tile [n0, n0 + N): bit c of kw[w] <-> key n0 + 32 w + c (0 past Tk); the same in every lane.
+// One switch on the entry size, then straight-line loads: a lane's N / 32 loads are in flight together.
+template <typename T, int N>
+__device__ __forceinline__ void tile_keep_t(unsigned (&kw)[N / 32], const unsigned char* row, int n0, int Tk) {
+  const int l = threadIdx.x & 31;
+  bool c[N / 32];
+#pragma unroll
+  for (int w = 0; w < N / 32; ++w) c[w] = kept_t<T>(row, n0 + 32 * w + l, Tk);
+#pragma unroll
+  for (int w = 0; w < N / 32; ++w) kw[w] = __ballot_sync(0xffffffffu, c[w]);
+}
+template <int N>
+__device__ __forceinline__ void tile_keep(unsigned (&kw)[N / 32], const KeyMask& m, int n0, int Tk) {
+  static_assert(N % 32 == 0, "key tiles are whole multiples of a warp's ballot");
+  switch (m.esz) {
+    case 1: tile_keep_t<unsigned char, N>(kw, m.row, n0, Tk); break;
+    case 2: tile_keep_t<unsigned short, N>(kw, m.row, n0, Tk); break;
+    case 4: tile_keep_t<unsigned, N>(kw, m.row, n0, Tk); break;
+    default: tile_keep_t<unsigned long long, N>(kw, m.row, n0, Tk); break;
+  }
+}
+
+// The state of key tile [n0, n0 + N), read once per key-loop iteration for the tile about to be prefetched:
+// TILE_LIVE, it holds a real key (else it is neither loaded nor computed); TILE_FULL, all N keys are real
+// (never for a tile that reaches past Tk): then only the causal rule can mask, and the keep bits are not needed.
+// Two flags instead of the tile's keep words keep the loop at fwd d64's 168-register cap (carrying the words
+// spilled); a partial tile (at most one or two per query tile for contiguous padding) reads its bits again.
+constexpr int TILE_LIVE = 1, TILE_FULL = 2;
+template <typename T, int N> __device__ __forceinline__ int tile_state_t(const unsigned char* row, int n0, int Tk) {
+  const int l = threadIdx.x & 31;
+  bool c[N / 32];
+#pragma unroll
+  for (int w = 0; w < N / 32; ++w) c[w] = kept_t<T>(row, n0 + 32 * w + l, Tk);
+  bool any = false, all = true;
+#pragma unroll
+  for (int w = 0; w < N / 32; ++w) {
+    any |= c[w];
+    all &= c[w];
+  }
+  return (__any_sync(0xffffffffu, any) ? TILE_LIVE : 0) | (__all_sync(0xffffffffu, all) ? TILE_FULL : 0);
+}
+template <int N> __device__ __forceinline__ int tile_state(const KeyMask& m, int n0, int Tk) {
+  switch (m.esz) {
+    case 1: return tile_state_t<unsigned char, N>(m.row, n0, Tk);
+    case 2: return tile_state_t<unsigned short, N>(m.row, n0, Tk);
+    case 4: return tile_state_t<unsigned, N>(m.row, n0, Tk);
+    default: return tile_state_t<unsigned long long, N>(m.row, n0, Tk);
+  }
+}
+// apply_mask for the fwd / dq tiles (rows = queries) of a masked call: the key's keep bit (which also hides
+// keys >= Tk) and the causal rule. Called only on tiles that are not TILE_FULL (a padding key, or keys >= Tk).
+// A thread's columns are nt * 8 + c2 + {0, 1}: one run-time shift by c2 per word, then constant bit positions.
+template <int N>
+__device__ __forceinline__ void apply_key_mask(float (&s)[N / 8][4], int row0, int col0, int off, bool causal,
+                                               const unsigned (&kw)[N / 32]) {
+  const int l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
+#pragma unroll
+  for (int w = 0; w < N / 32; ++w) {
+    const unsigned bits = kw[w] >> c2;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int nt = w * 4 + t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
+        if (!((bits >> (t * 8 + (e & 1))) & 1u) || (causal && c > r + off)) s[nt][e] = -CK_INF;
+      }
+    }
+  }
+}
+
 template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
@@ -204,11 +308,13 @@ struct Strides {
 
 // ================================================================================================ forward
 // Grid (ceil(Tq / 64), H, B); 128 threads; dynamic shared memory: Q tile + 2 stages of (K, V) tiles.
-template <int D, int BN>
+// KM: a key-padding mask `km` (else unused). Key tiles whose keys are all masked are neither loaded nor
+// computed: their scores would all be -inf, which leaves the online-softmax state (m, l, acc) unchanged.
+template <int D, int BN, bool KM>
 __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                          const bf16* __restrict__ v, bf16* __restrict__ o, float* __restrict__ lse,
                                          Strides sq, Strides sk, Strides sv, int Tq, int Tk, int H, int Hkv,
-                                         float scale, bool causal) {
+                                         float scale, bool causal, KeyMask km) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -229,7 +335,15 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 
   load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
   cp_async_commit();
-  if (nkb > 0) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
+  // KM: the tile about to be computed holds a real key (`live`) / only real keys (`full`), read by tile_state
+  // when its prefetch was issued.
+  bool live = nkb > 0, full = true;
+  if (KM && live) {
+    const int t = tile_state<BN>(km, 0, Tk);
+    live = t & TILE_LIVE;
+    full = t & TILE_FULL;
+  }
+  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
   cp_async_commit();
   cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
   __syncthreads();
@@ -243,18 +357,37 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 
   for (int jb = 0; jb < nkb; ++jb) {
     const int st = jb & 1;
-    if (jb + 1 < nkb) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
+    const bool live_cur = live, full_cur = full;
+    live = jb + 1 < nkb;
+    if (KM && live) {
+      const int t = tile_state<BN>(km, (jb + 1) * BN, Tk);
+      live = t & TILE_LIVE;
+      full = t & TILE_FULL;
+    }
+    if (live) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
+    // A tile of padding only was not loaded and adds nothing. Every warp read the same state, so all skip
+    // together, and the closing barrier can go too: nobody reads stage st in this iteration.
+    if (KM && !live_cur) continue;
 
     float s[BN / 8][4];
     zero(s);
     mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
 
     const int n0 = jb * BN;
-    if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off))
+    if (KM) {
+      if (!full_cur) {  // padding in the tile, or keys past Tk: the keep bits (read again, L1 hits) and causal
+        unsigned kw[BN / 32];
+        tile_keep<BN>(kw, km, n0, Tk);
+        apply_key_mask<BN>(s, q0 + warp * 16, n0, off, causal, kw);
+      } else if (causal && n0 + BN - 1 > q0 + warp * 16 + off) {
+        apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+      }
+    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
       apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+    }
     float mx0 = -CK_INF, mx1 = -CK_INF;  // raw scores: scale > 0, so max(s) * sl2 = max(s * sl2)
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
@@ -299,8 +432,8 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  // Output [B, Tq, H, D] contiguous; lse [B, H, Tq]. A row that saw no key (possible only when Tq > Tk under
-  // the causal alignment) gets o = 0 and lse = -inf.
+  // Output [B, Tq, H, D] contiguous; lse [B, H, Tq]. A row that saw no key (Tq > Tk under the causal
+  // alignment, or every key it may see is padding) gets o = 0 and lse = -inf.
   const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
   store_rows<D>(o + ((long long)b * Tq * H + h) * D, (long long)H * D, q0 + warp * 16, Tq, acc, inv0, inv1);
   if ((l & 3) == 0) {
@@ -312,14 +445,15 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 
 // ================================================================================================ backward: dQ
 // Grid (ceil(Tq / 64), H, B). Shared: Q, dO tiles (O staged in the first K/V stage for delta), 2 stages of K, V.
-// Also writes delta[B, H, Tq] = rowsum(dO * O) for attn_bwd_dkdv.
-template <int D, int BN, bool FR>
+// Also writes delta[B, H, Tq] = rowsum(dO * O) for attn_bwd_dkdv. KM: as in attn_fwd (tiles of padding only
+// are skipped: their P is 0, so they add nothing to dQ).
+template <int D, int BN, bool FR, bool KM>
 __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                             const bf16* __restrict__ v, const bf16* __restrict__ o,
                                             const bf16* __restrict__ dout, const float* __restrict__ lse,
                                             float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                             Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                            float scale, bool causal) {
+                                            float scale, bool causal, KeyMask km) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -350,6 +484,12 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   load_tile<D, BM>(dOs, dop, sdo.t, q0, Tq);
   load_tile<D, BM>(Os, op, (long long)H * D, q0, Tq);
   cp_async_commit();
+  bool live = nkb > 0, full = true;  // KM: as in attn_fwd (this read's latency overlaps the copies above)
+  if (KM && live) {
+    const int t = tile_state<BN>(km, 0, Tk);
+    live = t & TILE_LIVE;
+    full = t & TILE_FULL;
+  }
   cp_async_wait<0>();
   __syncthreads();
   {  // delta: 2 threads per row
@@ -381,16 +521,24 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   const float lse0 = lse2(r0), lse1 = lse2(r1);
   const float dl0 = dls[warp * 16 + g], dl1 = dls[warp * 16 + g + 8];
 
-  if (nkb > 0) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
+  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
   cp_async_commit();
   float acc[D / 8][4];
   zero(acc);
   for (int jb = 0; jb < nkb; ++jb) {
     const int st = jb & 1;
-    if (jb + 1 < nkb) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
+    const bool live_cur = live, full_cur = full;
+    live = jb + 1 < nkb;
+    if (KM && live) {
+      const int t = tile_state<BN>(km, (jb + 1) * BN, Tk);
+      live = t & TILE_LIVE;
+      full = t & TILE_FULL;
+    }
+    if (live) load_kv<D, BN>(Ks, Vs, st ^ 1, kp, vp, sk.t, sv.t, jb + 1, Tk);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
+    if (KM && !live_cur) continue;  // padding only: not loaded, adds nothing (see attn_fwd)
     float s[BN / 8][4], dp[BN / 8][4];
     zero(s);
     zero(dp);
@@ -399,8 +547,17 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
     if (!FR) load_a_frags<D>(dof, dOs, warp * 16);
     mma_abt<D, BN, LD>(dp, dof, Vs + st * BN * LD);
     const int n0 = jb * BN;
-    if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off))
+    if (KM) {
+      if (!full_cur) {  // padding in the tile, or keys past Tk: the keep bits (read again, L1 hits) and causal
+        unsigned kw[BN / 32];
+        tile_keep<BN>(kw, km, n0, Tk);
+        apply_key_mask<BN>(s, q0 + warp * 16, n0, off, causal, kw);
+      } else if (causal && n0 + BN - 1 > q0 + warp * 16 + off) {
+        apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+      }
+    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
       apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+    }
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -421,13 +578,18 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
 // Grid (ceil(Tk / 64), Hkv, B): a block owns 64 keys of K/V head j (16 per warp) and loops over the G query
 // heads of the group and their query tiles (BQ rows each), accumulating dK and dV in registers.
 // Shared: K, V tiles, then 2 stages of (Q, dO, lse, delta).
-template <int D, int BQ, bool FR>
+// KM: a padding key's P column is 0 for every query, so its dK and dV rows are 0. A block whose keys are all
+// padding loads nothing and stores zeros. Otherwise padding rows are computed like the others and replaced by
+// zeros on the store (a select, not a multiply: their unmasked p may overflow to inf, and their dS to NaN).
+// That is exact because every product here is row-separable: row n of S^T, dP^T, P^T dO and dS^T Q depends
+// only on key n, so those values never reach a real key's row. The loop then carries no mask work at all.
+template <int D, int BQ, bool FR, bool KM>
 __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
                                               bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                               Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
-                                              int Hkv, float scale, bool causal) {
+                                              int Hkv, float scale, bool causal, KeyMask km) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);
@@ -444,13 +606,29 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
   const bf16* kp = k + b * sk.b + j * sk.h;
   const bf16* vp = v + b * sv.b + j * sv.h;
 
-  load_tile<D, BM>(Ks, kp, sk.t, k0, Tk);
-  load_tile<D, BM>(Vs, vp, sv.t, k0, Tk);
+  // KM: keep0 / keep1, this thread's two key rows (k0 + warp * 16 + g, + 8) are real (keys past Tk are not:
+  // they are never stored). `live`: the block holds a real key (block-uniform: one barrier); if not, it loads
+  // nothing, skips the loop and stores zeros. The two flags are parked for the store in the K tile's row
+  // padding (columns D .. D + 7, which neither cp.async nor ldmatrix touches): held in registers through the
+  // loop they cost d128 a spilled register (ptxas, sm_90), as did an early return for dead blocks.
+  bool live = true;
+  if (KM) {
+    const bool keep0 = key_kept(km, k0 + warp * 16 + g, Tk), keep1 = key_kept(km, k0 + warp * 16 + g + 8, Tk);
+    if ((l & 3) == 0) {
+      reinterpret_cast<unsigned short*>(Ks)[(warp * 16 + g) * LD + D] = keep0;
+      reinterpret_cast<unsigned short*>(Ks)[(warp * 16 + g + 8) * LD + D] = keep1;
+    }
+    live = __syncthreads_or(keep0 || keep1);
+  }
+  if (live) {
+    load_tile<D, BM>(Ks, kp, sk.t, k0, Tk);
+    load_tile<D, BM>(Vs, vp, sv.t, k0, Tk);
+  }
   cp_async_commit();
   // First query row that can see key k0 (causal): i + off >= k0.
   const int qstart = causal ? max(0, k0 - off) / BQ : 0;
   const int nqb = (Tq + BQ - 1) / BQ - qstart;
-  const int total = nqb > 0 ? G * nqb : 0;
+  const int total = nqb > 0 && live ? G * nqb : 0;
 
   auto issue = [&](int it, int st) {
     const int h = j * G + it / nqb, qb = qstart + it % nqb;
@@ -520,40 +698,67 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
     __syncthreads();
   }
   cp_async_wait<0>();
+  if (KM) {  // padding rows -> 0 (the flags were written by this warp before the loop's barriers)
+    const bool keep0 = reinterpret_cast<const unsigned short*>(Ks)[(warp * 16 + g) * LD + D] != 0;
+    const bool keep1 = reinterpret_cast<const unsigned short*>(Ks)[(warp * 16 + g + 8) * LD + D] != 0;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      if (!keep0) dka[nt][0] = dka[nt][1] = dva[nt][0] = dva[nt][1] = 0.f;
+      if (!keep1) dka[nt][2] = dka[nt][3] = dva[nt][2] = dva[nt][3] = 0.f;
+    }
+  }
   store_rows<D>(dk + ((long long)b * Tk * Hkv + j) * D, (long long)Hkv * D, k0 + warp * 16, Tk, dka, scale, scale);
   store_rows<D>(dv + ((long long)b * Tk * Hkv + j) * D, (long long)Hkv * D, k0 + warp * 16, Tk, dva, 1.f, 1.f);
 }
 
 // ================================================================================================ entry points
-// attn_{fwd,bwd_dq,bwd_dkdv}_d{32,64,128}{SUF} (SUF empty in production; tune_attention.py's variants set it).
+// attn_{fwd,bwd_dq,bwd_dkdv}_d{32,64,128}{SUF} (SUF empty in production; tune_attention.py's variants set it),
+// and the key-masked attn_..._d{D}_km{SUF}, which take three more arguments: the mask's data, its row stride
+// in elements and its element size in bytes (1, 2, 4, 8). Two entry points rather than a run-time null check:
+// the unmasked kernels compile to exactly the code they had before masks existed (same registers, same PTX).
 // Strides are in elements: (batch, token, head); the last axis is
 // contiguous. Launch: 128 threads, dynamic shared memory as computed by cukernels/ops/attention.py (TILES).
-#define CK_ATTN_FWD(D, BN, MINB, SUF)                                                                        \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_fwd_d##D##SUF(                                                \
+#define CK_KM_PARAMS const unsigned char *km, long long kmld, int kmesz
+#define CK_KM_ROW KeyMask{km + (long long)blockIdx.z * kmld * kmesz, kmesz}
+#define CK_ATTN_FWD_1(D, BN, MINB, KM, TAG, SUF, EXTRA, MASK)                                             \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_fwd_d##D##TAG##SUF(                            \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
-    attn_fwd<D, BN>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh}, Tq, Tk, H, \
-                    Hkv, scale, causal);                                                                       \
+      int Tk, int H, int Hkv, float scale, bool causal EXTRA) {                                                \
+    attn_fwd<D, BN, KM>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh}, Tq,    \
+                        Tk, H, Hkv, scale, causal, MASK);                                                      \
   }
-#define CK_ATTN_DQ(D, BN, FR, MINB, SUF)                                                                     \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dq_d##D##SUF(                                                \
+#define CK_ATTN_DQ_1(D, BN, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                          \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dq_d##D##TAG##SUF(                         \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
-    attn_bwd_dq<D, BN, FR>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},         \
-                           Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);           \
+      int Tk, int H, int Hkv, float scale, bool causal EXTRA) {                                                \
+    attn_bwd_dq<D, BN, FR, KM>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},     \
+                               Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal, MASK); \
   }
-#define CK_ATTN_DKDV(D, BQ, FR, MINB, SUF)                                                                   \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dkdv_d##D##SUF(                                                \
+#define CK_ATTN_DKDV_1(D, BQ, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                        \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dkdv_d##D##TAG##SUF(                       \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
-      int H, int Hkv, float scale, bool causal) {                                                              \
-    attn_bwd_dkdv<D, BQ, FR>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},      \
-                             Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);         \
+      int H, int Hkv, float scale, bool causal EXTRA) {                                                        \
+    attn_bwd_dkdv<D, BQ, FR, KM>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},  \
+                                 Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal,      \
+                                 MASK);                                                                        \
   }
+#define CK_COMMA ,
+// Each instantiation defines the plain and the key-masked entry point with the same tiles and occupancy (the
+// launcher's shared-memory sizes and grids serve both).
+#define CK_ATTN_FWD(D, BN, MINB, SUF)                                                                        \
+  CK_ATTN_FWD_1(D, BN, MINB, false, , SUF, , KeyMask{})                                                    \
+  CK_ATTN_FWD_1(D, BN, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
+#define CK_ATTN_DQ(D, BN, FR, MINB, SUF)                                                                     \
+  CK_ATTN_DQ_1(D, BN, FR, MINB, false, , SUF, , KeyMask{})                                                 \
+  CK_ATTN_DQ_1(D, BN, FR, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
+#define CK_ATTN_DKDV(D, BQ, FR, MINB, SUF)                                                                   \
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, false, , SUF, , KeyMask{})                                               \
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
 
 // Tiles and resident blocks (benchmarks/tune_attention.py, H200, B8 x T1024 causal, D = 64; NOTES.md):
 //   fwd  64-key tiles, 3 blocks per SM (166 registers): 205.7 us against 217.5 at 2 blocks (177 registers);
@@ -561,6 +766,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 //   dkdv 64-query tiles, 2 blocks per SM (236 registers): 379.9 us; 32-query tiles at 3 blocks ran 423 us
 //        (the K/V fragments kept in registers matter more there than the third block).
 // 128-wide heads take 32-row tiles so that the fp32 accumulators fit in registers without spilling.
+// The *_km kernels (ptxas, sm_90) stay at the same occupancy: fwd d64 168 registers, dq d64 163, dkdv d64 226.
 // cukernels/ops/attention.py's TILES mirrors the tile columns.
 CK_ATTN_FWD(32, 64, 1, )
 CK_ATTN_FWD(64, 64, 3, )

@@ -16,8 +16,9 @@ def qkv(rng, Bsz, Tq, Tk, H, Hkv, D, scale=1.0):
     return f(Bsz, Tq, H, D), f(Bsz, Tk, Hkv, D), f(Bsz, Tk, Hkv, D)
 
 
-def f64_attention(q, k, v, causal, scale):
-    """Per (batch, head) loops in float64: o and lse, written independently of the reference."""
+def f64_attention(q, k, v, causal, scale, key_mask=None):
+    """Per (batch, head) loops in float64: o and lse, written independently of the reference. Each query's
+    visible keys are listed explicitly (causal rule, then the padding mask); none visible: o = 0, lse = -inf."""
     Bsz, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     o = np.zeros((Bsz, Tq, H, D))
@@ -29,6 +30,8 @@ def f64_attention(q, k, v, causal, scale):
                 n = np.arange(Tk)
                 if causal:
                     n = n[n <= i + Tk - Tq]
+                if key_mask is not None:
+                    n = n[np.asarray(key_mask)[b, n] != 0]
                 if n.size == 0:
                     continue
                 s = scale * (k[b, n, j].astype(np.float64) @ q[b, i, h].astype(np.float64))
@@ -120,6 +123,151 @@ def test_validation():
         ck.flash_attention_backward(o, q, k, v, o, lse[:, :1])
     with pytest.raises(TypeError, match="out: expected dtype bfloat16"):
         ck.flash_attention_backward(o, q, k, v, o.astype(np.float32), lse)
+
+
+# ------------------------------------------------------------------------------------------ key-padding masks
+def make_key_mask(rng, kind, Bsz, Tk):
+    """A [Bsz, Tk] bool keep mask (True = real key). left / right: row 0 unpadded, the others padded by a random
+    count in [1, Tk); left64: pads of whole 64-key tiles (the kernels' skip boundary); holes: random gaps;
+    rowmasked: holes, and the last row all padding (every query of that row sees no key)."""
+    m = np.ones((Bsz, Tk), dtype=bool)
+    for b in range(1, Bsz):
+        pad = int(rng.integers(1, Tk)) if Tk > 1 else 0
+        if kind == "left":
+            m[b, :pad] = False
+        elif kind == "right":
+            m[b, Tk - pad:] = False
+        elif kind == "left64":
+            m[b, :min(64 * b, Tk - 1)] = False
+    if kind in ("holes", "rowmasked"):
+        m = rng.random((Bsz, Tk)) > 0.35
+    if kind == "rowmasked":
+        m[-1] = False
+    return m
+
+
+MASK_CASES = [  # (B, Tq, Tk, H, Hkv, D, causal, kind)
+    (3, 9, 9, 2, 1, 64, True, "left"),
+    (3, 9, 9, 2, 1, 64, False, "right"),
+    (2, 7, 12, 2, 2, 32, True, "holes"),      # Tq < Tk
+    (2, 12, 5, 2, 1, 64, True, "left"),       # Tq > Tk: rows that see no key from both masks
+    (3, 5, 11, 4, 2, 128, False, "rowmasked"),
+    (2, 1, 1, 2, 1, 64, True, "rowmasked"),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_reference_with_key_mask_matches_f64(rng, case):
+    Bsz, Tq, Tk, H, Hkv, D, causal, kind = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    m = make_key_mask(rng, kind, Bsz, Tk)
+    o, lse = ck.flash_attention(q, k, v, causal=causal, key_mask=m, return_lse=True)
+    o64, lse64 = f64_attention(q, k, v, causal, 1 / math.sqrt(D), key_mask=m)
+    close(o, o64, 1e-2, "o")
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse64))
+    fin = np.isfinite(lse64)
+    np.testing.assert_allclose(lse[fin], lse64[fin], rtol=1e-5, atol=1e-5)
+    # A query that sees no key: exactly o = 0, lse = -inf.
+    dead = ~fin.transpose(0, 2, 1)  # [B, Tq, H]
+    assert (o.astype(np.float32)[dead] == 0).all()
+    if kind == "rowmasked":
+        assert np.isneginf(lse[-1]).all()
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_reference_backward_with_key_mask_matches_finite_differences(rng, case):
+    """Central differences of the float64 forward (masked keys left out of each query's key list) against the
+    reference backward; padding keys get exactly dk = dv = 0 and queries that see no key exactly dq = 0."""
+    Bsz, Tq, Tk, H, Hkv, D, causal, kind = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    m = make_key_mask(rng, kind, Bsz, Tk)
+    scale = 1 / math.sqrt(D)
+    o, lse = ck.flash_attention(q, k, v, causal=causal, key_mask=m, return_lse=True)
+    w = rng.standard_normal(o.shape).astype(np.float32).astype(BF16)
+    dq, dk, dv = ck.flash_attention_backward(w, q, k, v, o, lse, causal=causal, key_mask=m)
+    for a in (dq, dk, dv):
+        assert np.isfinite(a.astype(np.float32)).all()
+    assert (dk.astype(np.float32)[~m] == 0).all() and (dv.astype(np.float32)[~m] == 0).all()
+    assert (dq.astype(np.float32)[np.isneginf(lse).transpose(0, 2, 1)] == 0).all()
+    for name, arr, got in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
+        x64 = arr.astype(np.float64)
+        idx = list(np.ndindex(arr.shape))
+        for ix in [idx[i] for i in rng.choice(len(idx), size=min(12, len(idx)), replace=False)]:
+            vals = []
+            for sgn in (1, -1):
+                xs = {"q": q.astype(np.float64), "k": k.astype(np.float64), "v": v.astype(np.float64)}
+                xs[name] = x64.copy()
+                xs[name][ix] += sgn * 1e-4
+                oo, _ = f64_attention(xs["q"], xs["k"], xs["v"], causal, scale, key_mask=m)
+                vals.append((oo * w.astype(np.float64)).sum())
+            num = (vals[0] - vals[1]) / 2e-4
+            assert abs(float(got[ix]) - num) <= 2e-2 * (1 + abs(num)), (name, ix, float(got[ix]), num)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_all_ones_key_mask_equals_no_mask(rng, causal):
+    q, k, v = qkv(rng, 2, 13, 17, 4, 2, 64)
+    o0, l0 = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+    for m in (np.ones((2, 17), bool), np.full((2, 17), 3, np.int64)):
+        o1, l1 = ck.flash_attention(q, k, v, causal=causal, key_mask=m, return_lse=True)
+        np.testing.assert_array_equal(o1.view(np.uint16), o0.view(np.uint16))
+        np.testing.assert_array_equal(l1, l0)
+        g0 = ck.flash_attention_backward(o0, q, k, v, o0, l0, causal=causal)
+        g1 = ck.flash_attention_backward(o0, q, k, v, o0, l0, causal=causal, key_mask=m)
+        for a, b in zip(g0, g1):
+            np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_reference_key_mask_integer_dtypes_mean_nonzero(rng):
+    """Any nonzero entry keeps the key (256 and 2**40 have a zero low byte; -1 is negative)."""
+    q, k, v = qkv(rng, 2, 6, 6, 2, 1, 64)
+    m = make_key_mask(rng, "holes", 2, 6)
+    ref = ck.flash_attention(q, k, v, key_mask=m)
+    for dt, val in ((np.uint8, 2), (np.int8, -1), (np.int16, 256), (np.int32, 256), (np.int64, 2**40),
+                    (np.uint64, 2**63)):
+        mm = np.where(m, val, 0).astype(dt)
+        np.testing.assert_array_equal(ck.flash_attention(q, k, v, key_mask=mm).view(np.uint16), ref.view(np.uint16))
+
+
+def test_key_mask_scale_causal_validation():
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, 2, 4, 6, 2, 1, 64)
+    m = np.ones((2, 6), bool)
+    with pytest.raises(TypeError, match="key_mask: expected dtype bool or an integer dtype"):
+        ck.flash_attention(q, k, v, key_mask=m.astype(np.float32))
+    with pytest.raises(ValueError, match=r"key_mask: expected shape \(2, 6\)"):
+        ck.flash_attention(q, k, v, key_mask=m[:1])
+    with pytest.raises(ValueError, match=r"key_mask: expected shape \(2, 6\)"):
+        ck.flash_attention(q, k, v, key_mask=m[:, :4])
+    with pytest.raises(ValueError, match=r"key_mask: expected shape \(2, 6\)"):
+        ck.flash_attention(q, k, v, key_mask=m[0])
+    with pytest.raises(ValueError, match="key_mask: the last axis"):
+        ck.flash_attention(q, k, v, key_mask=np.ones((6, 2), np.int32).T)
+    with pytest.raises(ValueError, match="key_mask: the last axis"):
+        ck.flash_attention(q, k, v, key_mask=np.ones((2, 12), np.uint8)[:, ::2])
+    with pytest.raises(TypeError, match="key_mask: expected a numpy.ndarray"):
+        ck.flash_attention(q, k, v, key_mask=[[1] * 6] * 2)
+    # a row slice of a longer mask is accepted (row stride != seq_k)
+    ck.flash_attention(q, k, v, key_mask=np.ones((2, 10), np.int64)[:, 2:8])
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="key_mask: expected shape"):
+        ck.flash_attention_backward(o, q, k, v, o, lse, key_mask=m[:, :5])
+    with pytest.raises(TypeError, match="key_mask: expected dtype"):
+        ck.flash_attention_backward(o, q, k, v, o, lse, key_mask=m.astype(np.float64))
+    for bad in (True, "0.5", None.__class__, [0.5], np.array([0.5])):
+        with pytest.raises(TypeError, match="scale: expected a real number"):
+            ck.flash_attention(q, k, v, scale=bad)
+    # 1e-60 and 1e60 are fine doubles but 0 and inf in float32, which the kernels take
+    for bad in (0, -1.0, float("inf"), float("nan"), 1e-60, 1e60):
+        with pytest.raises(ValueError, match="scale: expected a (finite )?number"):
+            ck.flash_attention(q, k, v, scale=bad)
+        with pytest.raises(ValueError, match="scale: expected a (finite )?number"):
+            ck.flash_attention_backward(o, q, k, v, o, lse, scale=bad)
+    ck.flash_attention(q, k, v, scale=np.float64(0.1))
+    ck.flash_attention(q, k, v, scale=2)
+    for bad in (1, None, "yes", np.array(True)):
+        with pytest.raises(TypeError, match="causal: expected True or False"):
+            ck.flash_attention(q, k, v, causal=bad)
 
 
 # ================================================================================================ GPU
@@ -241,3 +389,187 @@ def test_gpu_model_flash_path_matches_materialised(rng):
         a, b = g0[n].astype(np.float64), g1[n].astype(np.float64)
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12)
         assert rel < 3e-2, (n, rel)
+
+
+# ------------------------------------------------------------------------------------------ GPU: key-padding masks
+def _poison_pool(*specs):
+    """Best effort: leave NaN-filled blocks of these (shape, dtype) sizes free in CuPy's memory pool, so that the
+    buffers an op allocates itself (lse, dq, dk, dv) most likely start as NaN and an unwritten element fails."""
+    bufs = [cp().full(shape, np.nan, dtype=dt) for shape, dt in specs]
+    cp().cuda.get_current_stream().synchronize()
+    del bufs
+
+
+GPU_MASK_CASES = [  # (B, Tq, Tk, H, Hkv, D, causal, kind, mask dtype)
+    (2, 16, 16, 4, 2, 32, True, "left", np.bool_),
+    (3, 7, 7, 2, 1, 64, True, "right", np.uint8),
+    (3, 7, 7, 2, 1, 64, False, "holes", np.int64),
+    (2, 1, 1, 2, 1, 64, True, "rowmasked", np.int32),
+    (2, 1, 1, 2, 2, 128, False, "rowmasked", np.bool_),
+    (3, 127, 127, 4, 2, 64, True, "left", np.int64),
+    (3, 127, 127, 4, 2, 64, False, "holes", np.bool_),
+    (2, 127, 200, 4, 1, 128, True, "left", np.uint8),      # Tq < Tk
+    (2, 50, 300, 2, 2, 32, False, "right", np.int8),       # Tq < Tk
+    (2, 30, 12, 2, 1, 64, True, "left", np.bool_),         # Tq > Tk
+    (2, 7, 1000, 4, 2, 64, True, "holes", np.bool_),       # a few queries against a long key row
+    (3, 300, 300, 4, 4, 32, True, "left64", np.bool_),     # padding of whole key tiles (skipped)
+    (3, 257, 257, 8, 2, 128, True, "rowmasked", np.int64),
+    (2, 333, 333, 2, 1, 128, False, "rowmasked", np.uint8),
+    (2, 1000, 1000, 4, 2, 64, True, "left", np.int64),
+    (2, 1000, 1000, 4, 1, 64, False, "right", np.bool_),
+    (2, 1000, 1000, 2, 1, 128, True, "holes", np.uint8),
+    (3, 1000, 1000, 2, 2, 32, True, "left64", np.int32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_MASK_CASES)
+def test_gpu_key_mask_matches_reference(rng, case):
+    """Kernels vs reference under a key mask: o (poisoned out=), lse (-inf pattern exact), dq / dk / dv; exact
+    zeros where nothing is seen (o and dq of queries that see no key, dk and dv of padding keys); no NaN."""
+    Bsz, Tq, Tk, H, Hkv, D, causal, kind, mdt = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0]
+    m = make_key_mask(rng, kind, Bsz, Tk)
+    mh = m.astype(mdt)
+    ro, rl = ck.flash_attention(q, k, v, causal=causal, key_mask=mh, return_lse=True)
+    Q, K, V, M = _dev(q, k, v, mh)
+    out = cp().full(q.shape, np.nan, dtype=BF16)
+    _poison_pool(((Bsz, H, Tq), np.float32))
+    o, lse = ck.flash_attention(Q, K, V, causal=causal, key_mask=M, out=out, return_lse=True)
+    assert o is out
+    close(o, ro, 2e-2, "o")
+    lh = to_host(lse)
+    np.testing.assert_array_equal(np.isneginf(lh), np.isneginf(rl))
+    fin = np.isfinite(rl)
+    np.testing.assert_allclose(lh[fin], rl[fin], rtol=1e-4, atol=1e-4)
+    dead = ~fin.transpose(0, 2, 1)  # [B, Tq, H]: queries that see no key
+    assert (to_host(o).astype(np.float32)[dead] == 0).all()
+    rq, rk, rv = ck.flash_attention_backward(w, q, k, v, ro, rl, causal=causal, key_mask=mh)
+    _poison_pool((q.shape, BF16), (k.shape, BF16), (k.shape, BF16), ((Bsz, H, Tq), np.float32))
+    gq, gk, gv = ck.flash_attention_backward(cp().asarray(w), Q, K, V, cp().asarray(ro), cp().asarray(rl),
+                                             causal=causal, key_mask=M)
+    close(gq, rq, 3e-2, "dq")
+    close(gk, rk, 3e-2, "dk")
+    close(gv, rv, 3e-2, "dv")
+    assert (to_host(gq).astype(np.float32)[dead] == 0).all()
+    assert (to_host(gk).astype(np.float32)[~m] == 0).all()
+    assert (to_host(gv).astype(np.float32)[~m] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 100, 100, 4, 2, 32), (2, 200, 200, 4, 1, 64), (1, 70, 130, 2, 2, 128)])
+def test_gpu_all_ones_key_mask_is_bit_identical_to_no_mask(rng, causal, shape):
+    """The *_km kernels with nothing masked do the unmasked kernels' arithmetic in the same order."""
+    Bsz, Tq, Tk, H, Hkv, D = shape
+    Q, K, V, W = _dev(*qkv(rng, Bsz, Tq, Tk, H, Hkv, D), qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0])
+    o0, l0 = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)
+    o1, l1 = ck.flash_attention(Q, K, V, causal=causal, key_mask=cp().ones((Bsz, Tk), dtype=bool), return_lse=True)
+    np.testing.assert_array_equal(to_host(o1).view(np.uint16), to_host(o0).view(np.uint16))
+    np.testing.assert_array_equal(to_host(l1), to_host(l0))
+    g0 = ck.flash_attention_backward(W, Q, K, V, o0, l0, causal=causal)
+    g1 = ck.flash_attention_backward(W, Q, K, V, o0, l0, causal=causal, key_mask=cp().ones((Bsz, Tk), np.int64))
+    for a, b in zip(g0, g1):
+        np.testing.assert_array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_gpu_key_mask_dtypes_huge_padded_scores_and_determinism(rng):
+    """Every mask dtype gives bit-identical results (any nonzero entry keeps: 256 and 2**40 have a zero low
+    byte), reruns are bit-identical, and padding keys with scores ~1e3 (K scaled by 300 there) change nothing:
+    the dkdv kernel computes padding rows unmasked (p overflows to inf, dS to NaN) and must store zeros."""
+    Bsz, T, H, Hkv, D = 3, 200, 4, 2, 64
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    m = make_key_mask(rng, "holes", Bsz, T)
+    k = np.where(m[:, :, None, None], k.astype(np.float32), k.astype(np.float32) * 300).astype(BF16)
+    w = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    ro, rl = ck.flash_attention(q, k, v, key_mask=m, return_lse=True)
+    rg = ck.flash_attention_backward(w, q, k, v, ro, rl, key_mask=m)
+    Q, K, V, W = _dev(q, k, v, w)
+    base = None
+    for dt, val in ((np.bool_, True), (np.bool_, True), (np.uint8, 2), (np.int8, -1), (np.int16, 256),
+                    (np.int32, 256), (np.int64, 2**40), (np.uint64, 2**63)):
+        M = cp().asarray(np.where(m, val, 0).astype(dt))
+        o, lse = ck.flash_attention(Q, K, V, key_mask=M, return_lse=True)
+        g = ck.flash_attention_backward(W, Q, K, V, o, lse, key_mask=M)
+        got = [to_host(o).view(np.uint16), to_host(lse)] + [to_host(x).view(np.uint16) for x in g]
+        if base is None:
+            base = got
+            close(o, ro, 2e-2, "o")
+            for name, x, r in zip(("dq", "dk", "dv"), g, rg):
+                close(x, r, 3e-2, name)
+            assert (to_host(g[1]).astype(np.float32)[~m] == 0).all()
+            assert (to_host(g[2]).astype(np.float32)[~m] == 0).all()
+        for a, b in zip(got, base):
+            np.testing.assert_array_equal(a, b, err_msg=str(dt))
+
+
+@pytest.mark.gpu
+def test_gpu_key_mask_strided_views_and_sliced_mask(rng):
+    """q, k, v slices of one fused QKV buffer, dO a transposed view, the mask a column slice of a wider int64
+    array (row stride T + 37) and the same mask through a negative row stride: read in place, same results."""
+    Bsz, T, H, Hkv, D = 3, 150, 4, 2, 64
+    qkv_ = rng.standard_normal((Bsz, T, H + 2 * Hkv, D)).astype(np.float32).astype(BF16)
+    q, k, v = qkv_[:, :, :H], qkv_[:, :, H:H + Hkv], qkv_[:, :, H + Hkv:]
+    do = np.ascontiguousarray(rng.standard_normal((Bsz, H, T, D)).astype(np.float32).astype(BF16))
+    m = make_key_mask(rng, "left", Bsz, T)
+    big = np.zeros((Bsz, T + 37), np.int64)
+    big[:, 5:5 + T] = m
+    ro, rl = ck.flash_attention(q, k, v, key_mask=big[:, 5:5 + T], return_lse=True)
+    rq, rk, rv = ck.flash_attention_backward(do.transpose(0, 2, 1, 3), q, k, v, ro, rl, key_mask=big[:, 5:5 + T])
+    G = cp().asarray(qkv_)
+    Qv, Kv, Vv = G[:, :, :H], G[:, :, H:H + Hkv], G[:, :, H + Hkv:]
+    dOv = cp().asarray(do).transpose(0, 2, 1, 3)
+    for M in (cp().asarray(big)[:, 5:5 + T], cp().asarray(np.ascontiguousarray(big[::-1]))[::-1][:, 5:5 + T]):
+        assert M.strides[0] in (8 * (T + 37), -8 * (T + 37))
+        o, lse = ck.flash_attention(Qv, Kv, Vv, key_mask=M, return_lse=True)
+        close(o, ro, 2e-2, "o")
+        np.testing.assert_array_equal(np.isneginf(to_host(lse)), np.isneginf(rl))
+        gq, gk, gv = ck.flash_attention_backward(dOv, Qv, Kv, Vv, o, lse, key_mask=M)
+        close(gq, rq, 3e-2, "dq")
+        close(gk, rk, 3e-2, "dk")
+        close(gv, rv, 3e-2, "dv")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_padded_batch_matches_each_sequence_alone(rng, D):
+    """A causal batch of sequences padded on the left or the right to T: on the real positions, o and lse equal
+    each sequence run alone without padding, and so do dq, dk, dv when dO is 0 at padding positions (as the
+    loss makes it: padded positions carry no target). Padding keys get dk = dv = 0; left-padding queries see no
+    key (o = 0, lse = -inf, dq = 0)."""
+    T, H, Hkv = 300, 4, 2
+    lens, sides = [300, 211, 64, 1, 129], ["left", "right", "left", "right", "left"]
+    Bsz = len(lens)
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    do = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    m = np.zeros((Bsz, T), np.int64)
+    real = []
+    for b, (L, side) in enumerate(zip(lens, sides)):
+        sl = slice(T - L, T) if side == "left" else slice(0, L)
+        m[b, sl] = 1
+        real.append(sl)
+    do = np.where(m[:, :, None, None] != 0, do.astype(np.float32), 0).astype(BF16)
+    Q, K, V, dO, M = _dev(q, k, v, do, m)
+    o, lse = ck.flash_attention(Q, K, V, key_mask=M, return_lse=True)
+    gq, gk, gv = ck.flash_attention_backward(dO, Q, K, V, o, lse, key_mask=M)
+    oh, lh, gqh, gkh, gvh = (to_host(x) for x in (o, lse, gq, gk, gv))
+    for b, sl in enumerate(real):
+        o1, l1 = ck.flash_attention(Q[b:b + 1, sl], K[b:b + 1, sl], V[b:b + 1, sl], return_lse=True)
+        q1, k1, v1 = ck.flash_attention_backward(dO[b:b + 1, sl], Q[b:b + 1, sl], K[b:b + 1, sl], V[b:b + 1, sl],
+                                                 o1, l1)
+        close(oh[b:b + 1, sl], to_host(o1), 2e-2, f"o row {b}")
+        np.testing.assert_allclose(lh[b:b + 1, :, sl], to_host(l1), rtol=1e-4, atol=1e-4)
+        close(gqh[b:b + 1, sl], to_host(q1), 3e-2, f"dq row {b}")
+        close(gkh[b:b + 1, sl], to_host(k1), 3e-2, f"dk row {b}")
+        close(gvh[b:b + 1, sl], to_host(v1), 3e-2, f"dv row {b}")
+        pad = np.ones(T, bool)
+        pad[sl] = False
+        assert (gkh[b, pad].astype(np.float32) == 0).all() and (gvh[b, pad].astype(np.float32) == 0).all()
+        if sides[b] == "left":
+            assert (oh[b, pad].astype(np.float32) == 0).all() and np.isneginf(lh[b][:, pad]).all()
+            assert (gqh[b, pad].astype(np.float32) == 0).all()
+    assert np.isfinite(oh.astype(np.float32)).all()
+    for x in (gqh, gkh, gvh):
+        assert np.isfinite(x.astype(np.float32)).all()

@@ -31,8 +31,10 @@ def _smem(kind, D):
 _configured: set = set()
 
 
-def _kernel(kind, D):
-    name = f"attn_{'bwd_' if kind != 'fwd' else ''}{kind}_d{D}"
+def _kernel(kind, D, masked=False):
+    """The kernel and its dynamic shared memory; ``masked``: the key-padding-mask instantiation (``*_km``, same
+    tiles, same shared memory, three more arguments: the mask, its row stride in elements, its entry size)."""
+    name = f"attn_{'bwd_' if kind != 'fwd' else ''}{kind}_d{D}{'_km' if masked else ''}"
     k = get_function(FAMILY, name)
     smem = _smem(kind, D)
     key = (name, id(k))
@@ -60,6 +62,40 @@ def _strides(name, a):
     return tuple(np.int64(s // isz) for s in a.strides[:3])
 
 
+def _check_scale(scale, D):
+    """``scale`` as float32: None -> 1 / sqrt(head_dim); else a real number (TypeError otherwise), finite and > 0
+    in float32 (ValueError). > 0 because the kernels take the row max of the unscaled scores
+    (max(s) * scale = max(s * scale) needs scale > 0)."""
+    if scale is None:
+        return np.float32(1.0 / math.sqrt(D))
+    s32 = B.check_f32("scale", scale, min=0, min_open=True)
+    if s32 == 0:  # below float32's smallest subnormal
+        raise ValueError(f"scale: expected a finite number > 0 that stays > 0 in float32; got {scale!r}")
+    return s32
+
+
+def _check_key_mask(key_mask, xp, Bsz, Tk):
+    """Validate ``key_mask`` ([batch, seq_k], bool or integer, last axis contiguous); returns its row stride in
+    elements and its entry size in bytes (what the *_km kernels take), or None when no mask is given."""
+    if key_mask is None:
+        return None
+    dt = key_mask.dtype
+    if dt.kind not in "biu":
+        raise TypeError(f"key_mask: expected dtype bool or an integer dtype (nonzero = keep, 0 = padding); got {dt}")
+    if tuple(key_mask.shape) != (Bsz, Tk):
+        raise ValueError(f"key_mask: expected shape ({Bsz}, {Tk}) ([batch, seq_k], matching k); "
+                         f"got {tuple(key_mask.shape)}")
+    isz = dt.itemsize
+    if Tk > 1 and key_mask.strides[1] != isz:
+        raise ValueError(f"key_mask: the last axis (seq_k) must be contiguous; got strides {key_mask.strides} "
+                         f"for itemsize {isz} (a row slice of a larger mask is fine: key_mask[:, :seq_k])")
+    ptr = key_mask.ctypes.data if xp is np else key_mask.data.ptr
+    if key_mask.strides[0] % isz or (key_mask.size and ptr % isz):
+        raise ValueError(f"key_mask: entries must be aligned to their size ({isz} bytes); got strides "
+                         f"{key_mask.strides}, pointer offset {ptr % isz}")
+    return np.int64(key_mask.strides[0] // isz), np.int32(isz)
+
+
 def _validate(q, k, v, causal, scale):
     _check_qkv("q", q, "[batch, seq_q, heads, head_dim]")
     _check_qkv("k", k, "[batch, seq_k, kv_heads, head_dim]")
@@ -74,18 +110,12 @@ def _validate(q, k, v, causal, scale):
     B.check_shape("v", v, k.shape, " (the shape of k)")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"k: kv_heads ({Hkv}) must divide the query heads ({H})")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected a bool; got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    scale = B.scalar_f32("scale", scale)
-    if not (np.isfinite(scale) and scale > 0):  # the kernels take the row max of the unscaled scores
-        raise ValueError(f"scale: expected a finite number > 0; got {scale}")
-    return Bsz, Tq, Tk, H, Hkv, D, bool(causal), scale
+    return Bsz, Tq, Tk, H, Hkv, D, B.check_bool("causal", causal), _check_scale(scale, D)
 
 
-def _ref_probs(q, k, causal, scale):
-    """NumPy path: fp32 scores [B, H, Tq, Tk] with the mask applied, and lse [B, H, Tq]."""
+def _ref_probs(q, k, causal, scale, key_mask=None):
+    """NumPy path: fp32 scores [B, H, Tq, Tk] with the masks applied (-inf), and lse [B, H, Tq] (-inf for a row
+    that sees no key)."""
     Bsz, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     qf = q.astype(np.float32).transpose(0, 2, 1, 3)
@@ -94,6 +124,8 @@ def _ref_probs(q, k, causal, scale):
     if causal:
         vis = np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + (Tk - Tq)
         s = np.where(vis, s, np.float32(-np.inf))
+    if key_mask is not None:
+        s = np.where((key_mask != 0)[:, None, None, :], s, np.float32(-np.inf))
     m = s.max(-1, keepdims=True) if Tk else np.full(s.shape[:-1] + (1,), -np.inf, np.float32)
     mb = np.where(np.isfinite(m), m, 0).astype(np.float32)
     with np.errstate(divide="ignore"):
@@ -101,25 +133,33 @@ def _ref_probs(q, k, causal, scale):
     return s, lse[..., 0]
 
 
-def flash_attention(q, k, v, *, causal=True, scale=None, out=None, return_lse=False):
+@B.interop
+def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None, out=None, return_lse=False):
     """Scaled-dot-product attention without materialising the scores (FlashAttention-2 style), bf16.
 
     ``o[b, i, h] = sum_n softmax_n(scale * <q[b, i, h], k[b, n, h // G]> + mask) * v[b, n, h // G]`` with
     ``G = heads / kv_heads`` (grouped-query attention; G = 1 is plain multi-head). ``causal=True`` masks key n
     for query i when ``n > i + seq_k - seq_q`` (aligned at the end: with seq_q == seq_k, "up to my own
-    position"). The softmax and the accumulation are fp32; the probabilities enter the second product rounded to
-    bf16 (tensor cores), so the result matches an fp32 reference to bf16 accuracy.
+    position"); ``key_mask`` also masks key n of batch row b where ``key_mask[b, n] == 0`` (padding). The softmax
+    and the accumulation are fp32; the probabilities enter the second product rounded to bf16 (tensor cores), so
+    the result matches an fp32 reference to bf16 accuracy.
 
     Args:
         q: bfloat16 ``[batch, seq_q, heads, head_dim]``; head_dim 32, 64 or 128.
         k, v: bfloat16 ``[batch, seq_k, kv_heads, head_dim]``, kv_heads dividing heads.
             q, k and v may be strided views (e.g. slices of one fused QKV projection): the last axis must be
             contiguous, the data pointer and the other strides multiples of 16 bytes.
-        causal: the causal mask above.
-        scale: the score multiplier, > 0; default ``1 / sqrt(head_dim)``.
+        causal: the causal mask above (a bool).
+        scale: the score multiplier, a finite number > 0; default ``1 / sqrt(head_dim)``.
+        key_mask: optional key-padding mask ``[batch, seq_k]`` (Hugging Face's ``attention_mask``: 1 = keep,
+            0 = padding, left or right padding or any pattern), bool or an integer dtype, nonzero = keep; the last
+            axis contiguous, any row stride (a slice ``mask[:, :seq_k]`` of a longer mask is read in place). It
+            is applied per key inside the kernels: no ``[batch, heads, seq_q, seq_k]`` mask or score tensor is
+            made, and key tiles that are all padding are skipped.
         out: optional C-contiguous bfloat16 buffer of q's shape.
         return_lse: also return ``lse`` float32 ``[batch, heads, seq_q]``, the natural-log softmax normaliser
-            (what :func:`flash_attention_backward` needs). A query that sees no key gets o = 0, lse = -inf.
+            (what :func:`flash_attention_backward` needs). A query that sees no key (under the causal mask and
+            the padding mask together, e.g. a left-padding position) gets o = 0 and lse = -inf.
 
     Returns:
         ``o`` (C-contiguous ``[batch, seq_q, heads, head_dim]``), or ``(o, lse)``.
@@ -128,13 +168,15 @@ def flash_attention(q, k, v, *, causal=True, scale=None, out=None, return_lse=Fa
 
         >>> q = cp.random.standard_normal((8, 1024, 32, 64), dtype=cp.float32).astype(ck.bfloat16)
         >>> k = v = cp.random.standard_normal((8, 1024, 8, 64), dtype=cp.float32).astype(ck.bfloat16)
-        >>> o, lse = ck.flash_attention(q, k, v, causal=True, return_lse=True)
+        >>> attention_mask = cp.ones((8, 1024), dtype=cp.int64); attention_mask[1, :100] = 0  # left padding
+        >>> o, lse = ck.flash_attention(q, k, v, causal=True, key_mask=attention_mask, return_lse=True)
     """
-    xp = B.array_module(q=q, k=k, v=v, out=out)
+    xp = B.array_module(q=q, k=k, v=v, key_mask=key_mask, out=out)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    km = _check_key_mask(key_mask, xp, Bsz, Tk)
     o = B.empty(xp, q.shape, B.bfloat16, out)
     if xp is np:
-        s, lse = _ref_probs(q, k, causal, scale)
+        s, lse = _ref_probs(q, k, causal, scale, key_mask)
         with np.errstate(invalid="ignore"):
             p = np.where(np.isfinite(lse)[..., None], np.exp(s - lse[..., None]), 0).astype(np.float32)
         vf = np.repeat(v.astype(np.float32).transpose(0, 2, 1, 3), H // Hkv, axis=1)
@@ -144,30 +186,38 @@ def flash_attention(q, k, v, *, causal=True, scale=None, out=None, return_lse=Fa
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
-    kern, smem = _kernel("fwd", D)
+    kern, smem = _kernel("fwd", D, km is not None)
     kern((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
-          np.bool_(causal)), shared_mem=smem)
+          np.bool_(causal), *_mask_args(key_mask, km)), shared_mem=smem)
     return (o, lse) if return_lse else o
 
 
-def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None):
+def _mask_args(key_mask, km):
+    """The *_km kernels' extra arguments (mask pointer, row stride in elements, entry bytes), or none."""
+    return () if km is None else (key_mask, *km)
+
+
+@B.interop
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None, key_mask=None):
     """Gradients of :func:`flash_attention`: ``(dq, dk, dv)``.
 
     With ``P`` recomputed from ``lse``: ``delta_i = <dO_i, o_i>``, ``dS = P * (dO V^T - delta)``,
     ``dq = scale * dS K``, ``dk = scale * dS^T Q``, ``dv = P^T dO``; dk and dv are summed over the G query heads
-    that share a K/V head. Deterministic (no atomics).
+    that share a K/V head. Deterministic (no atomics). Masked pairs have P = 0: a padding key gets dk = dv = 0,
+    a query that sees no key (lse = -inf) gets dq = 0.
 
     Args:
         dout: bfloat16 like ``q`` (strided views allowed, as for q).
-        q, k, v, causal, scale: exactly as passed to the forward.
+        q, k, v, causal, scale, key_mask: exactly as passed to the forward.
         out, lse: the forward's ``o`` (C-contiguous) and ``lse``.
 
     Returns:
         ``dq`` like q, ``dk`` and ``dv`` like k; bfloat16, C-contiguous.
     """
-    xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse, key_mask=key_mask)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    km = _check_key_mask(key_mask, xp, Bsz, Tk)
     _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
     B.check_shape("dout", dout, q.shape, " (the shape of q)")
     B.check_dtype("out", out, (B.bfloat16,))
@@ -178,7 +228,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
     B.check_contiguous("lse", lse)
     G = H // Hkv
     if xp is np:
-        s, _ = _ref_probs(q, k, causal, scale)
+        s, _ = _ref_probs(q, k, causal, scale, key_mask)
         lse_ = lse.astype(np.float32)[..., None]
         with np.errstate(invalid="ignore", over="ignore"):
             p = np.where(np.isfinite(lse_) & np.isfinite(s), np.exp(s - lse_), 0).astype(np.float32)
@@ -203,13 +253,14 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
         return dq, dk, dv
     delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
     sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
-    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal))
+    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal),
+            *_mask_args(key_mask, km))
     if Tq:
-        kq, smq = _kernel("dq", D)
+        kq, smq = _kernel("dq", D, km is not None)
         kq((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
            (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
     if Tk:
-        kd, smd = _kernel("dkdv", D)
+        kd, smd = _kernel("dkdv", D, km is not None)
         kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
     return dq, dk, dv
