@@ -4,7 +4,9 @@ re-read from shared memory, resident blocks per SM) against the production ones,
     PYTHONPATH=. python benchmarks/tune_attention.py
 
 Each variant is launched with the production launcher's arguments and checked against the production
-kernel's output (max |difference|; the variants only reorder fp32 work).
+kernel's output (max |difference|; the variants only reorder fp32 work). Key-masked variants (``*_km*``) run
+twice: with a mask of all ones (the cost of the mask machinery alone; output bit-identical to the unmasked
+kernel) and with the benchmark's 25 % left-padding mask (checked against ck.flash_attention with that mask).
 """
 import statistics
 import sys
@@ -16,13 +18,17 @@ sys.path.insert(0, ".")
 import cukernels as ck  # noqa: E402
 from cukernels._loader import get_function  # noqa: E402
 from cukernels.ops import attention as A  # noqa: E402
+from cases.attention import left_padding_mask  # noqa: E402  (benchmarks/, the script's folder, is on sys.path)
 
 D = 64
 # name -> (kind, tile): tile = key tile (fwd, dq) or query tile (dkdv); same shared layouts as production. To try
-# a variant, instantiate it at the end of attention.cu (e.g. ``CK_ATTN_DQ(64, 64, false, 2, _x1)`` defines attn_bwd_dq_d64_x1)
-# and list it here. Session 2 compared 11 variants this way (benchmarks/NOTES.md, attention).
+# a variant, instantiate it at the end of attention.cu (e.g. ``CK_ATTN_DQ(64, 64, false, 2, _x1)`` defines
+# attn_bwd_dq_d64_x1 and its key-masked twin attn_bwd_dq_d64_km_x1) and list it here. Session 2 compared 11
+# variants this way (benchmarks/NOTES.md, attention).
 VARIANTS = {"attn_fwd_d64": ("fwd", A.TILES[D][0]), "attn_bwd_dq_d64": ("dq", A.TILES[D][1]),
-            "attn_bwd_dkdv_d64": ("dkdv", A.TILES[D][2])}
+            "attn_bwd_dkdv_d64": ("dkdv", A.TILES[D][2]),
+            "attn_fwd_d64_km": ("fwd", A.TILES[D][0]), "attn_bwd_dq_d64_km": ("dq", A.TILES[D][1]),
+            "attn_bwd_dkdv_d64_km": ("dkdv", A.TILES[D][2])}
 
 
 def smem(kind, t):
@@ -54,6 +60,10 @@ def main():
         q, k, v, do = r(Bsz, T, H, D), r(Bsz, T, Hkv, D), r(Bsz, T, Hkv, D), r(Bsz, T, H, D)
         o, lse = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
         dq0, dk0, dv0 = ck.flash_attention_backward(do, q, k, v, o, lse, causal=causal)
+        pad = left_padding_mask(cp, Bsz, T)
+        om, lsem = ck.flash_attention(q, k, v, causal=causal, key_mask=pad, return_lse=True)
+        dqm, dkm, _ = ck.flash_attention_backward(do, q, k, v, om, lsem, causal=causal, key_mask=pad)
+        masks = {"ones": cp.ones((Bsz, T), cp.int64), "pad25%L": pad}
         delta = cp.empty((Bsz, H, T), cp.float32)
         st = (*A._strides("q", q), *A._strides("k", k), *A._strides("v", v))
         sd = A._strides("dout", do)
@@ -65,28 +75,39 @@ def main():
            shared_mem=smem("dq", A.TILES[D][1]))
         f = 4.0 * Bsz * H * T * T * D * (0.5 if causal else 1.0)
         print(f"== B{Bsz} T{T} H{H}/{Hkv} D{D} causal={causal}")
+        # delta of the padded batch for the masked dkdv variants (the mask changes o, hence delta)
+        deltam = cp.empty_like(delta)
+        get_function("attention", "attn_bwd_dq_d64_km")(
+            (-(-T // A.BM), H, Bsz), (A.THREADS, 1, 1),
+            (q, k, v, om, do, lsem, deltam, cp.empty_like(q), *st, *sd, *tail, pad, np.int64(T), np.int32(8)),
+            shared_mem=smem("dq", A.TILES[D][1]))
         for name, (kind, t) in VARIANTS.items():
-            kern = get_function("attention", name)
-            sm = smem(kind, t)
-            kern.max_dynamic_shared_size_bytes = sm
-            if kind == "fwd":
-                oo, ll = cp.empty_like(o), cp.empty_like(lse)
-                args = (q, k, v, oo, ll, *st, *tail)
-                grid, ref, got, mult = (-(-T // A.BM), H, Bsz), o, oo, 1.0
-            elif kind == "dq":
-                dd, dl = cp.empty_like(q), cp.empty_like(delta)
-                args = (q, k, v, o, do, lse, dl, dd, *st, *sd, *tail)
-                grid, ref, got, mult = (-(-T // A.BM), H, Bsz), dq0, dd, 1.0
-            else:
-                dk, dv = cp.empty_like(k), cp.empty_like(v)
-                args = (q, k, v, do, lse, delta, dk, dv, *st, *sd, *tail)
-                grid, ref, got, mult = (-(-T // A.BM), Hkv, Bsz), dk0, dk, 1.0
-            run = lambda kern=kern, grid=grid, args=args, sm=sm: kern(grid, (A.THREADS, 1, 1), args, shared_mem=sm)  # noqa: E731
-            us = timed(run)
-            err = float(cp.abs(got.astype(cp.float32) - ref.astype(cp.float32)).max())
-            flops = f * {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}[kind] * mult
-            print(f"  {name:<24} regs {kern.num_regs:3d}  {us:9.1f} us  {flops / us / 1e6:6.0f} TFLOP/s(model)  "
-                  f"max|diff| {err:.3g}")
+            for mname in (("ones", "pad25%L") if "_km" in name else (None,)):
+                kern = get_function("attention", name)
+                sm = smem(kind, t)
+                kern.max_dynamic_shared_size_bytes = sm
+                padded = mname == "pad25%L"
+                o_, lse_, delta_ = (om, lsem, deltam) if padded else (o, lse, delta)
+                extra = () if mname is None else (masks[mname], np.int64(T), np.int32(8))
+                if kind == "fwd":
+                    oo, ll = cp.empty_like(o), cp.empty_like(lse)
+                    args = (q, k, v, oo, ll, *st, *tail, *extra)
+                    grid, ref, got = (-(-T // A.BM), H, Bsz), om if padded else o, oo
+                elif kind == "dq":
+                    dd, dl = cp.empty_like(q), cp.empty_like(delta)
+                    args = (q, k, v, o_, do, lse_, dl, dd, *st, *sd, *tail, *extra)
+                    grid, ref, got = (-(-T // A.BM), H, Bsz), dqm if padded else dq0, dd
+                else:
+                    dk, dv = cp.empty_like(k), cp.empty_like(v)
+                    args = (q, k, v, do, lse_, delta_, dk, dv, *st, *sd, *tail, *extra)
+                    grid, ref, got = (-(-T // A.BM), Hkv, Bsz), dkm if padded else dk0, dk
+                run = lambda kern=kern, grid=grid, args=args, sm=sm: kern(grid, (A.THREADS, 1, 1), args, shared_mem=sm)  # noqa: E731
+                us = timed(run)
+                err = float(cp.abs(got.astype(cp.float32) - ref.astype(cp.float32)).max())
+                flops = f * {"fwd": 1.0, "dq": 1.5, "dkdv": 2.0}[kind]  # the unmasked count, also when padded
+                label = name + ("" if mname is None else f" [{mname}]")
+                print(f"  {label:<34} regs {kern.num_regs:3d}  {us:9.1f} us  {flops / us / 1e6:6.0f} "
+                      f"TFLOP/s(model)  max|diff| {err:.3g}")
 
 
 if __name__ == "__main__":

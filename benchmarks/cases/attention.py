@@ -4,6 +4,12 @@ Compute-bound: the row's TFLOP/s counts the model FLOPs (4 B H Tq Tk D forward, 
 backward 2.5x forward), not the recomputation. "x cupy" is the materialised path the model used before
 (ck.matmul -> ck.attn_softmax -> ck.matmul, grouped-query layout), "x torch" PyTorch's
 scaled_dot_product_attention (its flash backend) on the same [B, T, H, D] views.
+
+Key-padding rows ("pad25%L"): the same inputs with a Hugging Face style left-padding attention_mask (int64
+[B, T], row b padded by round(T/2 * b/(B-1)) keys: 0 .. T/2, 25 % of all keys), through the *_km kernels. Their
+TFLOP/s use the unmasked causal count (so the column compares times); the padding removes 37 % of the causal
+tile pairs at B8 x T1024 (benchmarks/NOTES.md). "x torch" there is what transformers' sdpa path runs: K/V heads
+repeated, one [B, 1, T, T] boolean mask (causal and padding) -> SDPA's memory-efficient kernel.
 """
 import math
 
@@ -13,6 +19,18 @@ from bench_ops import Case
 # (B, T, H, Hkv, D, causal): LLaMA-3.2-1B at the B8 x T1024 training shape, a long sequence, 128-wide heads.
 SHAPES = [(8, 1024, 32, 8, 64, True), (2, 4096, 32, 8, 64, True), (8, 1024, 16, 16, 128, True),
           (8, 1024, 32, 8, 64, False)]
+MASKED = {(8, 1024, 32, 8, 64, True)}  # shapes that also get the left-padding rows
+PAD = 0.25  # mean padded fraction of the keys
+
+
+def left_padding_mask(cp, Bsz, T):
+    """int64 [B, T] (1 = keep): row b has round(2 * PAD * T * b / (B - 1)) leading padding positions."""
+    import numpy as np
+
+    m = np.ones((Bsz, T), np.int64)
+    for b in range(Bsz):
+        m[b, :round(2 * PAD * T * b / max(Bsz - 1, 1))] = 0
+    return cp.asarray(m)
 
 
 def cases(ctx):
@@ -74,4 +92,55 @@ def cases(ctx):
 
         out.append(Case("flash_attention fwd+bwd", shape, "bf16", 3 * io, "fwd + bwd", ours_fb, None, tfb,
                         extra=dict(nsets=k_), flops=3.5 * f_fwd))
+        if (Bsz, T, H, Hkv, D, causal) in MASKED:
+            out += masked_cases(ctx, qs, ks, vs, dos, Bsz, T, H, Hkv, D, causal, per_set, k_, f_fwd, shape)
     return out
+
+
+def masked_cases(ctx, qs, ks, vs, dos, Bsz, T, H, Hkv, D, causal, io, k_, f_fwd, shape):
+    """fwd, bwd and fwd+bwd with a left-padding key mask, on the no-mask rows' inputs."""
+    cp, torch = ctx.cp, ctx.torch
+    G = H // Hkv
+    km = left_padding_mask(cp, Bsz, T)
+    io_m = io + km.nbytes  # the mask is read once per key tile from L2; HBM sees it once
+    fw = [ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, key_mask=km, return_lse=True) for i in range(k_)]
+    tf = tfb = None
+    if torch is not None:
+        import torch.nn.functional as Fn
+
+        tq = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in qs]
+        tk = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in ks]
+        tv = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in vs]
+        tdo = [ctx.t(x).transpose(1, 2) for x in dos]
+        keep = ctx.t(km).bool()
+        vis = torch.ones(T, T, dtype=torch.bool, device=keep.device)
+        vis = torch.tril(vis) if causal else vis
+        mask4 = (vis[None, None] & keep[:, None, None, :]).contiguous()  # [B, 1, T, T], built once
+
+        def hf_sdpa(i):
+            kk, vv = tk[i].repeat_interleave(G, dim=1), tv[i].repeat_interleave(G, dim=1)
+            return Fn.scaled_dot_product_attention(tq[i], kk, vv, attn_mask=mask4)
+
+        def tf(i):
+            with torch.no_grad():
+                return hf_sdpa(i)
+
+        def tfb(i):
+            return torch.autograd.grad(hf_sdpa(i), (tq[i], tk[i], tv[i]), tdo[i])
+
+    def ours_fb(i):
+        o, lse = ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, key_mask=km, return_lse=True)
+        return ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], o, lse, causal=causal, key_mask=km)
+
+    shape_m = shape + f" pad{round(100 * PAD)}%L"
+    return [
+        Case("flash_attention fwd", shape_m, "bf16", io_m, "q,k,v,o once + mask",
+             lambda i: ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, key_mask=km, return_lse=True),
+             None, tf, extra=dict(nsets=k_), flops=f_fwd),
+        Case("flash_attention bwd", shape_m, "bf16", 2 * io_m, "q,k,v,o,dO,dq,dk,dv once + mask",
+             lambda i: ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], fw[i][0], fw[i][1], causal=causal,
+                                                   key_mask=km),
+             None, None, extra=dict(nsets=k_), flops=2.5 * f_fwd),
+        Case("flash_attention fwd+bwd", shape_m, "bf16", 3 * io_m, "fwd + bwd + mask", ours_fb, None, tfb,
+             extra=dict(nsets=k_), flops=3.5 * f_fwd),
+    ]
