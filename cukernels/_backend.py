@@ -60,10 +60,16 @@ def _kind(a):
     return None
 
 
+def _tensor_like_type(t) -> bool:
+    return any(c.__name__ == "Tensor" for c in t.__mro__)
+
+
 def is_autograd_tensor(a) -> bool:
-    """A cukernels autograd ``Tensor`` (duck-typed: ops sit below autograd and do not import it): a class named
-    Tensor with ``requires_grad`` whose ``.data`` is a NumPy or CuPy array (a ``torch.Tensor``'s is not)."""
-    return type(a).__name__ == "Tensor" and hasattr(a, "requires_grad") and _kind(getattr(a, "data", None)) is not None
+    """A cukernels autograd ``Tensor`` or a subclass (``nn.Parameter``), duck-typed: ops sit below autograd and do
+    not import it. A class named Tensor in its MRO, ``requires_grad``, and a ``.data`` that is a NumPy or CuPy
+    array (a ``torch.Tensor``'s ``.data`` is a torch tensor)."""
+    return (_tensor_like_type(type(a)) and hasattr(a, "requires_grad")
+            and _kind(getattr(a, "data", None)) is not None)
 
 
 def tensor_message(name, op=None) -> str:
@@ -358,7 +364,7 @@ def _foreign_kind(a):
 
 def _learnable(t) -> bool:
     """Whether every instance of type ``t`` is a plain (non-array) value, so the fast path may skip it."""
-    return (t not in (list, tuple) and t.__name__ != "Tensor" and not hasattr(t, "__dlpack__")
+    return (t not in (list, tuple) and not _tensor_like_type(t) and not hasattr(t, "__dlpack__")
             and not hasattr(t, "__cuda_array_interface__") and not hasattr(t, "__getattr__"))
 
 

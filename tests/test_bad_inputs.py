@@ -251,6 +251,8 @@ CASES = [
      r"^x: got a cukernels autograd Tensor; ck\.rms_norm takes arrays: use ck\.functional\.rms_norm"),
     ("tensor-rms_norm-weight", lambda: ck.rms_norm(f(2, 4), tensor(f(4))), TypeError, r"^weight: .*ck\.functional\.rms_norm"),
     ("tensor-softmax", lambda: ck.softmax(tensor(f(2, 4))), TypeError, r"^x: .*ck\.functional\.softmax"),
+    ("parameter-rms_norm-weight", lambda: ck.rms_norm(f(2, 4), ck.nn.Parameter(f(4))), TypeError,
+     r"^weight: got a cukernels autograd Tensor; .*ck\.functional\.rms_norm"),
     ("tensor-layer_norm-kw", lambda: ck.layer_norm(x=tensor(f(2, 4)), gamma=f(4), beta=f(4)), TypeError,
      r"^x: .*ck\.functional\.layer_norm"),
     ("tensor-matmul", lambda: ck.matmul(tensor(f(2, 3)), f(3, 2)), TypeError, r"^a: .*ck\.functional\.matmul"),

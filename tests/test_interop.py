@@ -158,7 +158,9 @@ def test_plain_types_are_learned_once():
     with pytest.raises(TypeError):
         ck.gelu(ck.Tensor(np.zeros(3, F32)))
     # array-like types and containers are never skipped
-    assert HostDLPack not in B._PLAIN and ck.Tensor not in B._PLAIN
+    with pytest.raises(TypeError, match="^x: got a cukernels autograd Tensor"):
+        ck.gelu(ck.nn.Parameter(np.zeros(3, F32)))  # a Tensor subclass: recognised through its MRO
+    assert HostDLPack not in B._PLAIN and ck.Tensor not in B._PLAIN and ck.nn.Parameter not in B._PLAIN
     assert list not in B._PLAIN and tuple not in B._PLAIN
 
 
