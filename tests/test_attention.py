@@ -367,20 +367,32 @@ def test_gpu_large_scores_and_determinism(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_model_flash_path_matches_materialised(rng):
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_model_flash_path_matches_materialised(rng, padded):
     """A small LLaMA under bf16 autocast: loss and every parameter gradient with flash attention against the
-    GEMM + attn_softmax + GEMM path (same weights, same batch)."""
+    GEMM + attn_softmax + GEMM path (same weights, same batch). padded: a Hugging Face attention_mask (row 1
+    left-padded, row 2 right-padded; padded targets ignored) through both paths: key_mask in the flash kernels,
+    the [B, H, T, T] masked softmax in the other."""
     cfg = ck.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    ids = cp().asarray(rng.integers(0, 128, (2, 200)).astype(np.int32))
+    nb = 3 if padded else 2
+    ids_h = rng.integers(0, 128, (nb, 200)).astype(np.int32)
+    ids = cp().asarray(ids_h)
+    kw, targets = {}, ids
+    if padded:
+        mask = np.ones((nb, 200), np.int64)
+        mask[1, :57] = 0
+        mask[2, 150:] = 0
+        kw = dict(attention_mask=cp().asarray(mask))
+        targets = cp().asarray(np.where(mask != 0, ids_h, -100).astype(np.int32))
     res = []
     for flash in (False, True):
         m = ck.Llama(cfg, xp=cp(), seed=3)
         for mod in m.modules():
-            if isinstance(mod, ck.nn.CausalSelfAttention):
+            if isinstance(mod, ck.nn.Attention):
                 mod.flash = flash
         with ck.autocast(BF16):
-            loss = m(ids, ids)
+            loss = m(ids, targets, **kw)
         loss.backward()
         res.append((float(loss.data), {n: to_host(p.grad) for n, p in m.named_parameters()}))
     (l0, g0), (l1, g1) = res
