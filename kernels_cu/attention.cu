@@ -766,7 +766,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 //   dkdv 64-query tiles, 2 blocks per SM (236 registers): 379.9 us; 32-query tiles at 3 blocks ran 423 us
 //        (the K/V fragments kept in registers matter more there than the third block).
 // 128-wide heads take 32-row tiles so that the fp32 accumulators fit in registers without spilling.
-// The *_km kernels (ptxas, sm_90) stay at the same occupancy: fwd d64 168 registers, dq d64 163, dkdv d64 226.
+// The *_km kernels (ptxas, sm_90) stay at the same occupancy: fwd d64 168 registers, dq d64 162, dkdv d64 226.
 // cukernels/ops/attention.py's TILES mirrors the tile columns.
 CK_ATTN_FWD(32, 64, 1, )
 CK_ATTN_FWD(64, 64, 3, )
