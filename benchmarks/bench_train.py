@@ -33,7 +33,16 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                 tie_word_embeddings=False, max_position_embeddings=131072)
-CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024)}
+GPT2_124M = dict(type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024)}
+MODEL = {"name": "llama"}  # --model
+
+# GPT-2: the fused-softmax/LayerNorm write-up's switch, with everything else on (fused AdamW, shadows, graph).
+GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
+             ("fused kernels (LayerNorm, attn_softmax, GELU, embedding, CE), scores materialised",
+              ["adam", "shadow", "graph", "fused"]),
+             ("fused kernels + flash attention", ["adam", "shadow", "graph", "fused", "flash"])]
 
 # Ablation rows in the seed report's order; each row switches one more optimisation on.
 FEATURES = ["shadow", "adam", "memset", "rmsnorm", "sparse_emb", "fused_ce", "fused_rest", "flash", "lazy_zero",
@@ -54,6 +63,9 @@ ROW_NAMES = {
 
 
 def model_flops_per_token(cfg, T):
+    if cfg.get("type") == "gpt2":
+        L, H, d, V = cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["vocab_size"]
+        return 6 * (L * 12 * d * d + V * d) + 12 * L * H * (d // H) * T
     L, H, hd = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
     d, f, V, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_key_value_heads"]
     n_mm = L * (d * d * 2 + 2 * d * kv * hd + 3 * d * f) + V * d  # matmul parameters (lm_head, not the gather)
@@ -95,13 +107,24 @@ class OurStep:
         from cukernels.optim import CompositeAdamW
 
         self.cp, self.ck = cp, ck
-        mcfg = dict(mcfg or LLAMA_1B)
+        mcfg = dict(mcfg or (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B))
         self.mcfg, self.B, self.T, self.accum = mcfg, B, T, accum
         f = set(feats)
-        model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
-                         sparse_embedding="sparse_emb" in f)
+        if mcfg.get("type") == "gpt2":
+            cfg = {k: v for k, v in mcfg.items() if k != "type"}
+            model = ck.GPT2(ck.GPT2Config(**cfg), xp=cp, seed=seed, fused="fused" in f)
+            f |= {"memset", "lazy_zero"} if "adam" in f else set()
+        else:
+            model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
+                             sparse_embedding="sparse_emb" in f)
         # Which modules run their kernels: Linear's "fused" means "read the shadow weight" (no per-use cast).
         for m in model.modules():
+            if mcfg.get("type") == "gpt2":
+                if isinstance(m, Linear):
+                    m.fused = "shadow" in f
+                if isinstance(m, Attention):
+                    m.flash = "flash" in f
+                continue
             if isinstance(m, Linear) or isinstance(m, Embedding):
                 m.fused = "shadow" in f
             elif isinstance(m, RMSNorm):
@@ -115,7 +138,7 @@ class OurStep:
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
         if "adam" in f:
-            emb = model.model.embed_tokens.weight
+            emb = model.input_embedding().weight
             opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                  shadow_dtype=ck.bfloat16, no_decay={p.name for p in no_decay},
                                  sparse={emb.name} if "sparse_emb" in f else None)
@@ -142,7 +165,7 @@ class OurStep:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.fill(0)
-            sg = getattr(self.model.model.embed_tokens.weight, "sparse_grad", None)
+            sg = getattr(self.model.input_embedding().weight, "sparse_grad", None)
             if sg is not None:
                 sg.zero()
 
@@ -213,11 +236,18 @@ def run_torch(B, T, mode, steps, data="synthetic"):
     torch.manual_seed(0)
     dev = "cuda"
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        if MODEL["name"] == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = LlamaConfig(**LLAMA_1B)
-        model = LlamaForCausalLM(cfg).to(dev)
-        impl = "transformers"
+            cfg = GPT2Config(**{k: v for k, v in GPT2_124M.items() if k != "type"})
+            model = GPT2LMHeadModel(cfg, attn_implementation="sdpa").to(dev)
+            impl = "transformers GPT2LMHeadModel, sdpa"
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(**LLAMA_1B)
+            model = LlamaForCausalLM(cfg).to(dev)
+            impl = "transformers"
     except Exception as e:  # pragma: no cover - transformers missing
         return None, f"transformers unavailable: {e}"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -226,7 +256,7 @@ def run_torch(B, T, mode, steps, data="synthetic"):
         fwd = torch.compile(model)
     elif mode == "reduce-overhead":
         fwd = torch.compile(model, mode="reduce-overhead")
-    batches = make_batches(data, B, T, 1, LLAMA_1B["vocab_size"])
+    batches = make_batches(data, B, T, 1, (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B)["vocab_size"])
 
     def step(ids):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -256,7 +286,9 @@ def run_torch(B, T, mode, steps, data="synthetic"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="b4t64,b8t1024")
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"],
+                    help="llama: LLaMA-3.2-1B shape; gpt2: GPT-2 124M (--ablation then prints the fused on/off table)")
+    ap.add_argument("--configs", default=None, help="default b4t64,b8t1024 (llama), b8t1024 (gpt2)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
     ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead")
@@ -265,25 +297,30 @@ def main(argv=None):
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
                     help="uniform random tokens, or tinyshakespeare byte tokens (see make_batches)")
     args = ap.parse_args(argv)
-    global LLAMA_1B
+    MODEL["name"] = args.model
+    args.configs = args.configs or ("b8t1024" if args.model == "gpt2" else "b4t64,b8t1024")
+    global LLAMA_1B, GPT2_124M
     if args.smoke:
         LLAMA_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
+        GPT2_124M = dict(GPT2_124M, vocab_size=1024, n_embd=256, n_layer=2, n_head=4)
     import cupy as cp
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"device: {name}; model: LLaMA-3.2-1B shape, untied, bf16 autocast, fp32 master, AdamW, clip 1.0; "
-          f"data: {args.data}")
+    mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
+    what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
+    print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, AdamW, clip 1.0; data: {args.data}")
     out = {"device": name, "rows": [], "ablation": [], "torch": []}
     for c in [c for c in args.configs.split(",") if c]:
         B, T = CONFIGS[c]
         try:
-            ms, losses, mem, n = run_ours(B, T, FEATURES, args.steps, data=args.data)
+            ms, losses, mem, n = run_ours(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps,
+                                          data=args.data)
         except Exception:
             traceback.print_exc()
             continue
         tok = B * T
-        tf = model_flops_per_token(LLAMA_1B, T) * tok / (ms * 1e-3) / 1e12
+        tf = model_flops_per_token(mcfg, T) * tok / (ms * 1e-3) / 1e12
         print(f"cukernels  B{B}xT{T}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
               f"peak {mem:6.1f} GiB  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
         out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
@@ -300,7 +337,20 @@ def main(argv=None):
             print(f"torch {mode:<15s} B{B}xT{T}: {tms:8.2f} ms/step  {tok / tms * 1e3:10,.0f} tok/s  "
                   f"peak {tmem:6.1f} GiB  ({impl}) -> cukernels is {tms / ms:.2f}x faster", flush=True)
             out["torch"].append(dict(config=c, mode=mode, ms=tms, peak_gib=tmem, ratio=tms / ms))
-    if args.ablation:
+    if args.ablation and args.model == "gpt2":
+        B, T = CONFIGS[args.configs.split(",")[0]]
+        print(f"\nGPT-2 fused on/off (the write-up's use_fused_kernel), B{B}xT{T}, median of {args.steps}:")
+        print(f"{'configuration':<82} {'ms/step':>9} {'tok/s':>10}  loss first..last")
+        for row, feats in GPT2_ROWS:
+            try:
+                ms, losses, mem, _ = run_ours(B, T, feats, args.steps, data=args.data)
+            except Exception:
+                print(f"{row:<82} FAILED")
+                traceback.print_exc()
+                continue
+            print(f"{row:<82} {ms:9.2f} {B * T / ms * 1e3:10,.0f}  {losses[0]:.4f}..{losses[-1]:.4f}", flush=True)
+            out["ablation"].append(dict(row=row, ms=ms, losses=losses, peak_gib=mem))
+    elif args.ablation:
         B, T = CONFIGS["b4t64"]
         print(f"\nAblation, B{B}xT{T} ({B * T} tokens/step), ms/step median of {args.steps}:")
         print(f"{'configuration':<58} {'ms/step':>9} {'tok/s':>10} {'gain':>7} {'vs baseline':>12}  loss first..last")

@@ -15,12 +15,14 @@ from .ops.embedding import SparseRowGrad, embedding, embedding_backward, embeddi
 from .ops.rope import rope, rope_backward, rope_cache
 from .ops.activations import gelu, gelu_backward, swiglu, swiglu_backward, swiglu_packed, swiglu_packed_backward
 from .ops.elementwise import add, cast, mul
-from .ops.adam import adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
+from .ops.adam import adam_error, adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
+from .ops.dropout import dropout, dropout_add, dropout_backward
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .autograd import Function, Tensor, no_grad, tensor
 from .amp import autocast
 from . import functional, graph, io, nn, optim
 from .io import checkpoint
-from .models import Llama, LlamaConfig, from_pretrained
+from .models import GPT2, GPT2Config, Llama, LlamaConfig, from_pretrained
 from . import models, generation
 from .generation import generate
 

@@ -1,8 +1,9 @@
 """The package's layers stay true: every import (lazy ones inside functions included) goes to the same layer
 own package or to a lower layer, and there is no import cycle.
 
-    runtime (_backend, _loader, _nvrtc, graph, data)  <  ops (+ blas)  <  autograd, amp  <  functional
-      <  nn, optim, io  <  models  <  generation  <  train  <  the package root (its __init__ only re-exports)
+    runtime (_backend, _loader, _nvrtc, graph, data)  <  ops (+ blas, distributed)  <  autograd, amp
+      <  functional  <  nn, optim, io  <  models  <  generation  <  train  <  run (the launcher)
+      <  the package root (its __init__ only re-exports)
 """
 import ast
 from pathlib import Path
@@ -13,13 +14,14 @@ PKG = Path(__file__).resolve().parents[1] / "cukernels"
 
 LAYERS = [
     {"_backend", "_loader", "_nvrtc", "graph", "data"},
-    {"ops", "blas"},
+    {"ops", "blas", "distributed"},
     {"autograd", "amp"},
     {"functional"},
     {"nn", "optim", "io"},
     {"models"},
     {"generation"},
     {"train"},
+    {"run"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -83,8 +83,9 @@ def test_reference_matches_f64(rng, reduction, eps, chunk):
     assert loss.dtype == np.float32 and loss.shape == ((10,) if reduction == "none" else ())
     assert dx.dtype == np.float32 and dx.shape == (10, 6) and dw.dtype == np.float32 and dw.shape == (13, 6)
     np.testing.assert_allclose(loss, L, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(dx, DX, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(dw, DW, rtol=1e-5, atol=1e-7)
+    # fp32 sums of ~10 terms of O(1): over 300 seeds the error beyond rtol reached 2.6e-7, so atol 1e-6
+    np.testing.assert_allclose(dx, DX, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, DW, rtol=1e-5, atol=1e-6)
     assert not dx[0].any(), "an ignored row gets no input gradient"
 
 

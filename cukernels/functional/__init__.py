@@ -9,13 +9,13 @@ import numpy as np
 
 from ..autograd import Tensor
 from . import array_ops, kernel_ops
-from .array_ops import (Add, Cast, Concat, Contiguous, Div, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
+from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
                         PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose, add, cast,
-                        concat, contiguous, div, exp, gemm, getitem, linear, log, masked_fill, matmul, mean, mul,
+                        concat, contiguous, div, erf, exp, gemm, getitem, linear, log, masked_fill, matmul, mean, mul,
                         pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh, transpose)
-from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, EmbeddingF, EmbeddingLowpF, FlashAttentionF, GeluF, LayerNormF,
+from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, EmbeddingF, EmbeddingLowpF, FlashAttentionF, GeluF, LayerNormF,
                          RMSNormF, RopeF, SoftmaxF, SparseEmbeddingF, SwiGLUF, SwiGLUPackedF, attn_softmax,
-                         cross_entropy, embedding, flash_attention, gelu, layer_norm, rms_norm, rope, rotate_half,
+                         cross_entropy, dropout, dropout_add, embedding, flash_attention, gelu, layer_norm, rms_norm, rope, rotate_half,
                          softmax, swiglu, swiglu_packed)
 
 

@@ -15,6 +15,8 @@ from ..ops.activations import gelu as _gelu, gelu_backward as _gelu_bwd
 from ..ops.activations import swiglu as _swiglu, swiglu_backward as _swiglu_bwd
 from ..ops.activations import swiglu_packed as _swiglu_p, swiglu_packed_backward as _swiglu_p_bwd
 from ..ops.attention import flash_attention as _flash, flash_attention_backward as _flash_bwd
+from ..ops.dropout import dropout as _drop, dropout_add as _drop_add, dropout_backward as _drop_bwd
+from ..ops.dropout import keep_mask as _keep_mask
 from ..ops.cross_entropy import cross_entropy as _ce, cross_entropy_backward as _ce_bwd
 from ..ops.cross_entropy import cross_entropy_fused as _ce_fused
 from ..ops.embedding import SparseRowGrad, embedding as _emb, embedding_backward as _emb_bwd
@@ -23,8 +25,8 @@ from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
 from ..ops.rope import rope as _rope, rope_backward as _rope_bwd
 from ..ops.softmax import attn_softmax as _attn_sm, attn_softmax_backward as _attn_sm_bwd
 from ..ops.softmax import softmax as _sm, softmax_backward as _sm_bwd
-from .array_ops import (PickLast, Take, _contig, _data, add, cast, concat, div, exp, getitem, log, masked_fill,
-                        mean, mul, pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh)
+from .array_ops import (PickLast, Take, _contig, _data, add, cast, concat, div, erf, exp, getitem, log,
+                        masked_fill, mean, mul, pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh)
 
 
 # ========================================================================== kernel-family Functions
@@ -235,6 +237,37 @@ class SwiGLUPackedF(Function):
         return _swiglu_p_bwd(gu, _contig(g, gu.dtype))
 
 
+class DropoutF(Function):
+    """Inverted dropout (ck.dropout); the backward draws the same mask again from (seed, offset)."""
+
+    @staticmethod
+    def forward(ctx, x, p, seed, offset):
+        ctx.rng = (p, seed, offset)
+        return _drop(x, p, seed=seed, offset=offset)
+
+    @staticmethod
+    def backward(ctx, g):
+        p, seed, offset = ctx.rng
+        return _drop_bwd(_contig(g), p, seed=seed, offset=offset), None, None, None
+
+
+class DropoutAddF(Function):
+    """``residual + dropout(x)`` in one kernel (ck.dropout_add): GPT-2's residual branch."""
+
+    @staticmethod
+    def forward(ctx, x, residual, p, seed, offset):
+        ctx.rng = (p, seed, offset)
+        ctx.xdt = x.dtype
+        return _drop_add(x, _contig(residual), p, seed=seed, offset=offset)
+
+    @staticmethod
+    def backward(ctx, g):
+        p, seed, offset = ctx.rng
+        g = _contig(g)
+        dx = _drop_bwd(g, p, seed=seed, offset=offset, dtype=ctx.xdt) if ctx.needs_input_grad[0] else None
+        return dx, g, None, None, None
+
+
 class GeluF(Function):
     @staticmethod
     def forward(ctx, x):
@@ -399,8 +432,39 @@ def swiglu_packed(gu, fused=True):
                   fused=False)
 
 
-def gelu(x, fused=True):
-    """tanh-approximated GELU: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+def dropout(x, p, *, seed, offset, training=True):
+    """Inverted dropout with a counter-based mask (ck.dropout): ``seed`` per site, ``offset`` per forward pass
+    (ints or 0-d device arrays: a captured step that advances the offset draws fresh masks). Identity when not
+    training or p == 0."""
+    if not training or not p:
+        return x
+    if _data(x).dtype == np.float64:  # gradient checks on the NumPy path: the same mask, as a constant product
+        return mul(x, _mask64(x, p, seed, offset))
+    return DropoutF.apply(x, p, seed, offset)
+
+
+def _mask64(x, p, seed, offset):
+    keep = _keep_mask(_data(x).shape, p, seed=int(seed), offset=int(offset))
+    return keep.astype(np.float64) / (1.0 - p)
+
+
+def dropout_add(x, residual, p, *, seed, offset, training=True):
+    """``residual + dropout(x)`` (one kernel when training with p > 0, else a plain add)."""
+    if not training or not p:
+        return add(residual, x)
+    if _data(x).dtype == np.float64:
+        return add(residual, mul(x, _mask64(x, p, seed, offset)))
+    return DropoutAddF.apply(x, residual, p, seed, offset)
+
+
+def gelu(x, fused=True, approximate="tanh"):
+    """GELU. ``approximate="tanh"`` (GPT-2's "gelu_new"): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``,
+    the kernel when fused; ``"none"``: the exact ``0.5 x (1 + erf(x / sqrt(2)))``, a composite of array ops
+    (no kernel yet)."""
+    if approximate == "none":
+        return mul(mul(x, 0.5), add(erf(mul(x, float(1 / np.sqrt(2.0)))), 1.0))
+    if approximate != "tanh":
+        raise ValueError(f"approximate: expected 'tanh' or 'none'; got {approximate!r}")
     if fused:
         return GeluF.apply(x)
     c = float(np.sqrt(2.0 / np.pi))

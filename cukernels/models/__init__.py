@@ -7,6 +7,7 @@ import numpy as np
 
 from ..io import hf_folder
 from .base import REGISTRY, CausalLM, ModelConfig, model_class, register
+from .gpt2 import GPT2, GPT2Config
 from .llama import Llama, LlamaConfig
 
 
@@ -21,4 +22,4 @@ def from_pretrained(path, *, xp=np, dtype=None, **kw):
 
 
 __all__ = ["REGISTRY", "CausalLM", "ModelConfig", "model_class", "register", "from_pretrained", "Llama",
-           "LlamaConfig"]
+           "LlamaConfig", "GPT2", "GPT2Config"]

@@ -140,6 +140,11 @@ class CausalLM(Module):
         return int(getattr(self.config, "max_position_embeddings", 1 << 30))
 
     @classmethod
+    def hf_rename(cls, hf_name) -> str:
+        """Our parameter name for a Hugging Face tensor name (identity: our modules carry HF's names)."""
+        return hf_name
+
+    @classmethod
     def hf_transposed(cls, name) -> bool:
         """True for parameters stored transposed in Hugging Face files (GPT-2's Conv1D weights)."""
         return False
@@ -257,19 +262,20 @@ class CausalLM(Module):
         """Hugging Face tensors (a lazy mapping) -> {our name: lazily converted array}, every name and shape
         checked first (HFFormatError naming ``where`` and what disagrees)."""
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        names = {}
+        names = {}  # our name -> HF name
         for k in tensors:
             if cls.hf_ignored_suffixes and k.endswith(cls.hf_ignored_suffixes):
                 continue
-            if k == cls.hf_head and tied:
+            ours = cls.hf_rename(k)
+            if ours == cls.hf_head and tied:
                 continue  # tied: the embedding table is the output projection
-            names[k] = k
+            names[ours] = k
         shapes = {}
-        for k in names:
+        for ours, k in names.items():
             shape, dt = tensors.info(k) if hasattr(tensors, "info") else (tensors[k].shape, tensors[k].dtype)
             if np.dtype(dt).kind != "f" and np.dtype(dt) != B.bfloat16:
                 raise hf_folder.HFFormatError(f"{where}: {k}: dtype {dt}; expected a floating-point tensor")
-            shapes[k] = _Spec(tuple(reversed(shape)) if cls.hf_transposed(k) else shape)
+            shapes[ours] = _Spec(tuple(reversed(shape)) if cls.hf_transposed(ours) else shape)
         try:
             check_compatible(where, shapes, {k: _Spec(e.shape) for k, e in expected.items()}, "model")
         except CheckpointError as e:

@@ -23,6 +23,7 @@ from .. import _backend as B
 from .. import functional as F
 from ..autograd import Tensor, _xp
 from ..ops.attention import HEAD_DIMS as FLASH_HEAD_DIMS
+from .dropout import Dropout
 from .layers import Linear
 from .module import Module
 
@@ -39,10 +40,12 @@ class Attention(Module):
         causal: the causal mask (aligned at the end: query i sees keys <= i + Tk - Tq).
         names: attribute names of the projections: {"q", "k", "v", "o"} (separate), or {"qkv", "o"} for one
             packed projection whose output is q, k, v one after the other (GPT-2's ``c_attn``).
+        attn_dropout: a :class:`Dropout` on the attention probabilities (GPT-2's attn_pdrop). While it is active
+            (training, p > 0) attention takes the materialised path: the fused kernel has no dropout inside.
     """
 
     def __init__(self, hidden, n_heads, n_kv_heads=None, head_dim=None, *, bias=False, rope=True, causal=True,
-                 names=None, xp=np, rng=None, std=0.02, out_std=None, dtype=None):
+                 names=None, attn_dropout=None, xp=np, rng=None, std=0.02, out_std=None, dtype=None):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
@@ -62,6 +65,7 @@ class Attention(Module):
             setattr(self, self.names["v"], Linear(hidden, Hkv * D, **kw))
         setattr(self, self.names["o"], Linear(H * D, hidden, **dict(kw, std=out_std or std)))
         self.flash = True  # use ck.flash_attention where it applies (False: GEMM + attn_softmax + GEMM)
+        self.attn_dropout = attn_dropout
 
     def extra_repr(self):
         return (f"heads={self.H}, kv_heads={self.Hkv}, head_dim={self.D}, rope={self.rope}, causal={self.causal}")
@@ -69,7 +73,7 @@ class Attention(Module):
     def _uses_flash(self, q):
         d = q.data
         return (self.fused and self.flash and not isinstance(d, np.ndarray) and d.dtype == B.bfloat16
-                and self.D in FLASH_HEAD_DIMS)
+                and self.D in FLASH_HEAD_DIMS and not (self.attn_dropout is not None and self.attn_dropout.active()))
 
     def _qkv(self, x):
         Bsz, T, _ = x.shape
@@ -121,6 +125,8 @@ class Attention(Module):
         L = k.shape[2]
         s = F.reshape(F.matmul(q, k, trans_b=True), (Bsz, H, T, L))
         p = F.attn_softmax(s, causal=self.causal, scale=scale, key_mask=attention_mask, fused=self.fused)
+        if self.attn_dropout is not None:
+            p = self.attn_dropout(p)
         o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, L)), v)  # [B, Hkv, G*T, D]
         o = F.reshape(F.contiguous(F.transpose(F.reshape(o, (Bsz, H, T, D)), (0, 2, 1, 3))), (Bsz, T, H * D))
         return o_proj(o)

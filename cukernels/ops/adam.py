@@ -669,8 +669,9 @@ def _check_schedule(schedule):
     if not isinstance(schedule, (tuple, list)) or len(schedule) != 4:
         raise TypeError(f"schedule: expected None or a (max_lr, min_lr, warmup, total) tuple; got {schedule!r:.80}")
     mx, mn, w, tot = schedule
-    mx = float(B.check_f32("schedule[0] (max_lr)", mx, min=0))
-    mn = float(B.check_f32("schedule[1] (min_lr)", mn, min=0))
+    B.check_f32("schedule[0] (max_lr)", mx, min=0)  # checked as the kernel will take it, kept in float64 here
+    B.check_f32("schedule[1] (min_lr)", mn, min=0)  # (the host schedule lr_at is float64: WarmupCosine docs)
+    mx, mn = float(mx), float(mn)
     w = B.check_int("schedule[2] (warmup)", w, min=0, max=2**62)
     tot = B.check_int("schedule[3] (total)", tot, min=w, max=2**62)
     return mx, mn, w, tot

@@ -166,12 +166,3 @@ def cast(x, dtype, *, out=None):
     grid = L.launch_grid(k, -(-units // UNROLL))
     k((grid,), (THREADS, 1, 1), (x, y, np.int64(n)))
     return y
-
-
-# ---------------------------------------------------------------- compatibility for ops/dropout.py
-# dropout.py (another change, written against the helpers when they lived here) imports ``launch_grid`` with its
-# old (kernel, cache key, work items, threads) signature and ``vec_ok`` from this module. The helpers now live in
-# ops/_launch.py; this shim goes once dropout.py imports them from there.
-def launch_grid(kernel, key, work_items, threads=THREADS):
-    """``ops._launch.launch_grid`` under its old signature (``key`` is no longer needed: the cache is per kernel)."""
-    return L.launch_grid(kernel, work_items, threads)

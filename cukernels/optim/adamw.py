@@ -174,6 +174,11 @@ class AdamW:
         self.set_lr(lr)
         self._schedule = None
         self._norm = self._scale = self._norm_ws = None  # grad_norm outputs, made once
+        # This optimizer's device error word: the update kernels OR a bit into it (and write nothing) when the lr,
+        # step or grad_scale they read from device memory is invalid (a NaN clip scale after a NaN loss, say).
+        # Read at the next synchronising call (check_errors, step_count, get_lr, state_dict): no sync is added to
+        # the step itself, so a captured step stays capturable.
+        self._err = None if xp is np else xp.zeros((), dtype=np.int32)
 
     # ------------------------------------------------------------------------------------------ layout
     @staticmethod
@@ -314,13 +319,27 @@ class AdamW:
         """The 0-d int32 device array holding the number of steps taken."""
         return self._step
 
+    def check_errors(self):
+        """Raise FloatingPointError if an update since the last check found an invalid device lr, step or
+        grad_scale (that update was skipped: parameters and moments are unchanged). A host sync: call it where
+        you read the loss anyway (the trainer does, on logging steps)."""
+        if self._err is None:
+            return
+        code = int(self._err)
+        if code:
+            self._err.fill(0)
+            raise FloatingPointError(_A.adam_error_message(code) + " (a NaN/inf loss or gradient gives a NaN "
+                                     "clip scale; lower the lr, check the data)")
+
     @property
     def step_count(self):
-        """Steps taken (reads the device counter: a host sync)."""
+        """Steps taken (reads the device counter: a host sync; raises if an update was refused)."""
+        self.check_errors()
         return int(self._step)
 
     def get_lr(self):
-        """The current lr (reads the device scalar: a host sync)."""
+        """The current lr (reads the device scalar: a host sync; raises if an update was refused)."""
+        self.check_errors()
         return float(self._lr)
 
     def set_lr(self, lr):
@@ -391,6 +410,8 @@ class AdamW:
                 schedule=self._schedule.as_tuple() if self._schedule is not None else None)
         b1, b2 = self.betas
         kw = dict(lr=self._lr, step=self._step, beta1=b1, beta2=b2, eps=self.eps, grad_scale=grad_scale)
+        if self._err is not None:
+            kw["error"] = self._err
         for g in self._groups:
             if g.sparse and g.rows is not None:
                 _A.adam_step_rows(g.P, g.G, g.M, g.V, g.rows, g.row_count, weight_decay=g.wd, shadow=g.S, **kw)
@@ -467,6 +488,7 @@ class AdamW:
         "exp_avg_sq"}}}`` -- the one format of every ``cukernels.optim`` optimizer. ``copy=True``: NumPy copies (a
         host sync); ``copy=False``: the optimizer's own moment buffers (views, on its module), for a checkpoint
         writer that streams them one at a time. Parameter values are not included (save the model)."""
+        self.check_errors()
         host = (lambda a: a.copy()) if self.xp is np else (lambda a: a.get())
         take = host if copy else (lambda a: a)
         return {

@@ -64,7 +64,8 @@ SCHEMA = {
     "model": Key({}, "the model family's config: type (default llama) and its Hugging Face fields", "section"),
     "data": Key(None, "training data (its keys: " + ", ".join(DATA) + ")", "section"),
     "device": Key("auto", "cpu (NumPy reference path), gpu (CUDA kernels) or auto", "choice", ("cpu", "gpu", "auto")),
-    "fused": Key(True, "kernels (true) or the composite of plain array ops (false, the baseline)", "bool"),
+    "fused": Key(True, "kernels (true) or the composite of plain array ops (false, the baseline); "
+                       "use_fused_kernel is the same key (the fused-softmax/LayerNorm write-up's name)", "bool"),
     "autocast": Key(None, "bf16: bf16 GEMMs over fp32 master weights; null: fp32", "choice", ("bf16",), optional=True),
     "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
     "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
@@ -183,9 +184,16 @@ def _check_model(m):
     return dict(m, type=mt)
 
 
+ALIASES = {"use_fused_kernel": "fused"}
+
+
 def validate(cfg: dict) -> dict:
     """Check every key of a merged config; returns the normalised config (ints, floats, lists)."""
     out = {}
+    cfg = dict(cfg)
+    for alias, key in ALIASES.items():
+        if alias in cfg:
+            cfg[key] = cfg.pop(alias)
     for k, v in cfg.items():
         if k not in SCHEMA:
             raise ConfigError(f"{k}: unknown config key{suggest(k, SCHEMA)}")

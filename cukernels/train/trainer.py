@@ -163,13 +163,20 @@ def sync(xp):
 
 
 def evaluate(model, loader, steps, use_autocast):
+    """Mean validation loss over ``steps`` batches from the loader's start, in eval mode (no dropout, so the
+    training randomness is untouched)."""
     loader.reset()
     tot = None
-    with no_grad(), autocast(B.bfloat16, enabled=bool(use_autocast)):
-        for _ in range(steps):
-            x, y = loader.next_batch()
-            loss = model(x, y).data
-            tot = loss if tot is None else tot + loss
+    was = model.training
+    model.eval()
+    try:
+        with no_grad(), autocast(B.bfloat16, enabled=bool(use_autocast)):
+            for _ in range(steps):
+                x, y = loader.next_batch()
+                loss = model(x, y).data
+                tot = loss if tot is None else tot + loss
+    finally:
+        model.train(was)
     return float(tot) / steps
 
 
@@ -249,6 +256,9 @@ def save_checkpoint(run, step, log_rows, loss_acc, n_acc):
     cfg = run.cfg
     extra = {"loss_acc": np.asarray(loss_acc.get() if hasattr(loss_acc, "get") else loss_acc, np.float32)} \
         if n_acc else {}
+    drng = getattr(run.model, "dropout_rng", None)
+    if drng is not None:  # the dropout stream's position: a resumed run draws the masks this one would have
+        extra["dropout_offset"] = drng.offset
     meta = {"step": int(step), "config": {k: v for k, v in cfg.items() if k != "resume"},
             "loader": run.train_loader.state_dict(), "n_acc": int(n_acc), "log": log_rows}
     path = C.save_training(C.step_path(ckpt_folder(cfg), step), model=run.model,
@@ -314,6 +324,10 @@ def apply_resume(run, arrays, meta):
     run.model.load_state_dict(C.model_arrays(arrays))
     run.opt.load_state_dict(C.optimizer_state(arrays, meta))
     run.train_loader.load_state_dict(meta["loader"])
+    drng = getattr(run.model, "dropout_rng", None)
+    saved = C.train_arrays(arrays).get("dropout_offset")
+    if drng is not None and saved is not None:
+        drng.offset[...] = run.xp.asarray(np.asarray(saved, dtype=np.uint64))
 
 
 def build_model(cfg, xp):
@@ -341,6 +355,7 @@ def build_model(cfg, xp):
 
 def _sample(model, n, xp, use_autocast, seed):
     """``n`` bytes sampled after a newline from the trained model (temperature 0.8, top-k 40, the run's seed)."""
+    n = min(n, model.max_positions() - 1)
     ids = generate(model, np.array([[10]], dtype=np.int32), n, temperature=0.8, top_k=40, seed=seed,
                    autocast=B.bfloat16 if use_autocast else None)
     return ByteTokenizer().decode(ids[0, 1:])
@@ -414,6 +429,8 @@ def train(cfg, quiet=False, stop_after=None, console=None):
         if (step + 1) % cfg["log_every"] == 0 or last:
             lv = float(loss_acc) / n_acc  # the one host read, on logging steps only
             nv = float(norm)
+            if run.opt_fused:
+                run.opt.check_errors()  # a refused update (NaN clip scale, ...) stops the run here, weights intact
             lr = lr_at(step, cfg)
             sync(xp)
             now = time.perf_counter()
@@ -441,5 +458,6 @@ def train(cfg, quiet=False, stop_after=None, console=None):
     else:
         say(f"log: {log.path}")
     if cfg["sample_chars"] and cfg["data"]["kind"] == "text" and mc.vocab_size == 256:
-        say("sample: " + _sample(model, cfg["sample_chars"], xp, cfg["autocast"], cfg["seed"]))
+        text = _sample(model, cfg["sample_chars"], xp, cfg["autocast"], cfg["seed"])
+        say("sample (temperature 0.8, top-k 40):\n  " + text.replace("\n", "\n  "))
     return log.rows
