@@ -501,7 +501,7 @@ def test_gpu_key_mask_dtypes_huge_padded_scores_and_determinism(rng):
     Q, K, V, W = _dev(q, k, v, w)
     base = None
     for dt, val in ((np.bool_, True), (np.bool_, True), (np.uint8, 2), (np.int8, -1), (np.int16, 256),
-                    (np.int32, 256), (np.int64, 2**40), (np.uint64, 2**63)):
+                    (np.int32, 256), (np.int64, 2**40), (np.uint64, np.uint64(2**63))):
         M = cp().asarray(np.where(m, val, 0).astype(dt))
         o, lse = ck.flash_attention(Q, K, V, key_mask=M, return_lse=True)
         g = ck.flash_attention_backward(W, Q, K, V, o, lse, key_mask=M)

@@ -191,7 +191,7 @@ def test_logits_loss_grads_equal_transformers(tmp_path, rng, masked):
     if masked:
         mask[1, :7] = 0
         mask[2, :19] = 0
-    tgt = np.where(mask[:, 1:] == 1, ids[:, 1:], -100)
+    tgt = np.where((mask[:, :-1] == 1) & (mask[:, 1:] == 1), ids[:, 1:], -100)  # no target on a padded input
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
     out = ref(torch.from_numpy(ids[:, :-1]), attention_mask=torch.from_numpy(mask[:, :-1]),
               position_ids=torch.from_numpy(pos[:, :-1]), labels=None)

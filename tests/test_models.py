@@ -160,7 +160,7 @@ def test_padded_batch_matches_transformers(tmp_path, rng, path):
     import cupy as cp
 
     cfg = _config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
-                  max_position_embeddings=128, vocab_size=97)  # head_dim 64: the flash kernel's
+                  max_position_embeddings=128, vocab_size=97, initializer_range=0.05)  # head_dim 64: flash's
     src = ck.Llama(cfg, seed=5, fused=False)
     src.save_pretrained(tmp_path / "hf")
     ref = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32,
@@ -178,6 +178,12 @@ def test_padded_batch_matches_transformers(tmp_path, rng, path):
         got = _logits(m, cp.asarray(ids), attention_mask=cp.asarray(mask), position_ids=cp.asarray(pos))
     got = cp.asnumpy(got.astype(cp.float32))
     assert np.isfinite(got).all()
-    tol = 0.1 if bf16 else 1e-4
     for b, s in enumerate(seqs):
-        np.testing.assert_allclose(got[b, -len(s):], theirs[b, -len(s):], atol=tol, rtol=0, err_msg=f"row {b}")
+        g, t = got[b, -len(s):], theirs[b, -len(s):]
+        if not bf16:
+            np.testing.assert_allclose(g, t, atol=1e-4, rtol=0, err_msg=f"row {b}")
+            continue
+        # bf16 activations through 2 layers vs an fp32 reference: errors scale with the logits (~2^-8 per
+        # rounding); a wrong mask or wrong positions would be O(1) relative, far outside this.
+        scale = np.abs(t).max()
+        assert np.abs(g - t).max() < 0.06 * scale and np.abs(g - t).mean() < 0.01 * scale, (b, np.abs(g - t).max())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call per stage, logs in $OUT (the device tool's output folder) or ./out.
+#   bash benchmarks/run_session.sh tests [pytest args]   GPU suite (-m gpu, 8 workers) + kernel compile check
+#   bash benchmarks/run_session.sh ops FAMILIES          bench_ops --quick for a comma list of families
+#   bash benchmarks/run_session.sh train [args]          bench_train (LLaMA both configs) + GPT-2 with PyTorch
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
+stage=${1:-tests}; shift || true
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
+python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+case "$stage" in
+  tests)
+    timeout ${GPU_TEST_TIMEOUT:-420} python -m pytest -m gpu -q -p no:cacheprovider -n 8 "$@" 2>&1 \
+      | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 80 ;;
+  ops)
+    timeout ${BENCH_TIMEOUT:-500} python benchmarks/bench_ops.py --no-startup --quick --only "$1" \
+      --json "$out/bench_ops.json" 2>&1 | tee "$out/bench_ops.log" ;;
+  train)
+    timeout 240 python benchmarks/bench_train.py --configs b4t64,b8t1024 --json "$out/bench_llama.json" 2>&1 \
+      | tee "$out/bench_llama.log"
+    timeout 330 python benchmarks/bench_train.py --model gpt2 --ablation --vs-torch "${1:-eager,compile,reduce-overhead}" \
+      --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log" ;;
+esac
