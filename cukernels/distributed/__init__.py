@@ -91,11 +91,15 @@ def _init_nccl(env, timeout, watchdog):
         raise DistributedError(f"rank {env.rank}: world_size {env.world_size} needs NCCL and one GPU per rank; CuPy "
                                f"sees no CUDA device")
     n_dev = cp.cuda.runtime.getDeviceCount()
-    if env.local_rank >= n_dev:
-        raise DistributedError(f"rank {env.rank}: LOCAL_RANK {env.local_rank} but this host shows {n_dev} GPU(s) "
+    if env.local_rank < n_dev:
+        device = env.local_rank
+    elif n_dev == 1:
+        device = 0  # the scheduler gave each process its own GPU (srun --gpus-per-task=1): it is device 0
+    else:
+        raise DistributedError(f"rank {env.rank}: LOCAL_RANK {env.local_rank} but this process sees {n_dev} GPUs "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); start at "
                                f"most {n_dev} processes per host")
-    cp.cuda.Device(env.local_rank).use()
+    cp.cuda.Device(device).use()
     uid = unique_id_bytes() if env.rank == 0 else b""
     uid = rendezvous(env.rank, env.world_size, env.master_addr, env.master_port, uid, timeout=timeout)[0]
 
@@ -103,7 +107,7 @@ def _init_nccl(env, timeout, watchdog):
     # there forever. A timer turns that into a failed process (the launcher then stops the run and names it).
     def stuck():
         sys.stderr.write(f"cukernels.distributed: rank {env.rank}: NCCL communicator setup did not finish within "
-                         f"{timeout:g} s (world_size {env.world_size}, GPU {env.local_rank}); another rank probably "
+                         f"{timeout:g} s (world_size {env.world_size}, GPU {device}); another rank probably "
                          f"died after the rendezvous. Exiting.\n")
         sys.stderr.flush()
         os._exit(1)
@@ -115,10 +119,10 @@ def _init_nccl(env, timeout, watchdog):
         comm = make_nccl_comm(env.world_size, uid, env.rank)
     except Exception as e:
         raise DistributedError(f"rank {env.rank}: NCCL communicator setup failed (world_size {env.world_size}, GPU "
-                               f"{env.local_rank}): {e}") from e
+                               f"{device}): {e}") from e
     finally:
         timer.cancel()
-    return NcclGroup(comm, env.rank, env.world_size, env.local_rank, watchdog=watchdog)
+    return NcclGroup(comm, env.rank, env.world_size, env.local_rank, device=device, watchdog=watchdog)
 
 
 def destroy_process_group():

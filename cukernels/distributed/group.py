@@ -279,9 +279,9 @@ class NcclGroup(ProcessGroup):
 
     backend = "nccl"
 
-    def __init__(self, comm, rank, world_size, local_rank, *, watchdog=True):
+    def __init__(self, comm, rank, world_size, local_rank, *, device=None, watchdog=True):
         cp = B._cupy()
-        super().__init__(rank, world_size, local_rank, cp, local_rank)
+        super().__init__(rank, world_size, local_rank, cp, local_rank if device is None else int(device))
         self._nccl = _nccl()
         self._comm = comm
         self._failed = None
@@ -355,18 +355,39 @@ class NcclGroup(ProcessGroup):
         self.all_reduce(self._scratch)
         cp.cuda.get_current_stream().synchronize()
 
-    def destroy(self):
+    def destroy(self, timeout=60.0):
+        """Wait for this GPU's queued work, then free the communicator. A communicator that failed is aborted
+        instead; if the wait does not end within ``timeout`` seconds (a peer died with a collective in flight),
+        the process says so on stderr and exits with status 1 rather than hang."""
         if self._watchdog is not None:
             self._watchdog.stop.set()
             self._watchdog.join(timeout=5.0)
+        if self._failed is not None:
+            self._abort()
+            return
         with self._lock:
             comm, self._comm = self._comm, None
-        if comm is not None:
+        if comm is None:
+            return
+
+        def stuck():
+            sys.stderr.write(f"cukernels.distributed: rank {self.rank}: destroying the process group: the GPU's "
+                             f"queued work did not finish within {timeout:g} s (a collective whose peer is gone?); "
+                             f"exiting\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+        timer = threading.Timer(timeout, stuck)
+        timer.daemon = True
+        timer.start()
+        try:
             try:
                 self.xp.cuda.Device(self.device).synchronize()
-            except Exception:
+            except Exception:  # a sticky CUDA error: nothing to wait for; still free the communicator
                 pass
             comm.destroy()
+        finally:
+            timer.cancel()
 
 
 def make_nccl_comm(world_size, unique_id, rank):
