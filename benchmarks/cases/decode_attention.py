@@ -1,0 +1,61 @@
+"""Benchmark cases for decode_attention (kernels_cu/decode_attention.cu): one new token per sequence against a
+static bf16 KV cache of max_len 2304 (a 2048-token prompt + 256 new tokens), at cache_len 128 and 2048.
+
+Memory-bound: the bytes are the valid K and V rows read once, 2 * B * cache_len * Hkv * D * 2, plus q and o
+(B * H * D * 2 each). "x cupy": the materialised path on the same cache slice (grouped GEMM, softmax, GEMM in
+CuPy); "x torch": PyTorch's scaled_dot_product_attention on the [:cache_len] slice (what a static-cache
+decode step runs). The length lives on the device, as in a captured decode step.
+"""
+import math
+
+import cukernels as ck
+from bench_ops import Case
+from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace
+
+L_MAX = 2304
+SHAPES = [(B, L, H, Hkv, 64) for (H, Hkv) in ((32, 8), (12, 12)) for B in (1, 8, 64) for L in (128, 2048)]
+
+
+def cases(ctx):
+    cp, torch = ctx.cp, ctx.torch
+    out = []
+    shapes = [s for s in SHAPES if s[0] == 8] if ctx.quick else SHAPES
+    for Bsz, L, H, Hkv, D in shapes:
+        G = H // Hkv
+        r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
+        k_ = ctx.nsets(2 * Bsz * L * Hkv * D * 2)
+        qs = [r(Bsz, 1, H, D) for _ in range(k_)]
+        kc = [r(Bsz, L_MAX, Hkv, D) for _ in range(k_)]
+        vc = [r(Bsz, L_MAX, Hkv, D) for _ in range(k_)]
+        length = cp.array(L, dtype=cp.int32)
+        ws = decode_attention_workspace(qs[0], kc[0])
+        os_ = [cp.empty_like(q) for q in qs]
+        scale = 1.0 / math.sqrt(D)
+
+        def ours(i, qs=qs, kc=kc, vc=vc, length=length, ws=ws, os_=os_):
+            return decode_attention(qs[i], kc[i], vc[i], length, out=os_[i], workspace=ws)
+
+        def comp(i, qs=qs, kc=kc, vc=vc, Bsz=Bsz, L=L, H=H, Hkv=Hkv, G=G, D=D, scale=scale):
+            q = qs[i].reshape(Bsz, Hkv, G, D).astype(cp.float32)
+            k = kc[i][:, :L].transpose(0, 2, 3, 1).astype(cp.float32)  # [B, Hkv, D, L]
+            v = vc[i][:, :L].transpose(0, 2, 1, 3).astype(cp.float32)  # [B, Hkv, L, D]
+            s = cp.matmul(q, k) * scale
+            p = cp.exp(s - s.max(-1, keepdims=True))
+            return (cp.matmul(p / p.sum(-1, keepdims=True), v)).astype(ck.bfloat16)
+
+        tf = None
+        if torch is not None:
+            import torch.nn.functional as Fn
+
+            tq = [ctx.t(q).transpose(1, 2) for q in qs]                    # [B, H, 1, D]
+            tk = [ctx.t(k)[:, :L].transpose(1, 2) for k in kc]             # [B, Hkv, L, D] views
+            tv = [ctx.t(v)[:, :L].transpose(1, 2) for v in vc]
+
+            def tf(i, tq=tq, tk=tk, tv=tv):
+                with torch.no_grad():
+                    return Fn.scaled_dot_product_attention(tq[i], tk[i], tv[i], enable_gqa=True)
+
+        nbytes = 2 * Bsz * L * Hkv * D * 2 + 2 * Bsz * H * D * 2
+        out.append(Case("decode_attention", f"B{Bsz} len{L}/{L_MAX} {H}/{Hkv}x{D}", "bf16", nbytes,
+                        "2*B*len*Hkv*D*2 + q,o", ours, comp, tf, extra=dict(nsets=k_)))
+    return out

@@ -1,0 +1,280 @@
+"""Decode attention against a static KV cache (flash-decoding, split-KV): ``decode_attention``.
+Kernels: ``kernels_cu/decode_attention.cu``."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .. import _backend as B
+from .._loader import get_function
+from . import _launch
+
+FAMILY = "decode_attention"
+HEAD_DIMS = (32, 64, 128)
+THREADS = 128   # 4 warps (NW in decode_attention.cu)
+BN = 16         # keys per warp per stage
+MASK_CHUNK = 8192  # with key_mask, a split covers at most this many keys (its mask bits live in shared memory)
+MASK_WORDS = (MASK_CHUNK + 128) // 32
+MASK_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+                                          np.int64, np.uint64))
+
+
+def _row_tiles(G, Tq):
+    """(row tiles of 16 per block MTB, row groups RG) for R = G * Tq rows per K/V head."""
+    mt = -(-(G * Tq) // 16)
+    mtb = 1 if mt == 1 else 2 if mt == 2 else 4
+    return mtb, -(-mt // mtb)
+
+
+def _smem(D, mtb):
+    """Dynamic shared memory of dattn_split_d<D>_m<mtb> (Layout<D, MTB> in decode_attention.cu)."""
+    LD, stage = D + 8, (4 // mtb) * BN
+    q_bytes = mtb * 16 * LD * 2
+    kv_bytes = 2 * 2 * stage * LD * 2
+    merge_bytes = (4 * 32 + 4 * 16 * (D + 4)) * 4
+    return q_bytes + max(kv_bytes, merge_bytes) + MASK_WORDS * 4
+
+
+_configured: set = set()
+
+
+def _split_kernel(D, mtb):
+    k = get_function(FAMILY, f"dattn_split_d{D}_m{mtb}")
+    smem = _smem(D, mtb)
+    key = (id(k), smem)
+    if key not in _configured:  # a host-side attribute, set once (before any capture)
+        k.max_dynamic_shared_size_bytes = smem
+        _configured.add(key)
+    return k, smem
+
+
+def _check_4d(name, a, hint):
+    B.check_dtype(name, a, (B.bfloat16,))
+    if a.ndim != 4:
+        raise ValueError(f"{name}: expected 4 dimensions {hint}; got shape {tuple(a.shape)}")
+
+
+def _strides(name, a):
+    """Element strides (batch, token, head) of a [B, T, heads, D] view the kernel reads in place (an axis of
+    length 1 is never stepped along: its stride is taken as 0, whatever the view says)."""
+    isz = a.itemsize
+    if a.shape[3] > 1 and a.strides[3] != isz:
+        raise ValueError(f"{name}: the last axis (head_dim) must be contiguous; got strides {a.strides}")
+    st = [s if n > 1 else 0 for s, n in zip(a.strides[:3], a.shape[:3])]
+    if a.size and (a.data.ptr % 16 or any(s % 16 for s in st)):
+        raise ValueError(f"{name}: the kernel reads 16-byte chunks: the data pointer and the batch / token / head "
+                         f"strides must be multiples of 16 bytes; got pointer offset {a.data.ptr % 16}, strides "
+                         f"{a.strides} (use a contiguous copy)")
+    return tuple(np.int64(s // isz) for s in st)
+
+
+def _is_int(v):
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
+    _check_4d("q", q, "[batch, new_tokens, heads, head_dim]")
+    _check_4d("k_cache", k_cache, "[batch, max_len, kv_heads, head_dim]")
+    _check_4d("v_cache", v_cache, "[batch, max_len, kv_heads, head_dim]")
+    Bsz, Tq, H, D = (int(s) for s in q.shape)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D}")
+    if k_cache.shape[0] != Bsz or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: expected shape ({Bsz}, max_len, kv_heads, {D}) to match q {tuple(q.shape)}; "
+                         f"got {tuple(k_cache.shape)}")
+    Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    B.check_shape("v_cache", v_cache, k_cache.shape, " (the shape of k_cache)")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"k_cache: kv_heads ({Hkv}) must divide the query heads ({H})")
+    if Lmax >= 2**31:
+        raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
+    if _is_int(cache_len):
+        if not 0 <= int(cache_len) <= Lmax:
+            raise ValueError(f"cache_len: expected 0 <= cache_len <= max_len ({Lmax}); got {int(cache_len)}")
+    elif B._kind(cache_len) is not None:
+        B.check_dtype("cache_len", cache_len, (np.int32,))
+        if cache_len.ndim != 0:
+            raise ValueError(f"cache_len: expected a 0-d int32 array (a device scalar) or an int; got shape "
+                             f"{tuple(cache_len.shape)}")
+    else:
+        raise TypeError(f"cache_len: expected an int or a 0-d int32 array; got {type(cache_len).__name__}")
+    if key_mask is not None:
+        if key_mask.dtype not in MASK_DTYPES:
+            raise TypeError(f"key_mask: expected a bool or integer dtype (nonzero = keep); got {key_mask.dtype}")
+        B.check_shape("key_mask", key_mask, (Bsz, Lmax), " ([batch, max_len])")
+        if key_mask.size and Lmax > 1 and key_mask.strides[1] != key_mask.itemsize:
+            raise ValueError(f"key_mask: the last axis must be contiguous; got strides {key_mask.strides}")
+        if Bsz > 1 and key_mask.strides[0] % key_mask.itemsize:
+            raise ValueError(f"key_mask: the row stride must be a whole number of elements; got {key_mask.strides}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    scale = B.scalar_f32("scale", scale)
+    if not (np.isfinite(scale) and scale > 0):  # the kernel takes the row max of the unscaled scores
+        raise ValueError(f"scale: expected a finite number > 0; got {scale}")
+    if num_splits is not None:
+        if not _is_int(num_splits) or int(num_splits) < 1:
+            raise ValueError(f"num_splits: expected an int >= 1 or None; got {num_splits!r}")
+        if key_mask is not None and -(-Lmax // int(num_splits)) > MASK_CHUNK:
+            raise ValueError(f"num_splits: with key_mask a split covers at most {MASK_CHUNK} keys: need "
+                             f">= {-(-Lmax // MASK_CHUNK)} splits for max_len {Lmax}; got {int(num_splits)}")
+    return Bsz, Tq, H, Hkv, D, Lmax, scale
+
+
+def _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits):
+    """Key splits per (batch, K/V head): about two waves of blocks, from max_len (the current length lives on
+    the device), at least one 16*KG-key stage per split; with key_mask at most MASK_CHUNK keys per split."""
+    mtb, rg = _row_tiles(G, Tq)
+    stage = (4 // mtb) * BN
+    if num_splits is not None:
+        return int(num_splits)
+    k, smem = _split_kernel(D, mtb)
+    wave = _launch.wave(k, THREADS, smem)
+    units = max(1, Bsz * Hkv * rg)
+    s = max(1, min(-(-2 * wave // units), -(-Lmax // stage)))
+    if key_mask is not None:
+        s = max(s, -(-Lmax // MASK_CHUNK))
+    return s
+
+
+def _workspace_elems(Bsz, Hkv, G, Tq, D, splits):
+    return 0 if splits == 1 else Bsz * Hkv * splits * G * Tq * (D + 2)
+
+
+def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None):
+    """A float32 buffer big enough for :func:`decode_attention`'s split partials with these shapes (and the same
+    ``key_mask`` / ``num_splits``), for a captured decode step that must not allocate: pass it as
+    ``workspace=``. Size: ``batch * kv_heads * splits * heads/kv_heads * new_tokens * (head_dim + 2)``."""
+    xp = B.array_module(q=q, k_cache=k_cache, key_mask=key_mask)
+    Bsz, Tq, H, D = (int(s) for s in q.shape)
+    Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    if xp is np:
+        return np.empty((1,), dtype=np.float32)
+    _validate(q, k_cache, k_cache, 0, None, key_mask, num_splits)
+    s = _splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, key_mask, num_splits)
+    return xp.empty((max(1, _workspace_elems(Bsz, Hkv, H // Hkv, Tq, D, s)),), dtype=np.float32)
+
+
+def _reference(q, k_cache, v_cache, L, scale, key_mask, o):
+    """NumPy path: fp32 scores of the visible keys only (the cache tail past L is never touched). The G query
+    heads of a K/V head and the Tq tokens are the rows of one [G * Tq, L] score matrix, as in the kernel."""
+    Bsz, Tq, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = H // Hkv
+    if L == 0 or Bsz * Tq * H == 0:
+        o[...] = 0
+        return o
+    keep = np.ones((Bsz, L), dtype=bool) if key_mask is None else (np.asarray(key_mask)[:, :L] != 0)
+    # Masked rows may hold anything (NaN): zero them so that 0 * NaN never reaches o.
+    kf = np.where(keep[:, :, None, None], k_cache[:, :L].astype(np.float32), np.float32(0))
+    vf = np.where(keep[:, :, None, None], v_cache[:, :L].astype(np.float32), np.float32(0))
+    kf = kf.transpose(0, 2, 3, 1)  # [B, Hkv, D, L]
+    vf = vf.transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
+    # rows r = t * G + g of K/V head j: q[b, t, j * G + g]
+    qg = q.astype(np.float32).reshape(Bsz, Tq, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(Bsz, Hkv, Tq * G, D)
+    s = np.matmul(qg, kf) * np.float32(scale)  # [B, Hkv, Tq * G, L]
+    pos = np.repeat(L - Tq + np.arange(Tq), G)  # row r's position
+    vis = (np.arange(L)[None, :] <= pos[:, None])[None, None] & keep[:, None, None, :]
+    s = np.where(vis, s, np.float32(-np.inf))
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0).astype(np.float32)
+    p = np.where(vis, np.exp(s - m), 0).astype(np.float32)
+    den = p.sum(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        res = np.where(den > 0, np.matmul(p, vf) / np.where(den > 0, den, 1), 0)  # [B, Hkv, Tq * G, D]
+    o[...] = res.reshape(Bsz, Hkv, Tq, G, D).transpose(0, 2, 1, 3, 4).reshape(Bsz, Tq, H, D).astype(B.bfloat16)
+    return o
+
+
+def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=None, out=None, num_splits=None,
+                     workspace=None):
+    """Attention of a few new query tokens against a static KV cache (flash-decoding, split-KV), bf16.
+
+    The new tokens sit at positions ``cache_len - Tq .. cache_len - 1`` and their K/V are already written there.
+    Query ``t`` (head ``h``, K/V head ``h // G``, ``G = heads / kv_heads``) attends to keys
+    ``n < cache_len - Tq + t + 1`` (all of ``[0, cache_len)`` for the last query) with ``key_mask[b, n] != 0``::
+
+        o[b, t, h] = sum_n softmax_n(scale * <q[b, t, h], k_cache[b, n, h // G]>) v_cache[b, n, h // G]
+
+    A query that sees no key gets ``o = 0``. Keys at or past ``cache_len`` are never read (the cache tail may
+    hold anything, NaN included), nor are keys the mask drops. fp32 softmax and accumulation; the
+    probabilities enter the P V product rounded to bf16 (tensor cores), as in :func:`flash_attention`.
+
+    ``cache_len`` may be a 0-d int32 device array: the kernels read it on the device (clamped to
+    ``[0, max_len]``), so a decode step captured once in a CUDA graph stays valid as the length grows. The
+    key range is split across blocks (``num_splits``, chosen from ``max_len`` and the SM count: about two
+    waves of blocks) and the per-split partials are combined in a second kernel, splits in a fixed order
+    (bit-identical reruns); with one split the first kernel writes ``o`` directly.
+
+    Args:
+        q: bfloat16 ``[batch, new_tokens, heads, head_dim]``, head_dim 32, 64 or 128.
+        k_cache, v_cache: bfloat16 ``[batch, max_len, kv_heads, head_dim]``, kv_heads dividing heads: e.g. one
+            layer's slice of a ``[layers, batch, max_len, kv_heads, head_dim]`` cache. q, k_cache and v_cache
+            may be strided views: last axis contiguous, data pointer and the other strides multiples of 16 bytes.
+        cache_len: the number of valid keys (including the new tokens): an int in ``[0, max_len]`` or a 0-d int32
+            array.
+        scale: the score multiplier, > 0; default ``1 / sqrt(head_dim)``.
+        key_mask: optional ``[batch, max_len]`` bool or integer array, nonzero = keep (left padding of batched
+            prompts); last axis contiguous, read in place.
+        out: optional C-contiguous bfloat16 buffer of q's shape.
+        num_splits: override the number of key splits (tests, tuning); with ``key_mask`` a split may cover at
+            most 8192 keys.
+        workspace: optional float32 buffer from :func:`decode_attention_workspace` (same shapes and options):
+            without it the split partials take a memory-pool temporary, which a captured graph must not rely on.
+
+    Returns:
+        ``o``: C-contiguous bfloat16 ``[batch, new_tokens, heads, head_dim]``.
+
+    Example::
+
+        >>> kc = cp.zeros((16, 1, 2048, 8, 64), ck.bfloat16); vc = cp.zeros_like(kc)   # [layers, B, L, Hkv, D]
+        >>> length = cp.array(129, dtype=cp.int32)                 # 128 prompt tokens + the new one
+        >>> o = ck.decode_attention(q, kc[3], vc[3], length)       # q: [1, 1, 32, 64]
+    """
+    xp = B.array_module(q=q, k_cache=k_cache, v_cache=v_cache, key_mask=key_mask, out=out, workspace=workspace,
+                        cache_len=cache_len if B._kind(cache_len) is not None else None)
+    Bsz, Tq, H, Hkv, D, Lmax, scale = _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits)
+    o = B.empty(xp, q.shape, B.bfloat16, out)
+    if xp is np:
+        return _reference(q, k_cache, v_cache, min(max(int(cache_len), 0), Lmax), scale, key_mask, o)
+    G = H // Hkv
+    if Bsz * Tq * H == 0:
+        return o
+    if Bsz > 65535:
+        raise ValueError(f"q: batch must be <= 65535 (the kernel's grid z); got {Bsz}")
+    mtb, rg = _row_tiles(G, Tq)
+    if Hkv * rg > 65535:
+        raise ValueError(f"k_cache: kv_heads * row groups ({Hkv} * {rg}) must be <= 65535")
+    sq, sk, sv = _strides("q", q), _strides("k_cache", k_cache), _strides("v_cache", v_cache)
+    splits = _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits)
+    need = _workspace_elems(Bsz, Hkv, G, Tq, D, splits)
+    if workspace is not None:
+        B.check_dtype("workspace", workspace, (np.float32,))
+        B.check_contiguous("workspace", workspace)
+        if workspace.size < need or workspace.data.ptr % 16:
+            raise ValueError(f"workspace: expected a 16-byte aligned float32 buffer of >= {need} elements "
+                             f"(decode_attention_workspace); got {workspace.size} at pointer offset "
+                             f"{workspace.data.ptr % 16}")
+        ws = workspace
+    else:
+        ws = xp.empty((max(1, need),), dtype=np.float32) if need else None
+    dev_len = B._kind(cache_len) is not None
+    len_args = (cache_len if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    if key_mask is not None:
+        mrow = key_mask.strides[0] // key_mask.itemsize if Bsz > 1 else 0
+        mask_args = (key_mask, np.int64(mrow), np.int32(key_mask.itemsize))
+    else:
+        mask_args = (B.NULL, np.int64(0), np.int32(1))
+    kern, smem = _split_kernel(D, mtb)
+    kern((splits, Hkv * rg, Bsz), (THREADS, 1, 1),
+         (q, k_cache, v_cache, *len_args, *mask_args, ws if ws is not None else B.NULL, o, *sq, *sk, *sv,
+          np.int32(Tq), np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
+          np.bool_(splits == 1)), shared_mem=smem)
+    if splits > 1:
+        rows = Bsz * Tq * H
+        comb = get_function(FAMILY, f"dattn_combine_d{D}")
+        comb((-(-rows // 4),), (THREADS, 1, 1),
+             (ws, o, *len_args, np.int32(Bsz), np.int32(Tq), np.int32(H), np.int32(Hkv), np.int32(Lmax),
+              np.int32(splits), np.int32((4 // mtb) * BN)))
+    return o

@@ -1,0 +1,493 @@
+// Decode attention (flash-decoding, split-KV): a few new query tokens against a long static KV cache, bf16 in /
+// bf16 out, fp32 softmax and accumulation.
+//
+// Math, per batch b, query token t (position p_t = L - Tq + t, L = cache_len read from device memory) and query
+// head h (K/V head j = h / G, G = H / Hkv):
+//   s[t, h, n] = scale * <q[b, t, h], k[b, n, j]>   for keys n < L with n <= p_t and key_mask[b, n] != 0
+//   o[b, t, h] = sum_n softmax_n(s) v[b, n, j]       (no visible key: o = 0)
+// Split-KV: the key range [0, L) is cut into `splits` chunks; block (split, j, b) computes, for every row
+// (t, h of group j), the partial max m, sum l = sum exp(s - m) and acc = sum exp(s - m) v over its chunk
+// (log2 units: exp2 with scale * log2(e) folded into one FMA), into an fp32 workspace; the combine kernel then
+// forms o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, splits in order (deterministic,
+// no atomics).
+//
+// Why: at decode time one query token per sequence meets L cached keys. A grid of one block per (b, head) has
+// B * H blocks (32 at B1 for LLaMA-3.2-1B: a quarter of the 132 SMs, each streaming the whole cache through
+// one SM's load pipe). Splitting the keys gives B * Hkv * splits blocks (the host picks `splits` from L_max and
+// the SM count: about two waves), and the partials are small (Tq * H * (D + 2) floats per split).
+//
+// Design:
+//   * One block = one (split, K/V head, batch) with ALL G query heads of that K/V head and all Tq queries as the
+//     rows of the tile: R = G * Tq rows (4 for LLaMA-3.2-1B at Tq = 1), so each K/V byte is read once per K/V
+//     head, not once per query head. Rows are padded to 16 (the tensor-core tile); a block holds MTB row tiles
+//     of 16 (MTB = 1, 2 or 4; more rows -> several row groups, each re-reading its K/V: only when G * Tq > 64).
+//   * Tensor cores through mma.sync.m16n8k16 (bf16 -> fp32), the same fragment code as attention.cu: the
+//     padded rows cost tensor-core issue slots that a memory-bound kernel has spare (at Tq = 1, G = 4 the
+//     m16 tile is 1/4 used; the mma rate still exceeds the K/V read rate ~8x).
+//   * 4 warps; warp w takes row tile w % MTB and key group w / MTB: with MTB = 1 the four warps split each
+//     64-key stage (16 keys each), then merge their (m, l, acc) through shared memory at the end.
+//   * K/V stages of KG * 16 keys copied global -> shared with cp.async, two stages in flight. Keys at or past
+//     the split end (and so past L: the cache tail is never read, it may hold NaN) and keys the key_mask drops
+//     are zero-filled by the copy (src-size 0, nothing read) and masked to -inf in the scores, so a masked
+//     cache row holding garbage cannot leak NaN through 0 * NaN in P V.
+//   * key_mask (any 1/2/4/8-byte integer or bool dtype, nonzero = keep, read in place): the block first turns
+//     its chunk's entries into bits in shared memory (<= 8192 + 128 keys per split, enforced by the launcher,
+//     1 KB), so the copy issue and the score mask read a bit, not global memory.
+//   * L comes from device memory (a captured decode step replays with the new length): the chunk length
+//     ceil(L / splits) rounded up to a stage is computed on the device, blocks whose chunk starts at or past L
+//     exit at once, the combine reads only the ceil(L / chunk) written splits.
+//   * splits == 1: the block normalises and writes o directly (no workspace, no combine launch).
+#include "common/vec.cuh"
+
+namespace {
+
+constexpr int NW = 4;          // warps per block
+constexpr int NT = NW * 32;    // threads per block
+constexpr int BN = 16;         // keys per warp per stage
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int MASK_BITS = 8192 + 128;  // key_mask bits a split can hold (launcher: ceil(L_max / splits) <= 8192)
+constexpr int MASK_WORDS = MASK_BITS / 32;
+
+// ------------------------------------------------------------------------------------------ PTX helpers
+// (the same instructions as attention.cu; kept local so the two families compile independently)
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  // src-size 0 zero-fills the 16 destination bytes and reads nothing.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// c += a (16x16, row) * b (16x8, col), bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// 2^x in one MUFU.EX2 (flush-to-zero; ex2(-inf) = 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int D> struct Tile {
+  static constexpr int LD = D + 8;  // padded row: 8 consecutive rows start in 8 different bank groups
+};
+
+// A-operand fragments of 16 rows (from row m0 of a shared [rows x LD] tile) for all D / 16 k-steps.
+template <int D>
+__device__ __forceinline__ void load_a_frags(unsigned (&f)[D / 16][4], const bf16* t, int m0) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    ldsm_x4(f[kk], t + (m0 + (l & 7) + ((l >> 3) & 1) * 8) * Tile<D>::LD + kk * 16 + (l >> 4) * 8);
+}
+
+// acc[16 x N] += A (16 x K, registers) * X^T, X a shared [N x K] tile: S = Q K^T.
+template <int K, int N, int LD>
+__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const unsigned (&a)[K / 16][4], const bf16* x) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+    for (int nn = 0; nn < N / 16; ++nn) {
+      unsigned b[4];
+      ldsm_x4(b, x + (nn * 16 + (l & 7) + (l >> 4) * 8) * LD + kk * 16 + ((l >> 3) & 1) * 8);
+      mma(acc[2 * nn], a[kk], b[0], b[1]);
+      mma(acc[2 * nn + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x N] += P (16 x K fp32 accumulators, re-packed to bf16 A fragments) * X, X a shared [K x N] tile: P V.
+template <int K, int N, int LD>
+__device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* x) {
+  const int l = threadIdx.x & 31;
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    unsigned a[4];
+    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int nn = 0; nn < N / 16; ++nn) {
+      unsigned b[4];
+      ldsm_x4_t(b, x + (kk * 16 + (l & 7) + ((l >> 3) & 1) * 8) * LD + nn * 16 + (l >> 4) * 8);
+      mma(acc[2 * nn], a, b[0], b[1]);
+      mma(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+}
+
+// The current cache length, clamped to [0, Lmax] (a device value outside it is not trusted blindly).
+__device__ __forceinline__ int cache_length(const int* len_ptr, int len_val, int Lmax) {
+  const int L = len_ptr != nullptr ? *len_ptr : len_val;
+  return min(max(L, 0), Lmax);
+}
+
+// Keys per split: ceil(L / splits) rounded up to whole stages (0 when L == 0). Both kernels use this.
+__device__ __forceinline__ int chunk_length(int L, int splits, int stage) {
+  const int per = (L + splits - 1) / splits;
+  return (per + stage - 1) / stage * stage;
+}
+
+template <typename T> __device__ __forceinline__ bool nonzero_at(const unsigned char* row, int n) {
+  return __ldg(reinterpret_cast<const T*>(row) + n) != 0;
+}
+__device__ __forceinline__ bool mask_keep(const unsigned char* row, int n, int esz) {
+  switch (esz) {
+    case 1: return nonzero_at<unsigned char>(row, n);
+    case 2: return nonzero_at<unsigned short>(row, n);
+    case 4: return nonzero_at<unsigned>(row, n);
+    default: return nonzero_at<unsigned long long>(row, n);
+  }
+}
+
+// Shared memory of one block (dynamic): Q tile, then the K/V stages (re-used by the end-of-block merge), then
+// the key_mask bits. The launcher computes the same size (decode_attention.py: _smem).
+template <int D, int MTB> struct Layout {
+  static constexpr int LD = Tile<D>::LD;
+  static constexpr int KG = NW / MTB;                   // key groups
+  static constexpr int STAGE = KG * BN;                 // keys per stage
+  static constexpr int Q_BYTES = MTB * 16 * LD * 2;
+  static constexpr int KV_BYTES = 2 * 2 * STAGE * LD * 2;   // K and V, two stages
+  static constexpr int ACC_LD = D + 4;                  // merge area row (floats), padded against bank conflicts
+  static constexpr int MERGE_BYTES = (NW * 32 + NW * 16 * ACC_LD) * 4;
+  static constexpr int AREA = KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES;
+  static constexpr int BYTES = Q_BYTES + AREA + MASK_WORDS * 4;
+};
+
+}  // namespace
+
+// ================================================================================================ split kernel
+// Grid (splits, Hkv * RG, B); 128 threads. Workspace (splits > 1): acc [B, Hkv, splits, R, D] fp32, then
+// (m, l) [B, Hkv, splits, R, 2] fp32, R = G * Tq, row rr = t * G + (h - j * G).
+template <int D, int MTB>
+__device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                            const bf16* __restrict__ v, const int* __restrict__ len_ptr,
+                                            int len_val, const unsigned char* __restrict__ mask, long long mask_b,
+                                            int mask_esz, float* __restrict__ ws, bf16* __restrict__ out,
+                                            long long qb, long long qt, long long qh, long long kb, long long kt,
+                                            long long kh, long long vb, long long vt, long long vh, int Tq, int H,
+                                            int Hkv, int Lmax, int splits, int RG, float scale, bool direct) {
+  using LY = Layout<D, MTB>;
+  constexpr int LD = LY::LD, KG = LY::KG, STAGE = LY::STAGE, CH = D / 8;  // CH: 16-byte chunks per row
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
+  bf16* Ks = reinterpret_cast<bf16*>(smem_raw + LY::Q_BYTES);  // [2][STAGE][LD]
+  bf16* Vs = Ks + 2 * STAGE * LD;                               // [2][STAGE][LD]
+  unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + LY::Q_BYTES + LY::AREA);
+
+  const int split = blockIdx.x, j = blockIdx.y / RG, rg = blockIdx.y % RG, b = blockIdx.z;
+  const int G = H / Hkv, R = G * Tq;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
+  const int rt = warp % MTB, kg = warp / MTB;
+
+  const int L = cache_length(len_ptr, len_val, Lmax);
+  const int chunk = chunk_length(L, splits, STAGE);
+  const long long k0l = (long long)split * chunk;
+  const int k0 = (int)min(k0l, (long long)L);
+  const int kend = (int)min(k0l + chunk, (long long)L);
+  if (!direct && k0l >= L) return;  // nothing of this split is in the cache: the combine skips it
+  const int ntiles = kend > k0 ? (kend - k0 + STAGE - 1) / STAGE : 0;
+  const bool has_mask = mask != nullptr;
+
+  // ---- Q tile: block rows r -> (t, head) of this K/V head's group; rows >= R are zeros.
+  const int row0 = rg * MTB * 16;
+#pragma unroll
+  for (int i = 0; i < (MTB * 16 * CH + NT - 1) / NT; ++i) {
+    const int c = threadIdx.x + i * NT;
+    if ((MTB * 16 * CH) % NT != 0 && c >= MTB * 16 * CH) break;
+    const int r = c / CH, kc = (c % CH) * 8, rr = row0 + r;
+    const bool ok = rr < R;
+    const bf16* src = q + (ok ? b * qb + (long long)(rr / G) * qt + (long long)(j * G + rr % G) * qh + kc : 0);
+    cp_async16(Qs + r * LD + kc, src, ok);
+  }
+  cp_async_commit();
+
+  // ---- key_mask bits of [k0, kend): bit i of the chunk <-> key k0 + i.
+  const unsigned char* mrow = has_mask ? mask + b * mask_b * mask_esz : nullptr;
+  if (has_mask) {
+    const int nwords = (kend - k0 + 31) / 32;
+    for (int w0 = warp * 8; w0 < nwords; w0 += NW * 8) {
+      bool keep[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {  // all 8 loads issued before the first vote
+        const int n = k0 + (w0 + u) * 32 + lane;
+        keep[u] = n < kend && mask_keep(mrow, n, mask_esz);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const unsigned bal = __ballot_sync(0xffffffffu, keep[u]);
+        if (lane == 0 && w0 + u < nwords) bits[w0 + u] = bal;
+      }
+    }
+    __syncthreads();
+  }
+  auto kept = [&](int n) {  // key n in [k0, kend)
+    return !has_mask || ((bits[(n - k0) >> 5] >> ((n - k0) & 31)) & 1u);
+  };
+
+  const bf16* kp = k + b * kb + j * kh;
+  const bf16* vp = v + b * vb + j * vh;
+  auto load_stage = [&](int st, int tile) {
+    const int n0 = k0 + tile * STAGE;
+#pragma unroll
+    for (int i = 0; i < (STAGE * CH + NT - 1) / NT; ++i) {
+      const int c = threadIdx.x + i * NT;
+      if ((STAGE * CH) % NT != 0 && c >= STAGE * CH) break;
+      const int r = c / CH, kc = (c % CH) * 8, n = n0 + r;
+      const bool ok = n < kend && kept(n);
+      cp_async16(Ks + (st * STAGE + r) * LD + kc, kp + (ok ? (long long)n * kt + kc : 0), ok);
+      cp_async16(Vs + (st * STAGE + r) * LD + kc, vp + (ok ? (long long)n * vt + kc : 0), ok);
+    }
+  };
+
+  if (ntiles > 0) load_stage(0, 0);
+  cp_async_commit();
+  cp_async_wait<1>();  // Q has landed
+  __syncthreads();
+  unsigned qf[D / 16][4];
+  load_a_frags<D>(qf, Qs, rt * 16);
+
+  // This thread's two rows (g, g + 8 of the warp's row tile) and the last key each may see (causal).
+  const int rr0 = row0 + rt * 16 + g, rr1 = rr0 + 8;
+  const int lim0 = L - Tq + rr0 / G, lim1 = L - Tq + rr1 / G;
+  const int causal_from = L - Tq + 1;  // the first key some query cannot see
+  const float sl2 = scale * LOG2E;
+
+  float acc[D / 8][4];
+  zero(acc);
+  float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // log2 units
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int st = it & 1;
+    if (it + 1 < ntiles) load_stage(st ^ 1, it + 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int nb = k0 + it * STAGE + kg * BN;  // this warp's first key
+    if (nb < kend) {                           // warp-uniform
+      float s[BN / 8][4];
+      zero(s);
+      mma_abt<D, BN, LD>(s, qf, Ks + (st * STAGE + kg * BN) * LD);
+      if (has_mask || nb + BN > min(kend, causal_from)) {
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int n = nb + nt * 8 + c2 + (e & 1);
+            const int lim = (e >> 1) ? lim1 : lim0;
+            if (n >= kend || n > lim || !kept(n)) s[nt][e] = -CK_INF;
+          }
+        }
+      }
+      float mx0 = -CK_INF, mx1 = -CK_INF;  // raw scores: scale > 0, so max(s) * sl2 = max(s * sl2)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
+      // A row with nothing visible yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
+      const float base0 = mn0 == -CK_INF ? 0.f : mn0, base1 = mn1 == -CK_INF ? 0.f : mn1;
+      const float cr0 = ex2(m0 - base0), cr1 = ex2(m1 - base1);
+      m0 = mn0;
+      m1 = mn1;
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {  // p = 2^(s * scale * log2(e) - max): one FMA + one MUFU
+        s[nt][0] = ex2(fmaf(s[nt][0], sl2, -base0));
+        s[nt][1] = ex2(fmaf(s[nt][1], sl2, -base0));
+        s[nt][2] = ex2(fmaf(s[nt][2], sl2, -base1));
+        s[nt][3] = ex2(fmaf(s[nt][3], sl2, -base1));
+        ps0 += s[nt][0] + s[nt][1];
+        ps1 += s[nt][2] + s[nt][3];
+      }
+      l0 = l0 * cr0 + ps0;
+      l1 = l1 * cr1 + ps1;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt) {
+        acc[nt][0] *= cr0;
+        acc[nt][1] *= cr0;
+        acc[nt][2] *= cr1;
+        acc[nt][3] *= cr1;
+      }
+      mma_pb<BN, D, LD>(acc, s, Vs + (st * STAGE + kg * BN) * LD);
+    }
+    __syncthreads();  // the next iteration's prefetch overwrites the stage just read
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // (ntiles == 0: the Q / empty groups are drained before the area is re-used)
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+  // ---- merge the KG key groups of each row tile through shared memory (the K/V area is free now).
+  float* mml = reinterpret_cast<float*>(smem_raw + LY::Q_BYTES);  // [NW][16][2]: (m, l)
+  float* macc = mml + NW * 32;                                      // [NW][16][ACC_LD]
+  if ((lane & 3) == 0) {
+    mml[(warp * 16 + g) * 2] = m0;
+    mml[(warp * 16 + g) * 2 + 1] = l0;
+    mml[(warp * 16 + g + 8) * 2] = m1;
+    mml[(warp * 16 + g + 8) * 2 + 1] = l1;
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    *reinterpret_cast<float2*>(macc + (warp * 16 + g) * LY::ACC_LD + nt * 8 + c2) = make_float2(acc[nt][0], acc[nt][1]);
+    *reinterpret_cast<float2*>(macc + (warp * 16 + g + 8) * LY::ACC_LD + nt * 8 + c2) =
+        make_float2(acc[nt][2], acc[nt][3]);
+  }
+  __syncthreads();
+
+  const long long nrow_total = (long long)gridDim.z * Hkv * splits * R;  // rows of the workspace
+  for (int idx = threadIdx.x; idx < MTB * 16 * D; idx += NT) {
+    const int r = idx / D, d = idx % D, rtile = r / 16, rl = r % 16, rr = row0 + r;
+    if (rr >= R) continue;
+    float M = -CK_INF;
+#pragma unroll
+    for (int gk = 0; gk < KG; ++gk) M = fmaxf(M, mml[((gk * MTB + rtile) * 16 + rl) * 2]);
+    float A = 0.f, Ls = 0.f;
+#pragma unroll
+    for (int gk = 0; gk < KG; ++gk) {  // fixed order: deterministic
+      const int w = gk * MTB + rtile;
+      const float m = mml[(w * 16 + rl) * 2];
+      const float sc = m == -CK_INF ? 0.f : ex2(m - M);
+      A += sc * macc[(w * 16 + rl) * LY::ACC_LD + d];
+      Ls += sc * mml[(w * 16 + rl) * 2 + 1];
+    }
+    if (direct) {
+      const int t = rr / G, h = j * G + rr % G;
+      out[(((long long)b * Tq + t) * H + h) * D + d] = from_f32<bf16>(Ls > 0.f ? A / Ls : 0.f);
+    } else {
+      const long long wr = (((long long)b * Hkv + j) * splits + split) * R + rr;
+      ws[wr * D + d] = A;
+      if (d == 0) {
+        ws[nrow_total * D + wr * 2] = M;
+        ws[nrow_total * D + wr * 2 + 1] = Ls;
+      }
+    }
+  }
+}
+
+// ================================================================================================ combine kernel
+// One warp per output row (b, t, h); 4 warps a block. Lane l owns columns [l * D / 32, (l + 1) * D / 32).
+template <int D>
+__device__ __forceinline__ void dattn_combine(const float* __restrict__ ws, bf16* __restrict__ out,
+                                              const int* __restrict__ len_ptr, int len_val, int Bsz, int Tq, int H,
+                                              int Hkv, int Lmax, int splits, int stage) {
+  constexpr int PER = D / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long row = (long long)blockIdx.x * NW + warp;  // (b * Tq + t) * H + h
+  const long long nrows = (long long)Bsz * Tq * H;
+  if (row >= nrows) return;
+  const int h = (int)(row % H), t = (int)((row / H) % Tq), b = (int)(row / ((long long)H * Tq));
+  const int G = H / Hkv, R = G * Tq, j = h / G, rr = t * G + h % G;
+  const int L = cache_length(len_ptr, len_val, Lmax);
+  const int chunk = chunk_length(L, splits, stage);
+  const int active = chunk > 0 ? min(splits, (L + chunk - 1) / chunk) : 0;
+
+  const long long nrow_total = (long long)Bsz * Hkv * splits * R;
+  const long long w0 = (((long long)b * Hkv + j) * splits) * R + rr;  // split s: w0 + s * R
+  const float* ml = ws + nrow_total * D;
+
+  float M = -CK_INF;
+  for (int s = lane; s < active; s += 32) M = fmaxf(M, ml[(w0 + (long long)s * R) * 2]);
+  M = warp_max(M);
+
+  float A[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) A[i] = 0.f;
+  float Ls = 0.f;
+#pragma unroll 4
+  for (int s = 0; s < active; ++s) {  // splits in order: deterministic
+    const long long wr = w0 + (long long)s * R;
+    const float m = ml[wr * 2];
+    const float sc = m == -CK_INF ? 0.f : ex2(m - M);
+    Ls += sc * ml[wr * 2 + 1];
+    const float* a = ws + wr * D + lane * PER;
+    if constexpr (PER == 4) {
+      const float4 x = *reinterpret_cast<const float4*>(a);
+      A[0] += sc * x.x;
+      A[1] += sc * x.y;
+      A[2] += sc * x.z;
+      A[3] += sc * x.w;
+    } else if constexpr (PER == 2) {
+      const float2 x = *reinterpret_cast<const float2*>(a);
+      A[0] += sc * x.x;
+      A[1] += sc * x.y;
+    } else {
+      A[0] += sc * a[0];
+    }
+  }
+  const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
+  bf16* o = out + row * D + lane * PER;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) o[i] = from_f32<bf16>(A[i] * inv);
+}
+
+// ================================================================================================ entry points
+// dattn_split_d<D>_m<MTB>: MTB row tiles of 16 per block (1, 2, 4). __launch_bounds__ min blocks: register cap
+// 65536 / (128 * MINB): D = 128 keeps 64 fp32 accumulators + 32 Q-fragment registers per thread (cap 170).
+#define DATTN_SPLIT(D, MTB, MINB)                                                                               \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) dattn_split_d##D##_m##MTB(                             \
+      const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
+      long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
+      long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
+      int Lmax, int splits, int RG, float scale, bool direct) {                                                 \
+    dattn_split<D, MTB>(q, k, v, len_ptr, len_val, mask, mask_b, mask_esz, ws, out, qb, qt, qh, kb, kt, kh, vb, \
+                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, direct);                                   \
+  }
+#define DATTN_COMBINE(D)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(NT) dattn_combine_d##D(const float* ws, bf16* out,             \
+                                                                        const int* len_ptr, int len_val, int Bsz, \
+                                                                        int Tq, int H, int Hkv, int Lmax,         \
+                                                                        int splits, int stage) {                  \
+    dattn_combine<D>(ws, out, len_ptr, len_val, Bsz, Tq, H, Hkv, Lmax, splits, stage);                         \
+  }
+
+DATTN_SPLIT(32, 1, 4)
+DATTN_SPLIT(32, 2, 4)
+DATTN_SPLIT(32, 4, 4)
+DATTN_SPLIT(64, 1, 4)
+DATTN_SPLIT(64, 2, 4)
+DATTN_SPLIT(64, 4, 4)
+DATTN_SPLIT(128, 1, 3)
+DATTN_SPLIT(128, 2, 3)
+DATTN_SPLIT(128, 4, 3)
+DATTN_COMBINE(32)
+DATTN_COMBINE(64)
+DATTN_COMBINE(128)
