@@ -218,6 +218,31 @@ def test_launcher_failing_rank_exit_status_and_quiet_tail():
     assert secs < 15
 
 
+def test_launcher_runs_a_module_with_m():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(THIS.parent)]))
+    p = subprocess.run([sys.executable, "-m", "cukernels.run", "--nproc-per-node", "2", "-m", THIS.stem, "token"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "[rank 1] tokens=tok0,tok1 world=2 local=1" in p.stdout
+
+
+def test_launcher_passes_sigterm_on_and_stops_every_rank():
+    import signal
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "cukernels.run", "--nproc-per-node", "2", "--grace", "2", str(THIS),
+                          "sleep"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = 0
+    for line in p.stdout:  # both ranks up and past the rendezvous
+        ready += "ready" in line
+        if ready == 2:
+            break
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert time.monotonic() - t0 < 10 and "got SIGTERM; stopping 2 rank(s)" in err, err
+
+
 def test_launcher_bad_arguments():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "cukernels.run", "--nproc-per-node", "0", str(THIS)], cwd=ROOT,
@@ -458,6 +483,13 @@ def worker_killed():
     if e.rank == 2:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+
+
+def worker_sleep():
+    e = from_environ()
+    rendezvous(e.rank, e.world_size, e.master_addr, e.master_port, b"", timeout=30)
+    print("ready", flush=True)
     time.sleep(120)
 
 
