@@ -240,7 +240,8 @@ def run_torch(B, T, mode, steps, data="synthetic"):
             from transformers import GPT2Config, GPT2LMHeadModel
 
             cfg = GPT2Config(**{k: v for k, v in GPT2_124M.items() if k != "type"})
-            model = GPT2LMHeadModel(cfg, attn_implementation="sdpa").to(dev)
+            cfg._attn_implementation = "sdpa"  # PyTorch's fused attention (cuDNN / FlashAttention kernels)
+            model = GPT2LMHeadModel(cfg).to(dev)
             impl = "transformers GPT2LMHeadModel, sdpa"
         else:
             from transformers import LlamaConfig, LlamaForCausalLM

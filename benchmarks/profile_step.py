@@ -1,6 +1,7 @@
-"""Per-kernel GPU time of one whole training step (LLaMA-3.2-1B shape), from CUPTI through torch.profiler.
+"""Per-kernel GPU time of one whole training step (LLaMA-3.2-1B shape or GPT-2 124M), from CUPTI through
+torch.profiler.
 
-    PYTHONPATH=. python benchmarks/profile_step.py [--configs b8t1024] [--graph]
+    PYTHONPATH=. python benchmarks/profile_step.py [--model llama|gpt2] [--configs b8t1024] [--graph]
 
 CUPTI records every kernel the process launches, CuPy's and cuBLAS's included, so PyTorch is used only as the
 recorder. Prints, per config, the kernels grouped by name with total ms per step, calls and share of the step.
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"])
     ap.add_argument("--configs", default="b8t1024")
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
@@ -29,7 +31,9 @@ def main(argv=None):
 
     import bench_train as bt
 
-    feats = [f for f in bt.FEATURES if args.graph or f != "graph"]
+    bt.MODEL["name"] = args.model
+    all_feats = bt.GPT2_ROWS[-1][1] if args.model == "gpt2" else bt.FEATURES
+    feats = [f for f in all_feats if args.graph or f != "graph"]
     for c in args.configs.split(","):
         B, T = bt.CONFIGS[c]
         s = bt.OurStep(B, T, feats)

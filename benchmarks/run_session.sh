@@ -23,3 +23,8 @@ case "$stage" in
     timeout 330 python benchmarks/bench_train.py --model gpt2 --ablation --vs-torch "${1:-eager,compile,reduce-overhead}" \
       --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log" ;;
 esac
+if [ "$stage" = "profile" ]; then
+  timeout 300 python benchmarks/profile_step.py --model "${1:-gpt2}" --configs "${2:-b8t1024}" --top 45 2>&1 \
+    | grep -v "^STAGE\|Warning\|warn(" | tee "$out/profile.log"
+  [ -n "${3:-}" ] && timeout 280 python benchmarks/bench_train.py --model gpt2 --vs-torch "$3" --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log"
+fi

@@ -13,9 +13,11 @@ from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, L
                         PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose, add, cast,
                         concat, contiguous, div, erf, exp, gemm, getitem, linear, log, masked_fill, matmul, mean, mul,
                         pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh, transpose)
-from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, EmbeddingF, EmbeddingLowpF, FlashAttentionF, GeluF, LayerNormF,
+from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, EmbeddingF, EmbeddingLowpF, FlashAttentionF,
+                         FlashAttentionPackedF, GeluF, LayerNormF,
                          RMSNormF, RopeF, SoftmaxF, SparseEmbeddingF, SwiGLUF, SwiGLUPackedF, attn_softmax,
-                         cross_entropy, dropout, dropout_add, embedding, flash_attention, gelu, layer_norm, rms_norm, rope, rotate_half,
+                         cross_entropy, dropout, dropout_add, embedding, flash_attention,
+                         flash_attention_packed, gelu, layer_norm, rms_norm, rope, rotate_half,
                          softmax, swiglu, swiglu_packed)
 
 

@@ -108,6 +108,31 @@ class FlashAttentionF(Function):
                 None, None, None)
 
 
+class FlashAttentionPackedF(Function):
+    """Fused attention reading q, k, v as head slices of one packed projection output qkv [B, T, H + 2 Hkv, D]
+    (GPT-2's c_attn), returning dqkv as one array: three GetItem gradients would each allocate and zero a
+    full-size buffer and two adds would sum them (~2 ms of a GPT-2 124M step at B8xT1024)."""
+
+    @staticmethod
+    def forward(ctx, qkv, H, Hkv, causal=True, scale=None, key_mask=None):
+        kw = {} if key_mask is None else {"key_mask": key_mask}
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        o, lse = _flash(q, k, v, causal=causal, scale=scale, return_lse=True, **kw)
+        ctx.save_for_backward(qkv, o, lse)
+        ctx.H, ctx.Hkv, ctx.causal, ctx.scale, ctx.kw = H, Hkv, causal, scale, kw
+        return o
+
+    @staticmethod
+    def backward(ctx, g):
+        qkv, o, lse = ctx.saved_tensors
+        H, Hkv = ctx.H, ctx.Hkv
+        if g.dtype != o.dtype or not g.flags.c_contiguous:
+            g = _contig(g, o.dtype)
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
+        dq, dk, dv = _flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw)
+        return (_xp(dq).concatenate([dq, dk, dv], axis=2),) + (None,) * 5
+
+
 class CrossEntropyF(Function):
     """Mean (or sum) token cross-entropy of [N, V] logits; a 0-d fp32 device loss.
 
@@ -317,6 +342,11 @@ def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None):
     """Fused attention (ck.flash_attention): q [B, Tq, H, D], k/v [B, Tk, Hkv, D], bf16 -> o [B, Tq, H, D];
     ``key_mask`` [B, Tk] (nonzero = keep) removes padded keys."""
     return FlashAttentionF.apply(q, k, v, causal, scale, key_mask)
+
+
+def flash_attention_packed(qkv, n_heads, n_kv_heads, *, causal=True, scale=None, key_mask=None):
+    """:func:`flash_attention` on the head slices of a packed qkv [B, T, H + 2 Hkv, D]; one gradient array."""
+    return FlashAttentionPackedF.apply(qkv, n_heads, n_kv_heads, causal, scale, key_mask)
 
 
 def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, fused=True):

@@ -75,15 +75,18 @@ class Attention(Module):
         return (self.fused and self.flash and not isinstance(d, np.ndarray) and d.dtype == B.bfloat16
                 and self.D in FLASH_HEAD_DIMS and not (self.attn_dropout is not None and self.attn_dropout.active()))
 
+    def _split(self, qkv):
+        H, Hkv = self.H, self.Hkv
+        q = F.getitem(qkv, (slice(None), slice(None), slice(0, H)))
+        k = F.getitem(qkv, (slice(None), slice(None), slice(H, H + Hkv)))
+        v = F.getitem(qkv, (slice(None), slice(None), slice(H + Hkv, None)))
+        return q, k, v
+
     def _qkv(self, x):
         Bsz, T, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         if self.packed:
-            qkv = F.reshape(getattr(self, self.names["qkv"])(x), (Bsz, T, H + 2 * Hkv, D))
-            q = F.getitem(qkv, (slice(None), slice(None), slice(0, H)))
-            k = F.getitem(qkv, (slice(None), slice(None), slice(H, H + Hkv)))
-            v = F.getitem(qkv, (slice(None), slice(None), slice(H + Hkv, None)))
-            return q, k, v
+            return self._split(F.reshape(getattr(self, self.names["qkv"])(x), (Bsz, T, H + 2 * Hkv, D)))
         q = F.reshape(getattr(self, self.names["q"])(x), (Bsz, T, H, D))
         k = F.reshape(getattr(self, self.names["k"])(x), (Bsz, T, Hkv, D))
         v = F.reshape(getattr(self, self.names["v"])(x), (Bsz, T, Hkv, D))
@@ -101,7 +104,16 @@ class Attention(Module):
         H, Hkv, D = self.H, self.Hkv, self.D
         G = H // Hkv
         scale = 1.0 / math.sqrt(D)
-        q, k, v = self._qkv(x)
+        o_proj = getattr(self, self.names["o"])
+        if self.packed and not self.rope and kv_cache is None:
+            qkv = F.reshape(getattr(self, self.names["qkv"])(x), (Bsz, T, H + 2 * Hkv, D))
+            if self._uses_flash(qkv):
+                o = F.flash_attention_packed(qkv, H, Hkv, causal=self.causal, scale=scale,
+                                             key_mask=attention_mask)
+                return o_proj(F.reshape(o, (Bsz, T, H * D)))
+            q, k, v = self._split(qkv)
+        else:
+            q, k, v = self._qkv(x)
         if self.rope:
             if position_ids is None:
                 p0 = kv_cache.pos if kv_cache is not None else 0
@@ -112,7 +124,6 @@ class Attention(Module):
                 q, k = F.contiguous(q), F.contiguous(k)
             q = F.rope(q, cos_t, sin_t, positions=pos, fused=self.fused)
             k = F.rope(k, cos_t, sin_t, positions=pos, fused=self.fused)
-        o_proj = getattr(self, self.names["o"])
         if kv_cache is None and self._uses_flash(q):
             o = F.flash_attention(q, k, v, causal=self.causal, scale=scale, key_mask=attention_mask)
             return o_proj(F.reshape(o, (Bsz, T, H * D)))

@@ -36,9 +36,12 @@ def weight_for_gemm(module, w):
 
 
 def project(module, x, w, bias=None):
-    """``x @ w.T (+ bias)`` with autocast handled as :class:`Linear` does (tied heads reuse it)."""
+    """``x @ w.T (+ bias)`` with autocast handled as :class:`Linear` does (tied heads reuse it). Fused: the bias
+    add and its gradient live in the GEMM Function; composite: a separate broadcast add on the tape."""
     x = autocast_input(x)
     wt, wl = weight_for_gemm(module, w)
+    if module.fused:
+        return F.linear(x, wt, wl, bias)
     y = F.linear(x, wt, wl)
     if bias is not None:
         y = y + (F.cast(bias, y.dtype) if bias.dtype != y.dtype else bias)

@@ -142,6 +142,7 @@ def _workspace_elems(Bsz, Hkv, G, Tq, D, splits):
     return 0 if splits == 1 else Bsz * Hkv * splits * G * Tq * (D + 2)
 
 
+@B.interop
 def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None):
     """A float32 buffer big enough for :func:`decode_attention`'s split partials with these shapes (and the same
     ``key_mask`` / ``num_splits``), for a captured decode step that must not allocate: pass it as
@@ -187,6 +188,7 @@ def _reference(q, k_cache, v_cache, L, scale, key_mask, o):
     return o
 
 
+@B.interop
 def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=None, out=None, num_splits=None,
                      workspace=None):
     """Attention of a few new query tokens against a static KV cache (flash-decoding, split-KV), bf16.

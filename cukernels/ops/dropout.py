@@ -223,6 +223,7 @@ def _dropout(x, p, seed, offset, out, dtype, xname):
     return y
 
 
+@B.interop
 def dropout(x, p, *, seed, offset=0, out=None, dtype=None):
     """Inverted dropout: ``y = x * keep / (1 - p)``, ``keep ~ Bernoulli(1 - p)`` drawn from ``(seed, offset)``.
 
@@ -253,6 +254,7 @@ def dropout(x, p, *, seed, offset=0, out=None, dtype=None):
     return _dropout(x, p, seed, offset, out, dtype, "x")
 
 
+@B.interop
 def dropout_backward(dy, p, *, seed, offset=0, out=None, dtype=None):
     """Gradient of :func:`dropout`: ``dx = dy * keep / (1 - p)`` with the forward's mask, drawn again from the same
     ``(seed, offset)`` (nothing was stored). Dropout is linear for a fixed mask, so this is the same function
@@ -275,6 +277,7 @@ def dropout_backward(dy, p, *, seed, offset=0, out=None, dtype=None):
     return _dropout(dy, p, seed, offset, out, dtype, "dy")
 
 
+@B.interop
 def dropout_add(x, residual, p, *, seed, offset=0, out=None, dtype=None):
     """``out = residual + dropout(x, p, seed=seed, offset=offset)`` in one pass (GPT-2's ``h + dropout(branch)``).
 

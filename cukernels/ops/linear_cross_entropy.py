@@ -136,6 +136,7 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
     return N, H, V, ig, eps, accumulate, compute_grad, chunk_rows
 
 
+@B.interop
 def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          grad_weight=None, accumulate=False, compute_grad=True, chunk_rows=None, dloss=1.0,
                          grad_input=None, error=None):

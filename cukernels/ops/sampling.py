@@ -248,6 +248,7 @@ def _kernel(dtype):
     return k
 
 
+@B.interop
 def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, prev_tokens=None,
                   prev_len=None, seed=0, offset=0, out=None):
     """Pick one token per row of ``logits`` on the device: greedy, or a draw from the tempered, filtered softmax.
