@@ -14,12 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
+import time
+
+from ._backend import bfloat16
 from .amp import autocast as _autocast
 from .autograd import Tensor, no_grad
 from .io import checkpoint as C
 from .io import hf_folder
 from .models import CausalLM, from_pretrained, model_class
+from .graph import CapturedStep
 from .nn import init_context
+from .ops.decode_attention import kv_cache_write
+from .ops.sampling import sample_tokens
 
 
 def _host(a):
@@ -51,18 +57,37 @@ def sample(logits, *, temperature=1.0, top_k=None, rng=None):
     return np.minimum(out, lg.shape[-1] - 1)
 
 
-def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, seed=None, rng=None, use_cache=True,
-             eos_token_id=None, autocast=None, on_token=None):
+def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
+             seed=None, rng=None, use_cache=True, eos_token_id=None, autocast=None, on_token=None,
+             attention_mask=None, static=None, graph=True, stats=None):
     """Continue ``ids`` ([B, T] or [T] ints, host or device) by ``max_new_tokens`` tokens.
 
+    Two engines:
+
+    * **static** (default for a model on the GPU with bf16 weights, ``from_pretrained(..., dtype=ck.bfloat16)``,
+      or under bf16 autocast): a preallocated :class:`cukernels.nn.StaticKVCache`, the prompt once through the
+      fused attention (prefill), then one decode step per token -- projections, ``ck.kv_cache_write`` at the
+      device length, ``ck.decode_attention`` (split-KV), the head and ``ck.sample_tokens`` on the device --
+      captured as one CUDA graph (``graph=True``) and replayed per token. The host reads the tokens back at the
+      end (or every token when ``on_token`` streams them). Samples are reproducible by ``seed`` (Philox on the
+      device: the same seed, prompt and weights give the same tokens).
+    * **dynamic**: a growing :class:`cukernels.nn.KVCache` (or ``use_cache=False``: recompute everything, the
+      reference), logits read to the host and sampled there with a NumPy ``Generator`` (``seed`` / ``rng``);
+      works on NumPy and CuPy, any dtype.
+
     Args:
-        model: any registered model (``ck.Llama``, ...), on NumPy or CuPy (the ids are moved to its device).
-        temperature, top_k: sampling (``temperature <= 0``: greedy).
-        seed / rng: a NumPy ``Generator`` seed, or the generator itself.
-        use_cache: True (KV cache) or False (recompute the whole sequence every token; for testing).
-        eos_token_id: stop once every row has produced it.
+        model: any registered model (``ck.Llama``, ``ck.GPT2``, ...), on NumPy or CuPy.
+        temperature, top_k, top_p, repetition_penalty: sampling (``temperature <= 0``: greedy; top_p and the
+            repetition penalty on the static engine only).
+        seed / rng: the sampling seed (a NumPy ``Generator`` on the dynamic engine).
+        eos_token_id: a row that produced it stops (its later tokens are eos); the run stops when all have.
         autocast: None or ``ck.bfloat16`` (bf16 GEMMs).
         on_token: called with the new ids [B] (NumPy) after each token (streaming output).
+        attention_mask: [B, T] for a batch of prompts of different lengths, left-padded (0 = padding): each row
+            then gets the tokens it would get alone.
+        static: force (True) or refuse (False) the static engine; default: as above.
+        graph: capture the static engine's decode step as a CUDA graph.
+        stats: an optional dict that receives timings (``prefill_s``, ``decode_s``, ``new_tokens``).
 
     Returns:
         NumPy int64 [B, T + n] (or [T + n] for a 1-D prompt): the prompt followed by the n <= max_new_tokens
@@ -76,36 +101,153 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, seed=No
     V = model.config.vocab_size
     if prompt.min() < 0 or prompt.max() >= V:
         raise ValueError(f"ids: token ids must lie in [0, {V}); got [{prompt.min()}, {prompt.max()}]")
-    rng = rng if rng is not None else np.random.default_rng(seed)
+    mask = None
+    if attention_mask is not None:
+        mask = _host(attention_mask).astype(np.int64).reshape(prompt.shape) != 0
+        if not mask[:, -1].all() or (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+            raise ValueError("attention_mask: expected left padding (each row's zeros first, then ones)")
     xp = _model_xp(model)
+    if static is None:
+        static = (use_cache and xp is not np
+                  and (model.parameters()[0].dtype == bfloat16 or (autocast is not None and
+                                                                   np.dtype(autocast) == bfloat16)))
+    if (top_p is not None or repetition_penalty is not None) and not static:
+        raise ValueError("top_p, repetition_penalty: sampled on the device by the static engine (a model on the GPU "
+                         "with bf16 weights or bf16 autocast, use_cache=True)")
     was_training = model.training
     model.eval()
-    out = [prompt]
-    done = np.zeros(prompt.shape[0], dtype=bool)
+    stats = stats if stats is not None else {}
     try:
         with no_grad(), _autocast(autocast, enabled=autocast is not None):
-            if use_cache:
-                cache = model.new_kv_cache(prompt.shape[1] + max_new_tokens)
-                logits = model(xp.asarray(prompt.astype(np.int32)), kv_cache=cache)
-            for i in range(max_new_tokens):
-                if not use_cache:
-                    seq = np.concatenate(out, axis=1).astype(np.int32)
-                    logits = model(xp.asarray(seq))
-                last = (logits.data if isinstance(logits, Tensor) else logits)[:, -1, :]
-                nxt = sample(last, temperature=temperature, top_k=top_k, rng=rng).astype(np.int64)
-                out.append(nxt[:, None])
-                if on_token is not None:
-                    on_token(nxt)
-                if eos_token_id is not None:
-                    done |= nxt == eos_token_id
-                    if done.all():
-                        break
-                if use_cache and i + 1 < max_new_tokens:
-                    logits = model(xp.asarray(nxt[:, None].astype(np.int32)), kv_cache=cache)
+            if static:
+                res = _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, top_p,
+                                       repetition_penalty, seed, eos_token_id, on_token, graph, stats)
+            else:
+                res = _generate_dynamic(model, prompt, mask, max_new_tokens, temperature, top_k,
+                                        rng if rng is not None else np.random.default_rng(seed), use_cache,
+                                        eos_token_id, on_token, stats)
     finally:
         model.train(was_training)
-    res = np.concatenate(out, axis=1)
     return res[0] if one_d else res
+
+
+def _positions(mask):
+    """Position of every prompt token: 0.. from each row's first real token (left padding)."""
+    return np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int32)
+
+
+def _generate_dynamic(model, prompt, mask, max_new_tokens, temperature, top_k, rng, use_cache, eos, on_token,
+                      stats):
+    xp = _model_xp(model)
+    out = [prompt]
+    done = np.zeros(prompt.shape[0], dtype=bool)
+    Bsz, T0 = prompt.shape
+    kw = {}
+    if mask is not None:
+        full_mask = mask.copy()
+        pos = _positions(mask)
+        kw = dict(attention_mask=xp.asarray(full_mask), position_ids=xp.asarray(pos))
+    t0 = time.perf_counter()
+    if use_cache:
+        cache = model.new_kv_cache(T0 + max_new_tokens)
+        logits = model(xp.asarray(prompt.astype(np.int32)), kv_cache=cache, **kw)
+    for i in range(max_new_tokens):
+        if not use_cache:
+            seq = np.concatenate(out, axis=1).astype(np.int32)
+            logits = model(xp.asarray(seq), **kw)
+        last = (logits.data if isinstance(logits, Tensor) else logits)[:, -1, :]
+        if i == 0:
+            stats["prefill_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        nxt = sample(last, temperature=temperature, top_k=top_k, rng=rng).astype(np.int64)
+        if eos is not None:
+            nxt = np.where(done, eos, nxt)
+        out.append(nxt[:, None])
+        if on_token is not None:
+            on_token(nxt)
+        if eos is not None:
+            done |= nxt == eos
+            if done.all():
+                break
+        if mask is not None:
+            full_mask = np.concatenate([full_mask, np.ones((Bsz, 1), bool)], axis=1)
+            pos = pos[:, -1:] + 1
+            kw = dict(attention_mask=xp.asarray(full_mask),
+                      position_ids=xp.asarray(pos if use_cache else _positions(full_mask)))
+        if use_cache and i + 1 < max_new_tokens:
+            logits = model(xp.asarray(nxt[:, None].astype(np.int32)), kv_cache=cache, **kw)
+    stats["decode_s"] = time.perf_counter() - t0
+    res = np.concatenate(out, axis=1)
+    stats["new_tokens"] = res.shape[1] - T0
+    return res
+
+
+def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed,
+                     eos, on_token, graph, stats):
+    """The static-cache engine (see :func:`generate`): prefill eagerly, then a decode step captured once and
+    replayed per token. Every buffer the step reads or writes is allocated here, before the capture."""
+    import cupy as cp
+
+    Bsz, T0 = prompt.shape
+    L = T0 + max_new_tokens
+    cache = model.new_static_cache(Bsz, L)
+    mask = np.ones((Bsz, T0), bool) if mask is None else mask
+    cache.key_mask[:, :T0] = cp.asarray(mask)
+    pos0 = _positions(mask)
+    tokens = cp.zeros((Bsz, L), dtype=np.int32)  # the prompt, then every sampled token (repetition penalty)
+    tokens[:, :T0] = cp.asarray(prompt.astype(np.int32))
+    ids = cp.zeros((Bsz, 1), dtype=np.int32)      # the token fed to the next decode step
+    pos = cp.asarray(pos0[:, -1:] + 1)            # its position, per row
+    offset = cp.zeros((), dtype=np.uint64)        # the sampler's Philox offset, one per token
+    done = cp.zeros((Bsz,), dtype=np.bool_)
+    eos_arr = None if eos is None else cp.asarray(np.int32(eos))
+    skw = dict(temperature=float(temperature or 0.0), top_k=int(top_k or 0), top_p=1.0 if top_p is None else
+               float(top_p), repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+               prev_tokens=tokens if repetition_penalty not in (None, 1.0) else None,
+               prev_len=cache.length if repetition_penalty not in (None, 1.0) else None,
+               seed=int(seed or 0) & ((1 << 64) - 1))
+
+    def pick(logits):
+        """Sample into ``ids``, hold finished rows at eos, append to ``tokens`` at the cache length."""
+        sample_tokens(logits.data.reshape(Bsz, -1), offset=offset, out=ids.reshape(-1), **skw)
+        offset[...] += 1
+        if eos_arr is not None:
+            cp.copyto(ids.reshape(-1), eos_arr, where=done)
+            cp.logical_or(done, ids.reshape(-1) == eos_arr, out=done)
+
+    def step():
+        cache.length[...] += 1  # the position the fed token takes (device)
+        kv_cache_write(ids, tokens, cache.length)  # (the token becomes history for the repetition penalty)
+        logits = model(ids, position_ids=pos, kv_cache=cache)
+        pos[...] += 1
+        pick(logits)
+        return ids
+
+    if max_new_tokens < 1:
+        return prompt
+    t0 = time.perf_counter()
+    logits = model(cp.asarray(prompt.astype(np.int32)), attention_mask=cp.asarray(mask),
+                   position_ids=cp.asarray(pos0), kv_cache=cache)
+    pick(logits)
+    cp.cuda.get_current_stream().synchronize()
+    stats["prefill_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner = CapturedStep(step, warmup=1, graph=graph)
+    made = 1  # tokens sampled so far; the newest is in ids, not yet in tokens
+    while True:
+        if on_token is not None:
+            on_token(ids.reshape(-1).get().astype(np.int64))
+        if made == max_new_tokens or (eos is not None and (on_token is not None or made % 16 == 0)
+                                      and bool(done.all())):
+            break
+        runner()
+        made += 1
+    cache.length[...] += 1
+    kv_cache_write(ids, tokens, cache.length)  # the newest token
+    res = tokens[:, :T0 + made].get().astype(np.int64)
+    stats["decode_s"] = time.perf_counter() - t0
+    stats["new_tokens"] = made
+    return res
 
 
 def load_model(path, *, xp=np, fused=True, dtype=None):

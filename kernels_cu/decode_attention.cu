@@ -491,3 +491,34 @@ DATTN_SPLIT(128, 4, 3)
 DATTN_COMBINE(32)
 DATTN_COMBINE(64)
 DATTN_COMBINE(128)
+
+// ================================================================================================ cache append
+// kv_write_w<W>: the Tq new tokens' rows src [B, Tq, R] (W-byte words, R words per token: Hkv * D bf16 keys or
+// values, or one int32 token id) go to dst [B, Lmax, R] at rows L - Tq .. L - 1 with L read from device memory:
+// the append of a captured decode step, whose length lives on the device. src rows and dst rows may be strided
+// (a per-layer slice of [layers, B, Lmax, Hkv, D]; a column view of a token buffer); a row's words are
+// contiguous. Rows outside [0, Lmax) are skipped (a full cache is the caller's error, checked on the host).
+template <typename W>
+__device__ void kv_write(const W* __restrict__ src, W* __restrict__ dst, const int* __restrict__ len_ptr,
+                         int len_val, long long sb, long long st, long long db, long long dt, int Tq, int R,
+                         int Lmax, long long n) {
+  const int L = len_ptr ? *len_ptr : len_val;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i % R, bt = i / R;
+    const int t = (int)(bt % Tq);
+    const long long b = bt / Tq;
+    const int pos = L - Tq + t;
+    if (pos < 0 || pos >= Lmax) continue;
+    dst[b * db + (long long)pos * dt + r] = src[b * sb + t * st + r];
+  }
+}
+
+#define KV_WRITE(BYTES, W)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) kv_write_w##BYTES(const W* src, W* dst, const int* len_ptr,  \
+                                                         int len_val,                                            \
+                                                         long long sb, long long st, long long db, long long dt, \
+                                                         int Tq, int R, int Lmax, long long n) {                 \
+    kv_write<W>(src, dst, len_ptr, len_val, sb, st, db, dt, Tq, R, Lmax, n);                                    \
+  }
+KV_WRITE(2, unsigned short)
+KV_WRITE(4, unsigned int)

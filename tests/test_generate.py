@@ -121,3 +121,90 @@ def test_gpu_kv_cache_greedy_matches_numpy(fused):
     got = generate(gpu, prompt, 32, temperature=0)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(generate(gpu, prompt, 32, temperature=0, use_cache=False), want)
+
+
+# ------------------------------------------------------------------ the static engine (GPU): captured decode
+def _peaked(xp, model_cls="llama", seed=11):
+    """A small bf16 model whose next-token logits are far apart (the output projection scaled up), so greedy
+    decoding is not decided by bf16 rounding and two correct engines must agree token for token."""
+    if model_cls == "gpt2":
+        m = ck.GPT2(ck.GPT2Config(vocab_size=301, n_positions=256, n_embd=128, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1),
+                    xp=xp, seed=seed)
+        w = m.transformer.wte.weight
+    else:
+        m = ck.Llama(ck.LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    initializer_range=0.1), xp=xp, seed=seed)
+        w = m.lm_head.weight
+    w.data *= 8.0
+    return m.to(ck.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_static_engine_greedy_equals_dynamic_and_recompute(family):
+    import cupy
+    m = _peaked(cupy, family)
+    prompt = np.array([[5, 17, 200, 3, 9, 44, 120], [1, 2, 3, 4, 5, 6, 7]])
+    stats = {}
+    got = generate(m, prompt, 40, temperature=0, static=True, stats=stats)
+    assert stats["new_tokens"] == 40 and got.shape == (2, 47)
+    dyn = generate(m, prompt, 40, temperature=0, static=False)
+    ref = generate(m, prompt, 40, temperature=0, static=False, use_cache=False)
+    np.testing.assert_array_equal(got, dyn)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(generate(m, prompt, 40, temperature=0, static=True, graph=False), got)
+
+
+@pytest.mark.gpu
+def test_static_engine_ragged_batch_equals_each_row_alone():
+    import cupy
+    m = _peaked(cupy)
+    rows = [[5, 17, 200, 3, 9, 44, 120], [42, 7], [8, 8, 8, 100]]
+    T = max(len(r) for r in rows)
+    prompt = np.zeros((3, T), np.int64)
+    mask = np.zeros((3, T), np.int64)
+    for b, r in enumerate(rows):
+        prompt[b, T - len(r):] = r
+        mask[b, T - len(r):] = 1
+    got = generate(m, prompt, 24, temperature=0, attention_mask=mask)
+    for b, r in enumerate(rows):
+        alone = generate(m, np.array([r]), 24, temperature=0)
+        np.testing.assert_array_equal(got[b, T:], alone[0, len(r):], err_msg=f"row {b}")
+    # the dynamic engine handles the same padded batch the same way
+    np.testing.assert_array_equal(generate(m, prompt, 24, temperature=0, attention_mask=mask, static=False), got)
+
+
+@pytest.mark.gpu
+def test_static_engine_sampling_is_reproducible_by_seed_and_stops_at_eos():
+    import cupy
+    m = _peaked(cupy)
+    m.lm_head.weight.data /= 8.0  # flatter: sampling has choices
+    p = np.array([[5, 17, 200], [9, 9, 9]])
+    kw = dict(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.1)
+    a = generate(m, p, 30, seed=7, **kw)
+    b = generate(m, p, 30, seed=7, **kw)
+    c = generate(m, p, 30, seed=8, **kw)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    eos = int(a[0, 5])  # a token row 0 produces: it stops there, later tokens are eos
+    e = generate(m, p, 30, seed=7, eos_token_id=eos, **kw)
+    k = int(np.argmax(e[0, 3:] == eos))
+    assert (e[0, 3 + k:] == eos).all()
+
+
+@pytest.mark.gpu
+def test_static_engine_matches_transformers_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import cupy
+    m = _peaked(cupy)
+    m.save_pretrained(tmp_path / "hf", dtype=ck.bfloat16)
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.bfloat16).cuda()
+    prompt = np.array([[5, 17, 200, 3, 9, 44, 120]])
+    with torch.no_grad():
+        theirs = ref.generate(torch.from_numpy(prompt).cuda(), max_new_tokens=32, do_sample=False,
+                              pad_token_id=0).cpu().numpy()
+    got = generate(ck.from_pretrained(tmp_path / "hf", xp=cupy, dtype=ck.bfloat16), prompt, 32, temperature=0)
+    np.testing.assert_array_equal(got, theirs)

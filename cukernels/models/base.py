@@ -20,7 +20,7 @@ from .. import functional as F
 from ..autograd import Tensor, no_grad
 from ..io import hf_folder
 from ..io.checkpoint import CheckpointError, check_compatible
-from ..nn import KVCache, Module, init_context, project
+from ..nn import Attention, KVCache, Module, StaticKVCache, init_context, project
 
 REGISTRY: dict = {}
 
@@ -177,7 +177,14 @@ class CausalLM(Module):
         Bsz, T = ids.shape
         if Bsz == 0 or T == 0:
             raise ValueError(f"ids: expected a non-empty batch of non-empty sequences; got shape {tuple(ids.shape)}")
-        p0 = kv_cache.pos if kv_cache is not None else 0
+        static = isinstance(kv_cache, StaticKVCache)
+        p0 = kv_cache.pos if isinstance(kv_cache, KVCache) else 0
+        if static:
+            if position_ids is None:
+                raise ValueError("position_ids: a StaticKVCache forward needs the tokens' positions (device "
+                                 "[B, T] int32; cukernels.generation makes them)")
+            if kv_cache.prefilled and attention_mask is not None:
+                raise ValueError("attention_mask: after the prefill a StaticKVCache uses its own key_mask")
         if p0 + T > self.max_positions():
             raise ValueError(f"ids: {p0 + T} positions exceed max_position_embeddings = {self.max_positions()} of "
                              f"this model{self._positions_note()}")
@@ -223,12 +230,15 @@ class CausalLM(Module):
     def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index):
         xp = self.xp
         Bsz, T = ids.shape
-        p0 = kv_cache.pos if kv_cache is not None else 0
+        p0 = kv_cache.pos if isinstance(kv_cache, KVCache) else 0
         cos, sin = self.rope_tables(self.max_positions() if position_ids is not None else p0 + T, xp)
         x = self.embed(ids, position_ids if position_ids is not None else p0)
         caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers())
         for block, lc in zip(self.layers(), caches):
             x = block(x, cos=cos, sin=sin, position_ids=position_ids, attention_mask=attention_mask, kv_cache=lc)
+        if isinstance(kv_cache, StaticKVCache) and not kv_cache.prefilled:
+            kv_cache.prefilled = True
+            kv_cache.length[...] = T  # (the prefill runs eagerly: a host write)
         if kv_cache is not None:  # only the last position's logits are needed to sample
             x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))
         logits = self.head(self.final_norm(x))
@@ -249,6 +259,17 @@ class CausalLM(Module):
         return position_ids
 
     # -- inference --------------------------------------------------------------------------------------------
+    def new_static_cache(self, batch, max_len, *, dtype=None):
+        """A :class:`cukernels.nn.StaticKVCache` for ``batch`` rows of up to ``max_len`` positions, in the
+        parameters' dtype (bf16 inference weights) or ``dtype``."""
+        if max_len > self.max_positions():
+            raise ValueError(f"max_len: {max_len} positions exceed max_position_embeddings = "
+                             f"{self.max_positions()}{self._positions_note()}")
+        atts = [m for m in self.modules() if isinstance(m, Attention)]
+        a = atts[0]
+        dt = dtype or self.parameters()[0].dtype
+        return StaticKVCache(len(atts), batch, max_len, a.Hkv, a.D, xp=self.xp, dtype=dt)
+
     def new_kv_cache(self, max_len):
         """An empty :class:`cukernels.nn.KVCache` for up to ``max_len`` positions (prompt + new tokens)."""
         if max_len > self.max_positions():

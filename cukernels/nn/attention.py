@@ -23,6 +23,8 @@ from .. import _backend as B
 from .. import functional as F
 from ..autograd import Tensor, _xp
 from ..ops.attention import HEAD_DIMS as FLASH_HEAD_DIMS
+from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
+from ..ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write
 from .dropout import Dropout
 from .layers import Linear
 from .module import Module
@@ -105,7 +107,7 @@ class Attention(Module):
         G = H // Hkv
         scale = 1.0 / math.sqrt(D)
         o_proj = getattr(self, self.names["o"])
-        if self.packed and not self.rope and kv_cache is None:
+        if self.packed and not self.rope and kv_cache is None:  # (training: one Function, one gradient array)
             qkv = F.reshape(getattr(self, self.names["qkv"])(x), (Bsz, T, H + 2 * Hkv, D))
             if self._uses_flash(qkv):
                 o = F.flash_attention_packed(qkv, H, Hkv, causal=self.causal, scale=scale,
@@ -124,6 +126,8 @@ class Attention(Module):
                 q, k = F.contiguous(q), F.contiguous(k)
             q = F.rope(q, cos_t, sin_t, positions=pos, fused=self.fused)
             k = F.rope(k, cos_t, sin_t, positions=pos, fused=self.fused)
+        if isinstance(kv_cache, StaticLayerCache):
+            return o_proj(F.reshape(kv_cache.attend(self, q, k, v, scale, attention_mask), (Bsz, T, H * D)))
         if kv_cache is None and self._uses_flash(q):
             o = F.flash_attention(q, k, v, causal=self.causal, scale=scale, key_mask=attention_mask)
             return o_proj(F.reshape(o, (Bsz, T, H * D)))
@@ -182,3 +186,76 @@ class KVCache:
     @property
     def pos(self):
         return self.layers[0].pos if self.layers else 0
+
+
+class StaticKVCache:
+    """A preallocated cache for fast generation: ``k``, ``v`` of shape [layers, B, max_len, Hkv, D] (bf16), the
+    number of filled positions ``length`` as a 0-d int32 device array, and ``key_mask`` [B, max_len] (False at
+    the left padding of shorter prompts).
+
+    Everything a decode step touches lives at a fixed address and the length is read on the device, so one
+    decode step can be captured as a CUDA graph and replayed per token: the caller advances ``length`` (on the
+    device) before each forward; each layer then writes its new keys/values at rows ``length - T ..`` (the
+    ``ck.kv_cache_write`` kernel) and attends with ``ck.decode_attention`` (split-KV flash-decoding). The
+    prefill (``T > 1`` with an empty cache) writes rows ``0 .. T - 1`` and attends through the training path
+    (``ck.flash_attention`` under bf16)."""
+
+    def __init__(self, num_layers, batch, max_len, kv_heads, head_dim, *, xp, dtype):
+        self.k = xp.zeros((num_layers, batch, max_len, kv_heads, head_dim), dtype=dtype)
+        self.v = xp.zeros_like(self.k)
+        self.length = xp.zeros((), dtype=np.int32)
+        self.key_mask = xp.ones((batch, max_len), dtype=np.bool_)
+        self.max_len, self.batch = int(max_len), int(batch)
+        self.prefilled = False
+        self.layers = [StaticLayerCache(self, i) for i in range(num_layers)]
+        self._ws = {}
+
+    def workspace(self, q):
+        """decode_attention's split partials: one fixed buffer per query shape (a graph must not use a pool
+        temporary that later calls may reuse)."""
+        key = tuple(q.shape)
+        if key not in self._ws:
+            self._ws[key] = decode_attention_workspace(q, self.k[0], key_mask=self.key_mask)
+        return self._ws[key]
+
+
+class StaticLayerCache:
+    """Layer ``i``'s view of a :class:`StaticKVCache`."""
+
+    def __init__(self, cache, i):
+        self.cache, self.i = cache, i
+
+    def attend(self, att, q, k, v, scale, attention_mask):
+        """Store k, v (Tensors [B, T, Hkv, D]) and return attention's output [B, T, H, D] (a Tensor, no tape)."""
+        c = self.cache
+        kc, vc = c.k[self.i], c.v[self.i]
+        qd, kd, vd = q.data, k.data, v.data
+        T = qd.shape[1]
+        if not c.prefilled:  # the prompt: rows 0 .. T-1, attention over the prompt itself
+            kc[:, :T] = kd
+            vc[:, :T] = vd
+            if att._uses_flash(q):
+                return F.flash_attention(q, k, v, causal=att.causal, scale=scale, key_mask=attention_mask)
+            return Tensor(_prompt_attention(att, qd, kd, vd, scale, attention_mask))
+        kv_cache_write(kd, kc, c.length)  # (strided views of a packed projection are read in place)
+        kv_cache_write(vd, vc, c.length)
+        if qd.dtype == B.bfloat16 and att.D in DECODE_HEAD_DIMS:
+            return Tensor(decode_attention(qd, kc, vc, c.length, scale=scale, key_mask=c.key_mask,
+                                           workspace=c.workspace(qd)))
+        raise ValueError("a static KV cache decodes bf16 attention with head_dim in "
+                         f"{DECODE_HEAD_DIMS}; got {qd.dtype}, head_dim {att.D}")
+
+
+def _prompt_attention(att, q, k, v, scale, key_mask):
+    """The prompt's attention on the materialised path (fp32 softmax), arrays in and out: [B, T, H, D]."""
+    Bsz, T, H, D = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    xp = _xp(q)
+    qq = xp.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(Bsz, Hkv, G * T, D)
+    kk = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))
+    vv = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
+    s = F.gemm(qq, kk, trans_b=True).reshape(Bsz, H, T, T)
+    p = F.attn_softmax(Tensor(s), causal=att.causal, scale=scale, key_mask=key_mask, fused=att.fused).data
+    o = F.gemm(xp.ascontiguousarray(p.reshape(Bsz, Hkv, G * T, T)).astype(vv.dtype), vv)
+    return xp.ascontiguousarray(o.reshape(Bsz, H, T, D).transpose(0, 2, 1, 3))

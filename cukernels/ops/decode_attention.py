@@ -280,3 +280,73 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
              (ws, o, *len_args, np.int32(Bsz), np.int32(Tq), np.int32(H), np.int32(Hkv), np.int32(Lmax),
               np.int32(splits), np.int32((4 // mtb) * BN)))
     return o
+
+
+def _row_strides(name, a, nd):
+    """(batch stride, token stride) in elements of an [B, T, ...] view whose rows (axes 2..) are contiguous."""
+    if a.ndim != nd:
+        raise ValueError(f"{name}: expected {nd} dimensions; got shape {tuple(a.shape)}")
+    isz = a.itemsize
+    inner = 1
+    for ax in range(nd - 1, 1, -1):  # axes 2.. must be contiguous together
+        if a.shape[ax] > 1 and a.strides[ax] != inner * isz:
+            raise ValueError(f"{name}: the axes after [batch, token] must be contiguous; got strides {a.strides}")
+        inner *= a.shape[ax]
+    if any(s % isz for s in a.strides[:2]):
+        raise ValueError(f"{name}: strides must be multiples of the element size; got {a.strides}")
+    return np.int64(a.strides[0] // isz), np.int64(a.strides[1] // isz)
+
+
+@B.interop
+def kv_cache_write(new, cache, cache_len):
+    """Write the new tokens' rows into a static cache at the positions the device length gives: ``cache[b,
+    cache_len - T + t] = new[b, t]`` for the T new tokens (the append of a captured decode step: the length lives
+    in device memory and a replay writes where the cache now ends).
+
+    Args:
+        new: ``[batch, T, ...]`` (keys or values ``[B, T, Hkv, D]``, or token ids ``[B, T]``), 2- or 4-byte elements.
+        cache: ``[batch, max_len, ...]`` of the same dtype and row shape (a layer's slice of a
+            ``[layers, B, max_len, Hkv, D]`` cache, a token buffer); both may be strided across batch and token.
+        cache_len: the length after the append, an int or a 0-d int32 array; positions outside
+            ``[0, max_len)`` are skipped.
+
+    Returns:
+        ``cache``.
+
+    Example::
+
+        >>> length += 1                                  # device scalar: one new token
+        >>> ck.kv_cache_write(k_new, kc[layer], length)  # k_new [B, 1, Hkv, D] lands at row length - 1
+    """
+    xp = B.array_module(new=new, cache=cache, cache_len=cache_len if B._kind(cache_len) is not None else None)
+    if new.dtype != cache.dtype:
+        raise TypeError(f"new: expected the cache's dtype {cache.dtype}; got {new.dtype}")
+    if new.itemsize not in (2, 4):
+        raise TypeError(f"new: expected 2- or 4-byte elements (bf16 keys, int32 ids); got {new.dtype}")
+    if new.ndim < 2 or new.shape[0] != cache.shape[0] or new.shape[2:] != cache.shape[2:]:
+        raise ValueError(f"new: expected [batch, T, ...] matching cache {tuple(cache.shape)} except the token axis; "
+                         f"got {tuple(new.shape)}")
+    B.check_writable("cache", cache)
+    Bsz, T = int(new.shape[0]), int(new.shape[1])
+    Lmax = int(cache.shape[1])
+    R = int(np.prod(new.shape[2:], dtype=np.int64))
+    if xp is np:
+        L = int(cache_len)
+        for t in range(T):
+            pos = L - T + t
+            if 0 <= pos < Lmax:
+                cache[:, pos] = new[:, t]
+        return cache
+    sb, st = _row_strides("new", new, new.ndim)
+    db, dt = _row_strides("cache", cache, cache.ndim)
+    n = Bsz * T * R
+    if n == 0:
+        return cache
+    dev_len = B._kind(cache_len) is not None
+    if dev_len:
+        B.check_dtype("cache_len", cache_len, (np.int32,))
+    len_args = (cache_len if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    k = get_function(FAMILY, f"kv_write_w{new.itemsize}")
+    k((min(-(-n // 256), 4096),), (256, 1, 1), (new, cache, *len_args, sb, st, db, dt, np.int32(T), np.int32(R),
+                                                np.int32(Lmax), np.int64(n)))
+    return cache
