@@ -16,11 +16,25 @@ activations; fp32 -> fp32 (compute 32F, no TF32 unless ``allow_tf32``).
 Row-major ``C[M, N] = op(A) @ op(B)`` is computed as the column-major product ``C^T = op(B)^T op(A)^T``, so
 no transposes are materialised. Leading dimensions broadcast like ``numpy.matmul`` when they are equal, or
 when one operand is 2-D (a weight shared by every batch entry: batch stride 0).
+
+Row-strided operands and outputs: an array whose LAST axis is contiguous but whose rows lie further apart than
+their length (a column slice ``buf[:, :V]`` of a wider buffer) goes to cuBLAS as it is, its row stride being
+the leading dimension (lda / ldb / ldc), and batch axes that one stride walks become the strided-batch stride;
+nothing is copied. Why: GPT-2's logits [8192, 50257] bf16 have 100514-byte rows, so cuBLAS can only use its
+1-element-aligned kernels on them (``cutlass_75_tensorop_*_align1``: 15.6 ms of a 42.7 ms step on an H200 for
+the three LM-head GEMMs); the same logits inside rows of 50304 elements (``empty_padded``) are 16-byte aligned
+and keep V = 50257 columns. cuBLAS computes any M / N / K and any leading dimension >= the row length, at any
+element-aligned address, picking a slower kernel where a pointer or leading dimension is not 16-byte aligned,
+so the only layouts refused are those it cannot express: a last axis that is not contiguous (a transposed
+view: pass the array itself with ``trans_a`` / ``trans_b``), negative or overlapping rows, strides that are
+no multiple of the element size, batch axes that no single stride walks, and (for ``out``) batch entries that
+overlap.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import numbers
 import threading
 
 import numpy as np
@@ -119,28 +133,142 @@ def _handle():
     return h.bind()
 
 
+_INT_MAX = 2**31 - 1  # cuBLAS takes m, n, k, the leading dimensions and the batch count as 32-bit ints
+PAD_ELEMS = 64  # empty_padded's default row quantum: 128 B of bf16, 256 B of fp32 (nanoGPT pads V to 50304)
+
+
+def _ptr(x) -> int:
+    return x.data.ptr if B._kind(x) is not np else x.__array_interface__["data"][0]
+
+
+def _layout(name, x):
+    """``(ld, batch_stride)`` in elements of a GEMM operand / output ``x`` of shape ``(..., R, C)``.
+
+    The last axis must be contiguous; the rows may lie ``ld >= C`` elements apart (a column slice of a wider
+    buffer); the batch axes must be walked by one stride (any C-contiguous stack, or a slice of whole matrices).
+    A single row takes ``ld = C`` (its stride is meaningless), an absent batch ``batch_stride = R * ld``.
+    """
+    s = x.itemsize
+    R, C = x.shape[-2:]
+    if x.size == 0:  # nothing is read or written (the GEMM is skipped): its strides mean nothing
+        return max(1, C), R * max(1, C)
+    st = x.strides
+    if C > 1 and st[-1] != s:
+        raise ValueError(
+            f"{name}: the last axis must be contiguous (stride {s} bytes) for cuBLAS; got strides {st} for shape "
+            f"{tuple(x.shape)} (a transposed view? pass the array it views with trans_a / trans_b instead; no "
+            "silent copies are made)")
+    if B._kind(x) is not np and _ptr(x) % s:
+        raise ValueError(f"{name}: the data pointer is not aligned to the {s}-byte element size")
+    if R <= 1:
+        ld = max(1, C)
+    else:
+        if st[-2] < 0 or st[-2] % s:
+            raise ValueError(f"{name}: the row stride must be a non-negative multiple of the {s}-byte element "
+                             f"size; got strides {st} for shape {tuple(x.shape)}")
+        ld = st[-2] // s
+        if ld < max(1, C):
+            raise ValueError(f"{name}: rows overlap (row stride {ld} elements < row length {C}); got strides {st} "
+                             f"for shape {tuple(x.shape)}")
+    if ld > _INT_MAX:
+        raise ValueError(f"{name}: row stride {ld} elements exceeds cuBLAS' 32-bit leading dimension")
+    dims = [(n, t) for n, t in zip(x.shape[:-2], st[:-2]) if n > 1]
+    if not dims:
+        return ld, R * ld
+    for n, t in dims:
+        if t < 0 or t % s:
+            raise ValueError(f"{name}: batch strides must be non-negative multiples of the {s}-byte element size; "
+                             f"got strides {st} for shape {tuple(x.shape)}")
+    for (n0, t0), (n1, t1) in zip(dims, dims[1:]):
+        if t0 != n1 * t1:
+            raise ValueError(f"{name}: the batch axes are not walked by one stride (strides {st} for shape "
+                             f"{tuple(x.shape)}); cuBLAS' strided batch needs a C-ordered stack of matrices")
+    return ld, dims[-1][1] // s
+
+
+def _check_out_layout(out, M, N, nbatch):
+    """``out``'s (ldc, batch stride), refusing batch entries that share elements (cuBLAS would race on them)."""
+    ldc, sc = _layout("out", out)
+    if nbatch > 1:
+        disjoint = sc >= (M - 1) * ldc + N          # whole matrices one after the other
+        interleaved = sc >= N and (nbatch - 1) * sc + N <= ldc  # row i of every entry side by side ([M, B, N] view)
+        if not (disjoint or interleaved):
+            raise ValueError(f"out: batch entries overlap (batch stride {sc}, row stride {ldc} elements for "
+                             f"{M}x{N} matrices); got strides {out.strides} for shape {tuple(out.shape)}")
+    return ldc, sc
+
+
+def layout_ok(x) -> bool:
+    """True when :func:`matmul` takes ``x`` (an operand or ``out``) as it is: last axis contiguous, rows at a
+    non-negative element-multiple stride no shorter than a row, batch axes walked by one stride. A caller that
+    would otherwise copy (``ascontiguousarray``) can test this first and pass row-strided views straight on."""
+    try:
+        _layout("x", x)
+    except ValueError:
+        return False
+    return True
+
+
+@B.interop
+def empty_padded(shape, dtype, *, xp=None, multiple=PAD_ELEMS):
+    """An uninitialised array of ``shape`` whose rows are ``ceil(shape[-1] / multiple) * multiple`` elements apart.
+
+    The view ``buf[..., :shape[-1]]`` of a C-contiguous ``buf`` with the padded last axis: the layout the GEMMs
+    and the cross-entropy kernels take without copying, and, with ``multiple * itemsize`` a multiple of 16 bytes,
+    the one that keeps cuBLAS on its 16-byte-aligned (Hopper TMA) kernels whatever the row length. The padding
+    columns are never read or written by those ops.
+
+    Args:
+        shape: the logical shape (at least 1-D).
+        dtype: any NumPy / CuPy dtype.
+        xp: ``cupy`` (default) or ``numpy``.
+        multiple: row quantum in elements (positive int; default 64: 128 B of bf16).
+
+    Example::
+
+        >>> logits = ck.blas.empty_padded((8192, 50257), ck.bfloat16)   # rows 50304 apart
+        >>> ck.matmul(x, w, trans_b=True, out=logits)                    # ldc = 50304
+    """
+    if xp is None:
+        import cupy as xp
+    multiple = B.check_int("multiple", multiple, min=1)
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
+    shape = tuple(B.check_int("shape", n, min=0) for n in shape)
+    if not shape:
+        raise ValueError("shape: expected at least one dimension")
+    C = shape[-1]
+    Cp = -(-C // multiple) * multiple
+    return xp.empty((*shape[:-1], Cp), dtype=dtype)[..., :C]
+
+
 @B.interop
 def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alpha=1.0, beta=0.0,
            allow_tf32=False):
     """``out = alpha * op(a) @ op(b) + beta * out`` with ``op(x) = x.T`` (last two axes) when asked.
 
     Args:
-        a: ``(..., M, K)`` (``(..., K, M)`` with ``trans_a``), float32 or bfloat16, C-contiguous.
-        b: ``(..., K, N)`` (``(..., N, K)`` with ``trans_b``), same dtype as ``a``; a 2-D ``b`` (or ``a``)
-            is shared by every batch entry.
-        out: optional ``(..., M, N)`` output; required when ``beta != 0`` (it is accumulated into).
+        a: ``(..., M, K)`` (``(..., K, M)`` with ``trans_a``), float32 or bfloat16; the last axis contiguous,
+            rows any stride >= their length apart (``buf[:, :K]`` of a wider buffer: lda = the row stride).
+        b: ``(..., K, N)`` (``(..., N, K)`` with ``trans_b``), same dtype and layout rules as ``a``; a 2-D ``b``
+            (or ``a``) is shared by every batch entry.
+        out: optional ``(..., M, N)`` output, row-strided like the operands (ldc = its row stride; the columns
+            past N of a wider buffer are never touched); required when ``beta != 0`` (it is accumulated into).
         out_dtype: float32 or bfloat16 (default: ``out.dtype`` or ``a.dtype``); bf16 inputs with an fp32
             output accumulate and store in fp32.
         alpha, beta: finite host numbers (captured by value in a CUDA graph).
         allow_tf32: fp32 inputs use TF32 tensor cores (faster, ~1e-3 relative error).
 
     Returns:
-        ``out``. On NumPy arrays: the same product computed in float32 (float64 when inputs are float64).
+        ``out`` (a new C-contiguous array when not given). On NumPy arrays: the same product computed in float32
+        (float64 when inputs are float64), with the same layout checks.
 
     Example::
 
         >>> dw = cp.zeros((out_f, in_f), cp.float32)
         >>> ck.matmul(dy_bf16, x_bf16, trans_a=True, out=dw, beta=1.0)   # dw += dy^T @ x, fp32 accumulate
+        >>> z = ck.blas.empty_padded((N, 50257), ck.bfloat16)             # rows 50304 apart
+        >>> ck.matmul(h, wte, trans_b=True, out=z)                         # logits, ldc = 50304
     """
     xp = B.array_module(a=a, b=b, out=out)
     trans_a = B.check_bool("trans_a", trans_a)
@@ -153,8 +281,8 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
     B.check_dtype("b", b, (a.dtype,))
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"a, b: expected at least 2 dimensions; got shapes {a.shape} and {b.shape}")
-    B.check_contiguous("a", a)
-    B.check_contiguous("b", b)
+    lda, sa = _layout("a", a)
+    ldb, sb = _layout("b", b)
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
     Kb, N = (b.shape[-1], b.shape[-2]) if trans_b else b.shape[-2:]
     if K != Kb:
@@ -164,6 +292,9 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         raise ValueError(f"b: batch dimensions {bb} do not match a's {ba} (equal, or one operand 2-D)")
     batch = ba or bb
     nbatch = int(np.prod(batch)) if batch else 1
+    for what, v in (("M", M), ("N", N), ("K", K), ("the batch count", nbatch)):
+        if v > _INT_MAX:
+            raise ValueError(f"a, b: {what} = {v} exceeds cuBLAS' 32-bit sizes")
     shape = (*batch, M, N)
     if out_dtype is not None:
         odt = B.check_dtype_arg("out_dtype", out_dtype, allowed)
@@ -171,6 +302,11 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         odt = out.dtype if out is not None else a.dtype
     if beta != 0 and out is None:
         raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
+    if out is not None:
+        B.check_dtype("out", out, (odt,))
+        B.check_shape("out", out, shape)
+        B.check_writable("out", out)
+        ldc, sc = _check_out_layout(out, M, N, nbatch)
     if xp is np:
         ct = np.float64 if a.dtype == np.float64 else np.float32
         opa = np.swapaxes(a, -1, -2) if trans_a else a
@@ -180,19 +316,23 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
             r = r + beta * out.astype(ct)
         if out is None:
             return r.astype(odt)
-        B.check_out("out", out, shape, odt)
         out[...] = r.astype(odt)
         return out
     if odt not in _CUDA_R:
         raise TypeError(f"out_dtype: expected float32 or bfloat16; got {odt}")
     if a.dtype == np.float32 and odt != np.float32:
         raise TypeError(f"out_dtype: float32 inputs give a float32 output; got {odt}")
-    out = B.empty(xp, shape, odt, out)
+    if out is None:
+        out = xp.empty(shape, dtype=odt)
+        ldc, sc = max(1, N), M * N
     if out.size == 0:
         return out
     if K == 0:
         if beta == 0:
-            B.zero_(out)
+            if out.flags.c_contiguous:
+                B.zero_(out)
+            else:
+                out.fill(0)  # a strided view: an elementwise kernel over its M x N elements only
         elif beta != 1:
             out *= beta
         return out
@@ -201,7 +341,6 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
     compute = _COMPUTE_32F_FAST_TF32 if (allow_tf32 and a.dtype == np.float32) else _COMPUTE_32F
     al, be = ctypes.c_float(alpha), ctypes.c_float(beta)
     ta, tb = int(bool(trans_a)), int(bool(trans_b))
-    lda, ldb, ldc = a.shape[-1], b.shape[-1], N
     at, ot = _CUDA_R[a.dtype], _CUDA_R[odt]
     args_b = (ctypes.c_void_p(b.data.ptr), at, ldb)
     args_a = (ctypes.c_void_p(a.data.ptr), at, lda)
@@ -209,9 +348,9 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         _check(lib.cublasGemmEx(h, tb, ta, N, M, K, ctypes.byref(al), *args_b, *args_a, ctypes.byref(be),
                                 ctypes.c_void_p(out.data.ptr), ot, ldc, compute, _GEMM_DEFAULT), "cublasGemmEx")
     else:
-        sa = M * K if ba else 0
-        sb = K * N if bb else 0
+        sa = sa if ba else 0  # a 2-D operand is shared by every batch entry
+        sb = sb if bb else 0
         _check(lib.cublasGemmStridedBatchedEx(h, tb, ta, N, M, K, ctypes.byref(al), *args_b, sb, *args_a, sa,
-                                              ctypes.byref(be), ctypes.c_void_p(out.data.ptr), ot, ldc, M * N,
+                                              ctypes.byref(be), ctypes.c_void_p(out.data.ptr), ot, ldc, sc,
                                               nbatch, compute, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
     return out
