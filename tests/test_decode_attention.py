@@ -333,3 +333,41 @@ def test_gpu_graph_replay_reads_the_new_length(rng, splits):
         g.launch(s)
         s.synchronize()
         close(out, decode_attention(q, k, v, L).astype(np.float32), what=f"graph replay at L={L}")
+
+
+# ------------------------------------------------------------------------------------- kv_cache_write
+def test_kv_cache_write_reference():
+    cache = np.zeros((2, 6, 3, 4), np.float32).astype(ck.bfloat16)
+    new = (np.arange(2 * 2 * 3 * 4).reshape(2, 2, 3, 4) + 1).astype(np.float32).astype(ck.bfloat16)
+    ck.kv_cache_write(new, cache, 5)  # the two new tokens take rows 3 and 4
+    np.testing.assert_array_equal(cache[:, 3:5], new)
+    assert not cache[:, :3].astype(np.float32).any() and not cache[:, 5:].astype(np.float32).any()
+    with pytest.raises(TypeError, match="new: expected the cache's dtype"):
+        ck.kv_cache_write(new.astype(np.float32), cache, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [ck.bfloat16, np.int32])
+def test_gpu_kv_cache_write_at_device_length_and_in_a_graph(rng, dtype):
+    import cupy as cp
+    big = cp.full((3, 2, 40, 4, 8), -7, dtype=dtype)     # [layers, B, L, Hkv, D]: write into layer 1's view
+    cache = big[1]
+    length = cp.array(9, dtype=cp.int32)
+    new = cp.asarray(rng.integers(0, 100, (2, 3, 4, 8)).astype(np.float32).astype(dtype))
+    ck.kv_cache_write(new, cache, length)
+    want = np.full((2, 40, 4, 8), -7).astype(dtype)
+    want[:, 6:9] = cp.asnumpy(new)
+    np.testing.assert_array_equal(cp.asnumpy(cache), want)
+    assert (cp.asnumpy(big[0]) == -7).all() and (cp.asnumpy(big[2]) == -7).all()
+    # captured once, replayed with the length advanced on the device: each replay appends one token
+    one = cp.asarray(np.ones((2, 1, 4, 8)).astype(dtype))
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        length += 1
+        ck.kv_cache_write(one, cache, length)
+        g = s.end_capture()
+    for _ in range(3):
+        g.launch(s)
+    s.synchronize()
+    assert int(length) == 12 and (cp.asnumpy(cache[:, 9:12]) == 1).all() and (cp.asnumpy(cache[:, 12:]) == -7).all()
