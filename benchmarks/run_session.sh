@@ -28,3 +28,11 @@ if [ "$stage" = "profile" ]; then
     | grep -v "^STAGE\|Warning\|warn(" | tee "$out/profile.log"
   [ -n "${3:-}" ] && timeout 280 python benchmarks/bench_train.py --model gpt2 --vs-torch "$3" --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log"
 fi
+if [ "$stage" = "gen" ]; then
+  timeout 280 python benchmarks/bench_generate.py --model llama ${1:+$1} 2>&1 | tee "$out/bench_generate_llama.log"
+  timeout 150 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 2>&1 | tee "$out/bench_generate_gpt2.log"
+fi
+if [ "$stage" = "gpt2" ]; then
+  timeout 200 python benchmarks/bench_train.py --model gpt2 ${1:+--vs-torch $1} --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log"
+  timeout 200 python benchmarks/profile_step.py --model gpt2 --configs b8t1024 --top 30 2>&1 | grep -v "Warning\|warn" | tee "$out/profile_gpt2.log"
+fi
