@@ -16,6 +16,12 @@
 //   a body of 16-byte packs (4 packs in flight per thread) and a scalar tail: every row gets 16-byte loads
 //   whatever V is (50257 or 128256) and whatever the row's alignment. With two pointers (logits and dlogits)
 //   the body is used when both have the same address mod 16 (always for in-place), else element accesses.
+// - Row strides (ldx for the logits, ldo for dx, in elements, by value): row r is x + r * ldx, so the logits may
+//   be the first V columns of a wider buffer (GPT-2's [N, 50257] logits inside rows of 50304, which keeps
+//   the LM-head GEMMs on cuBLAS' 16-byte-aligned kernels). Only columns [0, V) of a row are read or written.
+//   The head / body / tail split is per row, from the row's own address: with ld * sizeof(T) a multiple of 16
+//   every row starts aligned (head 0, V / E packs, a V % E tail), whatever V is. Two pointers share the split
+//   when every row pair is congruent mod 16: x = o (mod 16) and (ldx - ldo) * sizeof(T) = 0 (mod 16).
 // - Forward: one pass with an online max / sum-of-exp per thread (rescale only when a pack raises the
 //   max; exp2 with a pre-scaled argument), plus sum_j x_ij for label smoothing, then one block reduction of
 //   (max, sum, sum_x). Reads the row once: N V s bytes.
@@ -282,10 +288,10 @@ __device__ __forceinline__ float row_loss(const Lse& a, float xt, float eps, int
 template <typename T, typename I>
 __device__ __forceinline__ void ce_fwd(const T* __restrict__ x, const I* __restrict__ tg, float* __restrict__ loss_row,
                                        float* __restrict__ lse_out, int* __restrict__ err, long long N, int V,
-                                       long long ignore, float eps) {
+                                       long long ldx, long long ignore, float eps) {
   __shared__ float sh[96];
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
-    const T* xr = x + row * V;
+    const T* xr = x + row * ldx;
     const I t = tg[row];
     const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
     const float xt = (ok && threadIdx.x == 0) ? to_f32(xr[(long long)t]) : 0.f;  // used by thread 0 only
@@ -306,13 +312,13 @@ template <typename T, typename I>
 __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T* dx, float* __restrict__ loss_row,
                                          int* __restrict__ err, const int* __restrict__ count,
                                          const float* __restrict__ dloss, float dloss_scalar, long long N, int V,
-                                         long long ignore, float eps, bool vec) {
+                                         long long ldx, long long ldo, long long ignore, float eps, bool vec) {
   __shared__ float sh[96];
   const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
   const float gbase = (dloss != nullptr ? *dloss : dloss_scalar) * cnt_scale;
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
-    const T* xr = x + row * V;
-    T* orow = dx + row * V;
+    const T* xr = x + row * ldx;
+    T* orow = dx + row * ldo;
     const I t = tg[row];
     const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
     const RowSplit sp = split_row(xr, V, vec);
@@ -339,11 +345,12 @@ template <typename T, typename I>
 __device__ __forceinline__ void ce_bwd(const T* x, const I* __restrict__ tg, const float* __restrict__ lse,
                                        T* dx, int* __restrict__ err, const int* __restrict__ count,
                                        const float* __restrict__ dloss, float dloss_scalar, bool per_row,
-                                       long long N, int V, long long ignore, float eps, bool vec) {
+                                       long long N, int V, long long ldx, long long ldo, long long ignore, float eps,
+                                       bool vec) {
   const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
-    const T* xr = x + row * V;
-    T* orow = dx + row * V;
+    const T* xr = x + row * ldx;
+    T* orow = dx + row * ldo;
     const I t = tg[row];
     const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
     const RowSplit sp = split_row(xr, V, vec);
@@ -401,24 +408,25 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
   }
 }
 
-// ---- extern "C" entry points. Names: <kernel>_<logits dtype>_<targets dtype>.
+// ---- extern "C" entry points. Names: <kernel>_<logits dtype>_<targets dtype>. ldx / ldo: row strides in
+// elements (V for contiguous rows).
 #define CE_ALL(T, I, TN, IN)                                                                                    \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       ce_fwd_##TN##_##IN(const T* x, const I* tg, float* loss_row, float* lse, int* err, long long N, int V,    \
-                         long long ignore, float eps) {                                                        \
-    ce_fwd<T, I>(x, tg, loss_row, lse, err, N, V, ignore, eps);                                                \
+                         long long ldx, long long ignore, float eps) {                                         \
+    ce_fwd<T, I>(x, tg, loss_row, lse, err, N, V, ldx, ignore, eps);                                           \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       ce_fused_##TN##_##IN(const T* x, const I* tg, T* dx, float* loss_row, int* err, const int* count,        \
-                           const float* dloss, float dloss_scalar, long long N, int V, long long ignore,        \
-                           float eps, bool vec) {                                                              \
-    ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ignore, eps, vec);              \
+                           const float* dloss, float dloss_scalar, long long N, int V, long long ldx,           \
+                           long long ldo, long long ignore, float eps, bool vec) {                             \
+    ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldo, ignore, eps, vec);    \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       ce_bwd_##TN##_##IN(const T* x, const I* tg, const float* lse, T* dx, int* err, const int* count,         \
                          const float* dloss, float dloss_scalar, bool per_row, long long N, int V,             \
-                         long long ignore, float eps, bool vec) {                                              \
-    ce_bwd<T, I>(x, tg, lse, dx, err, count, dloss, dloss_scalar, per_row, N, V, ignore, eps, vec);            \
+                         long long ldx, long long ldo, long long ignore, float eps, bool vec) {                \
+    ce_bwd<T, I>(x, tg, lse, dx, err, count, dloss, dloss_scalar, per_row, N, V, ldx, ldo, ignore, eps, vec);  \
   }
 CE_ALL(float, int, f32, i32)
 CE_ALL(float, long long, f32, i64)

@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import as_strided
 
 import cukernels as ck
+from cukernels.ops.cross_entropy import vec_pair
 from helpers import DTYPES, TOL, assert_close, device_copy, poisoned, randn, to_host
 
 
@@ -143,7 +145,7 @@ def test_reference_out_of_range_target_raises():
         (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.float32)), TypeError, "targets: expected dtype"),
         (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(3, np.int32)), ValueError, r"targets: expected shape \(2,\)"),
         (lambda: ck.cross_entropy(np.zeros((2, 0), np.float32), np.zeros(2, np.int32)), ValueError, "at least 1 element"),
-        (lambda: ck.cross_entropy(np.zeros((4, 2), np.float32).T, np.zeros(2, np.int32)), ValueError, "logits: expected a C-contiguous"),
+        (lambda: ck.cross_entropy(np.zeros((4, 2), np.float32).T, np.zeros(2, np.int32)), ValueError, "logits: the class .last. axis must be contiguous"),
         (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), reduction="avg"), ValueError, "reduction"),
         (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), label_smoothing=1.5), ValueError, "label_smoothing"),
         (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32), np.zeros(2, np.int32), ignore_index=1.5), TypeError, "ignore_index"),
@@ -157,6 +159,94 @@ def test_reference_out_of_range_target_raises():
 def test_bad_input_messages(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+# ---------------------------------------------------------------- CPU: row-strided logits and dlogits
+def _padded_host(a, pad):
+    """NumPy view of ``a`` [..., V] whose rows lie V + pad apart, the padding NaN; returns (view, buffer)."""
+    buf = np.full((*a.shape[:-1], a.shape[-1] + pad), np.nan, dtype=a.dtype)
+    v = buf[..., : a.shape[-1]]
+    v[...] = a
+    return v, buf
+
+
+def _padding_is_nan(buf, V):
+    return bool(np.isnan(to_host(buf)[..., V:].astype(np.float32)).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_reference_row_strided_equals_contiguous(rng, dtype):
+    """3-D logits [B, T, V] inside [B, T, V + 5] (one row stride over both leading axes) and a strided out give the
+    contiguous results exactly; the NaN padding is neither read (the loss would be NaN) nor written."""
+    V = 11
+    x = randn(rng, (2, 3, V), dtype, scale=3.0)
+    t = _targets(rng, (2, 3), V, np.int32)
+    t[0, 1] = -100
+    xv, xbuf = _padded_host(x, 5)
+    assert not xv.flags.c_contiguous
+    for reduction in ("mean", "sum", "none"):
+        want, wlse = ck.cross_entropy(x, t, reduction=reduction, label_smoothing=0.1, return_lse=True)
+        got, glse = ck.cross_entropy(xv, t, reduction=reduction, label_smoothing=0.1, return_lse=True)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(glse, wlse)
+        dl = np.float32(0.5) if reduction != "none" else randn(rng, (2, 3), np.float32)
+        want_dx = ck.cross_entropy_backward(x, t, wlse, dl, reduction=reduction, label_smoothing=0.1)
+        ov, obuf = _padded_host(np.zeros_like(x), 2)
+        assert ck.cross_entropy_backward(xv, t, glse, dl, reduction=reduction, label_smoothing=0.1, out=ov) is ov
+        np.testing.assert_array_equal(ov, want_dx)
+        assert _padding_is_nan(obuf, V)
+    want_loss, want_dx = ck.cross_entropy_fused(x, t, label_smoothing=0.1, dloss=0.5)
+    loss, dx = ck.cross_entropy_fused(xv, t, label_smoothing=0.1, dloss=0.5, out=xv)  # in place, strided
+    assert dx is xv
+    np.testing.assert_array_equal(loss, want_loss)
+    np.testing.assert_array_equal(xv, want_dx)
+    assert _padding_is_nan(xbuf, V)
+
+
+def test_vec_pair_needs_congruent_rows():
+    assert vec_pair(0, 50304, 0, 50304, 2)  # in place in a padded buffer
+    assert vec_pair(2, 50257, 2, 50257, 2)  # in place, unpadded: same split on every row
+    assert vec_pair(0, 50304, 256, 50312, 2)  # 16 bytes between the row lengths
+    assert not vec_pair(0, 50257, 0, 50304, 2)  # row 1 differs by 94 bytes
+    assert not vec_pair(0, 64, 4, 64, 4)
+    assert vec_pair(0, 1001, 16, 1005, 4)
+
+
+_Z = np.zeros((2, 4), np.float32)
+_T = np.zeros(2, np.int32)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ck.cross_entropy(as_strided(np.zeros(8, np.float32), (2, 4), (8, 4)), _T), "logits: rows overlap"),
+        (lambda: ck.cross_entropy(as_strided(np.zeros(12, np.float32), (2, 4), (18, 4)), _T),
+         "logits: the row stride must be a non-negative multiple"),
+        (lambda: ck.cross_entropy(np.zeros((2, 4), np.float32)[::-1], _T), "logits: the row stride must be"),
+        (lambda: ck.cross_entropy(np.zeros((2, 6, 4), np.float32)[:, :3], np.zeros((2, 3), np.int32)),
+         "logits: the rows are not evenly spaced"),
+        (lambda: ck.cross_entropy_fused(_Z, _T, out=np.zeros((4, 2), np.float32).T), "out: the class .last. axis"),
+        (lambda: ck.cross_entropy_backward(_Z, _T, np.zeros(2, np.float32), 1.0, out=np.zeros((4, 2), np.float32).T),
+         "out: the class .last. axis"),
+    ],
+)
+def test_bad_row_layouts(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_out_overlapping_the_logits_is_refused_but_in_place_is_not(rng):
+    buf = randn(rng, (3, 9), np.float32)
+    x, t = buf[:, :7], np.array([1, 2, 3], np.int32)
+    with pytest.raises(ValueError, match="out: overlaps logits"):
+        ck.cross_entropy_fused(x, t, out=buf[:, 1:8])
+    with pytest.raises(ValueError, match="out: overlaps logits"):
+        ck.cross_entropy_backward(x, t, np.zeros(3, np.float32), 1.0, out=buf.reshape(-1)[2:23].reshape(3, 7))
+    want = ck.cross_entropy_fused(x.copy(), t)[1]
+    same = buf[:, :7]  # another view object of the same elements: in place
+    assert same is not x
+    _, dx = ck.cross_entropy_fused(x, t, out=same)
+    np.testing.assert_array_equal(dx, want)
 
 
 # ---------------------------------------------------------------- GPU
@@ -310,3 +400,152 @@ def test_gpu_mean_is_deterministic_and_captures(rng):
     ref_loss, ref_dx = ck.cross_entropy_fused(hx, ht, dloss=2.0)
     assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5)
     assert_close(dx, ref_dx, ck.bfloat16)
+
+
+# ---------------------------------------------------------------- GPU: row-strided logits and dlogits
+def _padded_dev(a, pad, misalign=False):
+    """Device view of host ``a`` [..., V] whose rows lie V + pad elements apart inside a NaN-filled buffer (a read
+    of a padding column makes the loss NaN); ``misalign`` puts the base one element past a 256-byte boundary.
+    Returns (view, buffer)."""
+    import cupy as cp
+
+    lead, V = a.shape[:-1], a.shape[-1]
+    flat = cp.empty(int(np.prod(lead)) * (V + pad) + int(misalign), dtype=a.dtype)
+    flat.fill(np.nan)
+    buf = (flat[1:] if misalign else flat).reshape(*lead, V + pad)
+    v = buf[..., :V]
+    v[...] = cp.asarray(a)
+    return v, buf
+
+
+# row layouts: (padding, misaligned base). "pad64": rows a multiple of 64 elements apart (every row 16-byte
+# aligned: no head, V // E packs, a V % E tail); "odd": 3 extra elements (rows at every alignment); "pad64-mis":
+# padded rows all one element past a 16-byte boundary (a 7- or 3-element head on every row).
+CE_LAYOUTS = {"pad64": (None, False), "odd": (3, False), "pad64-mis": (None, True)}
+
+
+def _pad(layout, V):
+    p, mis = CE_LAYOUTS[layout]
+    return ((-V) % 64 or 64) if p is None else p, mis
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [1, 1001, 50257])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", list(CE_LAYOUTS))
+def test_gpu_row_strided_matches_reference(rng, V, dtype, layout):
+    """Odd V inside padded rows with NaN padding: forward (every reduction, lse), backward into a strided out of
+    the same layout (16-byte body) and of another (element path), fused into a separate strided out and in place;
+    ignored rows and label smoothing; the padding columns are never read (NaN would reach the loss) or written."""
+    N, eps = 37, 0.1
+    x = randn(rng, (N, V), dtype, scale=4.0)
+    t = _targets(rng, N, V, np.int32)
+    t[3] = -100
+    pad, mis = _pad(layout, V)
+    xd, xbuf = _padded_dev(x, pad, mis)
+    td = device_copy(t)
+    rt, at = _tol(dtype)
+    for reduction in ("mean", "sum", "none"):
+        ref_loss, ref_lse = ck.cross_entropy(x, t, reduction=reduction, label_smoothing=eps, return_lse=True)
+        loss, lse = ck.cross_entropy(xd, td, reduction=reduction, label_smoothing=eps, return_lse=True)
+        assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what=f"loss {reduction}")
+        assert_close(lse, ref_lse, np.float32, rtol=1e-5, atol=1e-5, what="lse")
+        dl = np.float32(0.75) if reduction != "none" else randn(rng, (N,), np.float32)
+        dld = dev0(dl, np.float32) if reduction != "none" else device_copy(dl)
+        ref_dx = ck.cross_entropy_backward(x, t, ref_lse, np.asarray(dl, np.float32), reduction=reduction,
+                                           label_smoothing=eps)
+        for opad, omis in ((pad, mis), (5, not mis)):
+            out, obuf = _padded_dev(np.full((N, V), np.nan, dtype), opad, omis)
+            dx = ck.cross_entropy_backward(xd, td, lse, dld, reduction=reduction, label_smoothing=eps, out=out)
+            assert dx is out
+            assert_close(dx, ref_dx, dtype, rtol=rt, atol=at, what=f"dx {reduction} out pad {opad}")
+            assert _padding_is_nan(obuf, V), "backward wrote a padding column"
+        if reduction == "none":
+            continue
+        out, obuf = _padded_dev(np.full((N, V), np.nan, dtype), 5, not mis)  # rows incongruent: element path
+        loss_f, dx_f = ck.cross_entropy_fused(xd, td, reduction=reduction, label_smoothing=eps, dloss=dld, out=out)
+        assert dx_f is out
+        assert_close(loss_f, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="fused loss")
+        assert_close(dx_f, ref_dx, dtype, rtol=rt, atol=at, what="fused dx")
+        assert _padding_is_nan(obuf, V), "fused wrote a padding column"
+    ref_loss, ref_dx = ck.cross_entropy_fused(x, t, label_smoothing=eps, dloss=2.0)
+    loss, dx = ck.cross_entropy_fused(xd, td, label_smoothing=eps, dloss=2.0, out=xd)
+    assert dx is xd
+    assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="in-place loss")
+    assert_close(xd, ref_dx, dtype, rtol=rt, atol=at, what="in-place dx")
+    assert _padding_is_nan(xbuf, V), "the logits' padding was written"
+
+
+def _bits(a):
+    return np.ascontiguousarray(to_host(a)).view(np.uint8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_row_strided_is_bit_identical_to_contiguous(rng, dtype):
+    """V = 1000: contiguous rows (2000 / 4000 B) and rows 1024 apart are all 16-byte aligned, so both layouts take
+    the same per-row split, grid and summation order: loss, lse and dlogits agree bit for bit."""
+    N, V = 45, 1000
+    x = randn(rng, (N, V), dtype, scale=3.0)
+    t = _targets(rng, N, V, np.int64)
+    xc, td = device_copy(x), device_copy(t)
+    xs, _ = _padded_dev(x, 24)
+    for reduction in ("mean", "sum", "none"):
+        kw = dict(reduction=reduction, label_smoothing=0.1)
+        lc, ec = ck.cross_entropy(xc, td, return_lse=True, **kw)
+        ls, es = ck.cross_entropy(xs, td, return_lse=True, **kw)
+        assert _bits(lc).tobytes() == _bits(ls).tobytes() and _bits(ec).tobytes() == _bits(es).tobytes(), reduction
+        dl = 0.5 if reduction != "none" else device_copy(randn(rng, (N,), np.float32))
+        dc = ck.cross_entropy_backward(xc, td, ec, dl, **kw)
+        ds = ck.cross_entropy_backward(xs, td, es, dl, out=_padded_dev(np.zeros((N, V), dtype), 40)[0], **kw)
+        assert _bits(dc).tobytes() == _bits(ds).tobytes(), f"backward {reduction}"
+    (fc, gc), (fs, gs) = ck.cross_entropy_fused(xc, td, dloss=0.5), ck.cross_entropy_fused(xs, td, dloss=0.5, out=xs)
+    assert _bits(fc).tobytes() == _bits(fs).tobytes() and _bits(gc).tobytes() == _bits(gs).tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_padded_odd_vocab_rows_are_bit_identical_to_single_rows(rng, dtype, misalign):
+    """V = 50257 in rows 50304 apart: every row sits at the base's address mod 16, as a one-row contiguous copy at
+    that alignment does, so row r of the padded call equals the one-row call bit for bit (per-row loss, lse,
+    backward and fused dlogits with reduction 'sum', where g = dloss on every row)."""
+    N, V, eps = 6, 50257, 0.1
+    x = randn(rng, (N, V), dtype, scale=3.0)
+    t = _targets(rng, N, V, np.int32, ignore_frac=0.0)
+    t[2] = -100
+    xs, xbuf = _padded_dev(x, 47, misalign)
+    ts = device_copy(t)
+    loss, lse = ck.cross_entropy(xs, ts, reduction="none", label_smoothing=eps, return_lse=True)
+    dx, _ = _padded_dev(np.zeros((N, V), dtype), 47, misalign)  # out congruent with the logits, as below
+    ck.cross_entropy_backward(xs, ts, lse, 0.5, reduction="sum", label_smoothing=eps, out=dx)
+    _, fdx = ck.cross_entropy_fused(xs, ts, reduction="sum", label_smoothing=eps, dloss=0.5, out=xs)
+    for r in range(N):
+        x1, t1 = device_copy(x[r:r + 1], misalign), device_copy(t[r:r + 1])
+        l1, e1 = ck.cross_entropy(x1, t1, reduction="none", label_smoothing=eps, return_lse=True)
+        assert _bits(loss[r:r + 1]).tobytes() == _bits(l1).tobytes(), f"loss row {r}"
+        assert _bits(lse[r:r + 1]).tobytes() == _bits(e1).tobytes(), f"lse row {r}"
+        d1 = ck.cross_entropy_backward(x1, t1, e1, 0.5, reduction="sum", label_smoothing=eps,
+                                       out=device_copy(np.zeros((1, V), dtype), misalign))
+        assert _bits(dx[r:r + 1]).tobytes() == _bits(d1).tobytes(), f"backward row {r}"
+        _, f1 = ck.cross_entropy_fused(x1, t1, reduction="sum", label_smoothing=eps, dloss=0.5, out=x1)
+        assert _bits(fdx[r:r + 1]).tobytes() == _bits(f1).tobytes(), f"fused row {r}"
+    assert _padding_is_nan(xbuf, V)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_row_strided_3d_and_empty(rng, dtype):
+    """[B, T, V] logits inside [B, T, V + 23] (one row stride over both leading axes), and 0 rows."""
+    B, T, V = 3, 5, 1001
+    x = randn(rng, (B, T, V), dtype, scale=3.0)
+    t = _targets(rng, (B, T), V, np.int64)
+    xd, xbuf = _padded_dev(x, 23)
+    ref_loss, ref_dx = ck.cross_entropy_fused(x, t, label_smoothing=0.05)
+    loss, dx = ck.cross_entropy_fused(xd, device_copy(t), label_smoothing=0.05, out=xd)
+    assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="loss")
+    assert_close(dx, ref_dx, dtype, *_tol(dtype), what="dx")
+    assert _padding_is_nan(xbuf, V)
+    e, _ = _padded_dev(np.zeros((0, V), dtype), 64)
+    loss, dx = ck.cross_entropy_fused(e, device_copy(np.zeros(0, np.int32)), out=e)
+    assert float(to_host(loss)) == 0.0 and dx.shape == (0, V)

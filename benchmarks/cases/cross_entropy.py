@@ -3,6 +3,7 @@ import numpy as np
 
 import cukernels as ck
 from bench_ops import Case
+from cukernels.blas import empty_padded
 
 SHAPES = [(4096, 128256), (256, 128256), (8192, 50257)]
 
@@ -65,4 +66,18 @@ def cases(ctx):
                         lambda i, xs=xs, ts=ts: ck.cross_entropy_fused(xs[i], ts[i], out=xs[i]),
                         comp_fused, tfb, note="in place over the logits; torch = F.cross_entropy fwd+bwd",
                         extra=dict(nsets=k)))
+        if V % 64:
+            # The same logits inside rows padded to a multiple of 64 (GPT-2: 50257 in 50304, as the LM head's
+            # GEMMs want them): every row 16-byte aligned, so no scalar head; same bytes.
+            ld = -(-V // 64) * 64
+            pxs = [empty_padded((N, V), dt) for _ in range(k)]
+            for p, x in zip(pxs, xs):
+                p[...] = x
+
+            def padded(i, pxs=pxs, ts=ts):
+                return ck.cross_entropy_fused(pxs[i], ts[i], out=pxs[i])
+
+            out.append(Case(f"cross_entropy fused fwd+bwd (ld {ld})", shape, dn, 2 * N * V * s + 12 * N,
+                            "2*N*V*s + 12*N", padded, None, None,
+                            note=f"in place, rows {ld} apart (padding never touched)", extra=dict(nsets=k)))
     return out

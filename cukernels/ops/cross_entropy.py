@@ -3,6 +3,11 @@
 Kernels: ``kernels_cu/cross_entropy.cu``. The loss stays on the device (a 0-d array): reading it back every
 step is a host sync. Targets outside ``[0, V)`` that are not ``ignore_index`` raise on the NumPy path; on the GPU
 the row is treated as ignored and 1 is ORed into a device error word (``ck.cross_entropy_error()``).
+
+Row-strided logits and dlogits: the class axis must be contiguous, but rows may lie ``ld >= V`` elements apart
+(the first V columns of a wider buffer, e.g. ``ck.blas.empty_padded((N, 50257), bf16)``: rows 50304 apart, so
+the LM-head GEMMs stay on cuBLAS' 16-byte-aligned kernels). The row stride goes to the kernels by value; the
+columns past V are never read or written.
 """
 from __future__ import annotations
 
@@ -30,6 +35,62 @@ def cross_entropy_error():
     return B.error_word("cross_entropy")
 
 
+def _row_stride(name, a):
+    """Elements between consecutive rows of ``a`` [..., V]: the class (last) axis contiguous, the leading (row) axes
+    walked by one stride ld >= V (C-contiguous: ld = V; a column slice ``buf[..., :V]``: ld = buf's row length).
+    """
+    V, s = a.shape[-1], a.itemsize
+    if a.size == 0:
+        return max(1, V)
+    st = a.strides
+    if V > 1 and st[-1] != s:
+        raise ValueError(f"{name}: the class (last) axis must be contiguous (stride {s} bytes); got strides {st} for "
+                         f"shape {tuple(a.shape)} (no silent copies are made: pass a C-contiguous array or a column "
+                         "slice of one)")
+    if B._kind(a) is not np and a.data.ptr % s:
+        raise ValueError(f"{name}: the data pointer is not aligned to the {s}-byte element size")
+    dims = [(n, t) for n, t in zip(a.shape[:-1], st[:-1]) if n > 1]
+    if not dims:
+        return V
+    for (n0, t0), (n1, t1) in zip(dims, dims[1:]):
+        if t0 != n1 * t1:
+            raise ValueError(f"{name}: the rows are not evenly spaced (strides {st} for shape {tuple(a.shape)}); "
+                             "expected the leading axes to be walked by one row stride")
+    t = dims[-1][1]
+    if t < 0 or t % s:
+        raise ValueError(f"{name}: the row stride must be a non-negative multiple of the {s}-byte element size; got "
+                         f"strides {st} for shape {tuple(a.shape)}")
+    ld = t // s
+    if ld < V:
+        raise ValueError(f"{name}: rows overlap (row stride {ld} elements < {V} classes); got strides {st} for shape "
+                         f"{tuple(a.shape)}")
+    return ld
+
+
+def _base_ptr(a):
+    return a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+
+
+def _check_dx_out(out, logits, ldx):
+    """dlogits ``out``: dtype and shape of the logits, writable, row-strided like them; either the logits
+    themselves (same address and row stride: in place) or memory disjoint from them. Returns its row stride."""
+    B.check_dtype("out", out, (logits.dtype,))
+    B.check_shape("out", out, logits.shape)
+    B.check_writable("out", out)
+    ldo = _row_stride("out", out)
+    if logits.size == 0:
+        return ldo
+    s, V, N = logits.itemsize, logits.shape[-1], logits.size // logits.shape[-1]
+    px, po = _base_ptr(logits), _base_ptr(out)
+    if px == po and ldx == ldo:
+        return ldo  # in place
+    ex, eo = ((N - 1) * ldx + V) * s, ((N - 1) * ldo + V) * s
+    if px < po + eo and po < px + ex:
+        raise ValueError("out: overlaps logits without being them (pass out=logits for in place, or a separate "
+                         "buffer)")
+    return ldo
+
+
 def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
     B.check_dtype("logits", logits, B.FLOATS)
     B.check_ndim("logits", logits, 1)
@@ -38,7 +99,7 @@ def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
         raise ValueError(f"logits: the class (last) axis must have at least 1 element; got shape {tuple(logits.shape)}")
     if V >= 2**31:
         raise ValueError(f"logits: at most 2**31 - 1 classes supported; got {V}")
-    B.check_contiguous("logits", logits)
+    ld = _row_stride("logits", logits)
     B.check_dtype("targets", targets, INTS)
     B.check_shape("targets", targets, logits.shape[:-1], " (logits.shape[:-1])")
     B.check_contiguous("targets", targets)
@@ -51,7 +112,7 @@ def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
         B.check_dtype("error", error, (np.int32,))
         B.check_shape("error", error, ())
         B.check_writable("error", error)
-    return V, ig, eps
+    return V, ld, ig, eps
 
 
 def _err(xp, error):
@@ -177,7 +238,8 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
     ignored), ``sum`` sums, ``none`` returns loss_i. The reductions are deterministic (fixed-order, no atomics).
 
     Args:
-        logits: ``(..., V)`` float32 or bfloat16, C-contiguous (leading dims are rows).
+        logits: ``(..., V)`` float32 or bfloat16 (leading dims are rows); the class axis contiguous, rows any
+            stride >= V apart (the first V columns of a wider buffer are read as they are).
         targets: int32/int64, shape ``logits.shape[:-1]``.
         ignore_index: target value of rows that contribute nothing.
         reduction: "mean" | "sum" | "none".
@@ -196,7 +258,7 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
         >>> dlogits = ck.cross_entropy_backward(logits, targets, lse, cp.ones((), cp.float32))
     """
     xp = B.array_module(logits=logits, targets=targets, out=out, error=error)
-    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    V, ldx, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
     return_lse = B.check_bool("return_lse", return_lse)
     rshape = logits.shape[:-1]
     if out is not None:
@@ -218,7 +280,7 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
         k = get_function(FAMILY, f"ce_fwd_{_tag(logits, targets)}")
         k((_grid(k, N, threads),), (threads, 1, 1),
           (logits, targets, loss_row, lse if lse is not None else B.NULL, _err(xp, error), np.int64(N), np.int32(V),
-           np.int64(ig), np.float32(eps)))
+           np.int64(ldx), np.int64(ig), np.float32(eps)))
     if reduction == "none":
         res = loss_row
     else:
@@ -227,12 +289,18 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
     return (res, lse) if return_lse else res
 
 
-def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ig, eps, reduction, dscalar, darr, error):
+def vec_pair(px, ldx, po, ldo, itemsize):
+    """Whether two row-strided arrays share the kernels' per-row head / 16-byte body / tail split: every row pair
+    congruent mod 16, i.e. the base pointers are, and so are the row strides' byte lengths."""
+    return (px - po) % 16 == 0 and ((ldx - ldo) * itemsize) % 16 == 0
+
+
+def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ldx, ldo, ig, eps, reduction, dscalar, darr, error):
     N = targets.size
     cnt = _count(xp, targets, N, V, ig) if reduction == "mean" else None
     if N == 0:
         return cnt
-    vec = logits.data.ptr % 16 == dx.data.ptr % 16
+    vec = vec_pair(logits.data.ptr, ldx, dx.data.ptr, ldo, logits.itemsize)
     threads = _threads(V, logits.itemsize)
     k = get_function(FAMILY, f"ce_{kind}_{_tag(logits, targets)}")
     grid = _grid(k, N, threads)
@@ -241,12 +309,12 @@ def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ig, eps, reduc
     if kind == "fused":
         k((grid,), (threads, 1, 1),
           (logits, targets, dx, loss_row, _err(xp, error), cptr, dptr, np.float32(dscalar), np.int64(N), np.int32(V),
-           np.int64(ig), np.float32(eps), np.bool_(vec)))
+           np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec)))
     else:
         per_row = darr is not None and darr.ndim > 0
         k((grid,), (threads, 1, 1),
           (logits, targets, lse, dx, _err(xp, error), cptr, dptr, np.float32(dscalar), np.bool_(per_row), np.int64(N),
-           np.int32(V), np.int64(ig), np.float32(eps), np.bool_(vec)))
+           np.int32(V), np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec)))
     return cnt
 
 
@@ -265,19 +333,22 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
         dloss: gradient of the loss: a float or a 0-d float32 array; for reduction "none" also a float32 array of
             shape ``logits.shape[:-1]``.
         ignore_index, reduction, label_smoothing: as in the forward.
-        out: optional buffer for dx (dtype and shape of logits); may be ``logits`` itself (in place).
+        out: optional buffer for dx (dtype and shape of logits, row-strided like them; columns past V of a wider
+            buffer are left alone); may be ``logits`` itself (in place), must not otherwise overlap them.
+            Default: a new C-contiguous array.
 
     Returns:
         ``dlogits``, dtype and shape of ``logits``.
     """
     xp = B.array_module(logits=logits, targets=targets, lse=lse, out=out, error=error)
-    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    V, ldx, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
     rshape = logits.shape[:-1]
     B.check_dtype("lse", lse, (np.float32,))
     B.check_shape("lse", lse, rshape, " (logits.shape[:-1])")
     B.check_contiguous("lse", lse)
     dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
-    dx = B.empty(xp, logits.shape, logits.dtype, out)
+    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
+    dx = out if out is not None else xp.empty(logits.shape, dtype=logits.dtype)
     if xp is np:
         _host_check_targets(targets, V, ig)
         _, _, valid, x, ts = _ref_rows(logits, targets, V, ig, eps)
@@ -285,7 +356,7 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
         l64 = lse.reshape(-1).astype(np.float64)
         dx[...] = _ref_grad(x, l64, valid, ts, g, eps, V).reshape(logits.shape).astype(logits.dtype)
         return dx
-    _grad_launch("bwd", xp, logits, targets, dx, lse, None, V, ig, eps, reduction, dscalar, darr, error)
+    _grad_launch("bwd", xp, logits, targets, dx, lse, None, V, ldx, ldo, ig, eps, reduction, dscalar, darr, error)
     return dx
 
 
@@ -302,8 +373,9 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
     Args:
         logits, targets, ignore_index, reduction, label_smoothing: as in :func:`cross_entropy`.
         dloss: float or 0-d float32 device array (read on the device; e.g. a loss scale).
-        out: dlogits buffer (dtype and shape of logits), or ``logits`` itself for in place; ``out`` must not
-            partially overlap ``logits``.
+        out: dlogits buffer (dtype and shape of logits, row-strided like them: only columns [0, V) of each row
+            are written), or ``logits`` itself for in place; it must not otherwise overlap ``logits``. Default: a
+            new C-contiguous array.
 
     Returns:
         ``(loss, dlogits)``: loss as in :func:`cross_entropy`, dlogits like ``logits``.
@@ -311,14 +383,18 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
     Example::
 
         >>> loss, _ = ck.cross_entropy_fused(logits, targets, out=logits)    # logits now hold dlogits
+        >>> z = ck.blas.empty_padded((N, 50257), ck.bfloat16)                 # GPT-2: rows 50304 apart
+        >>> ck.matmul(h, wte, trans_b=True, out=z)
+        >>> loss, dz = ck.cross_entropy_fused(z, targets, out=z)             # same row stride, in place
     """
     xp = B.array_module(logits=logits, targets=targets, out=out, error=error)
-    V, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
+    V, ldx, ig, eps = _validate(logits, targets, ignore_index, reduction, label_smoothing, error)
     rshape = logits.shape[:-1]
     dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
     if darr is not None and darr.ndim:
         raise ValueError(f"dloss: expected a float or a 0-d float32 array; got shape {tuple(darr.shape)}")
-    dx = B.empty(xp, logits.shape, logits.dtype, out)
+    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
+    dx = out if out is not None else xp.empty(logits.shape, dtype=logits.dtype)
     N = targets.size
     if xp is np:
         _host_check_targets(targets, V, ig)
@@ -328,7 +404,8 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
         dx[...] = _ref_grad(x, lse, valid, ts, g, eps, V).reshape(logits.shape).astype(logits.dtype)
         return res, dx
     loss_row = xp.empty(rshape, dtype=np.float32)
-    cnt = _grad_launch("fused", xp, logits, targets, dx, None, loss_row, V, ig, eps, reduction, dscalar, darr, error)
+    cnt = _grad_launch("fused", xp, logits, targets, dx, None, loss_row, V, ldx, ldo, ig, eps, reduction, dscalar, darr,
+                       error)
     if reduction == "none":
         return loss_row, dx
     return _reduce(xp, loss_row, N, cnt), dx

@@ -23,6 +23,12 @@ every GEMM has a 2048 dimension: logits 2048 x 128256 (8016 tiles of 128 x 256, 
 2048 x 2048 with K = 128256 (128 tiles: one wave), dW 128256 x 2048 with K = 2048. Multiples of 128 rows keep
 the dW GEMM's K free of a ragged tail and the logits GEMM's M on whole tiles.
 
+The workspace rows are padded to a multiple of 64 elements (``ck.blas.empty_padded``; 128256 is one already,
+GPT-2's 50257 becomes 50304, +0.1 %): V stays the class count, the GEMMs take the row stride as their leading
+dimension and the CE kernels as ``ld``. Unpadded 50257-element bf16 rows (100514 B) are not 16-byte aligned and
+confine cuBLAS to its align1 kernels for all three GEMMs (measured on the H200: 15.6 ms for GPT-2's head GEMMs
+at N = 8192 through an unpadded [N, 50257] buffer).
+
 The weight gradient accumulates in fp32 straight from the GEMM (beta = 1) rather than through a bf16 per-chunk
 buffer: a bf16 dW would add 525 MB (over the budget), a cast + add pass over ~2.6 GB per chunk, and a bf16
 rounding of the partial sums per chunk.
@@ -33,7 +39,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
-from ..blas import matmul
+from ..blas import empty_padded, matmul
 from . import cross_entropy as _ce
 
 INTS = (np.int32, np.int64)
@@ -208,7 +214,11 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         if N == 0 and not accumulate:
             B.zero_(dw)  # no chunk writes it
     if N:
-        ws = xp.empty((C, V), dtype=x.dtype)
+        # Rows padded to a multiple of 64 elements (GPT-2: 50257 -> 50304): the three GEMMs that read or write
+        # the workspace get 16-byte-aligned rows (cuBLAS' fast kernels; 50257 bf16 rows would force its align1
+        # kernels), and the CE kernel reads it with that row stride. Never more than 63 extra columns.
+        ws = empty_padded((C, V), x.dtype, xp=xp)
+        ldz = ws.strides[0] // ws.itemsize
         tag = f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[targets.dtype]}"
         k = get_function(_ce.FAMILY, f"ce_{'fused' if compute_grad else 'fwd'}_{tag}")
         threads = _ce._threads(V, x.itemsize)
@@ -216,17 +226,17 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         for i, c0 in enumerate(range(0, N, C)):
             c1 = min(N, c0 + C)
             r = c1 - c0
-            z = ws[:r]  # C-contiguous view of the workspace's first r rows
+            z = ws[:r]  # the workspace's first r rows (row stride ldz)
             xc, tc, lr = x[c0:c1], targets[c0:c1], loss_rows[c0:c1]
             matmul(xc, weight, trans_b=True, out=z)
             grid = (_ce._grid(k, r, threads),)
             if not compute_grad:
-                k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ig),
-                                          np.float32(eps)))
+                k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ldz),
+                                          np.int64(ig), np.float32(eps)))
                 continue
             # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
             k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
-                                      np.int64(ig), np.float32(eps), np.bool_(True)))
+                                      np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True)))
             matmul(z, weight, out=dx[c0:c1])
             matmul(z, xc, trans_a=True, out=dw, beta=1.0 if (accumulate or i) else 0.0)
     if reduction == "none":
