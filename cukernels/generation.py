@@ -190,7 +190,7 @@ def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, to
 
     Bsz, T0 = prompt.shape
     L = T0 + max_new_tokens
-    cache = model.new_static_cache(Bsz, L)
+    cache = model.new_static_cache(Bsz, L, dtype=bfloat16)  # bf16 weights, or bf16 activations under autocast
     mask = np.ones((Bsz, T0), bool) if mask is None else mask
     cache.key_mask[:, :T0] = cp.asarray(mask)
     pos0 = _positions(mask)

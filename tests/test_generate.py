@@ -125,20 +125,42 @@ def test_gpu_kv_cache_greedy_matches_numpy(fused):
 
 # ------------------------------------------------------------------ the static engine (GPU): captured decode
 def _peaked(xp, model_cls="llama", seed=11):
-    """A small bf16 model whose next-token logits are far apart (the output projection scaled up), so greedy
-    decoding is not decided by bf16 rounding and two correct engines must agree token for token."""
+    """A small bf16 model whose residual stream is dominated by the token embedding (the attention and MLP output
+    projections scaled by 0.1): rounding differences between engines stay far below the logit gaps, while every
+    kernel of the decode path still contributes."""
     if model_cls == "gpt2":
         m = ck.GPT2(ck.GPT2Config(vocab_size=301, n_positions=256, n_embd=128, n_layer=2, n_head=2,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1),
                     xp=xp, seed=seed)
-        w = m.transformer.wte.weight
+        small = [b.attn.c_proj.weight for b in m.transformer.h] + [b.mlp.c_proj.weight for b in m.transformer.h]
     else:
         m = ck.Llama(ck.LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                     initializer_range=0.1), xp=xp, seed=seed)
-        w = m.lm_head.weight
-    w.data *= 8.0
+        small = [b.self_attn.o_proj.weight for b in m.model.layers] + [b.mlp.down_proj.weight for b in m.model.layers]
+    for w in small:
+        w.data *= 0.1
     return m.to(ck.bfloat16)
+
+
+def _assert_greedy_equal(model, prompt_len, got, want, rel=0.01):
+    """Greedy sequences equal, except after a genuine near-tie: at the first differing token, the reference
+    sequence's top-2 logits (recomputed without a cache) must lie within ``rel`` of the logits' spread."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    for b in range(got.shape[0]):
+        diff = np.nonzero(got[b] != want[b])[0]
+        if diff.size == 0:
+            continue
+        i = int(diff[0])
+        assert i >= prompt_len, f"row {b}: the prompt changed at {i}"
+        with ck.no_grad():
+            lg = model(want[b:b + 1, :i]).data[0, -1].astype(np.float32)
+        lg = lg.get() if hasattr(lg, "get") else lg
+        top = np.sort(lg)[-2:]
+        margin = float(top[1] - top[0])
+        assert margin < rel * float(lg.std()), (f"row {b}: diverges at {i} ({got[b, i]} vs {want[b, i]}) with a "
+                                                f"clear margin {margin:.4f} (logit std {lg.std():.3f})")
 
 
 @pytest.mark.gpu
@@ -152,8 +174,8 @@ def test_static_engine_greedy_equals_dynamic_and_recompute(family):
     assert stats["new_tokens"] == 40 and got.shape == (2, 47)
     dyn = generate(m, prompt, 40, temperature=0, static=False)
     ref = generate(m, prompt, 40, temperature=0, static=False, use_cache=False)
-    np.testing.assert_array_equal(got, dyn)
-    np.testing.assert_array_equal(got, ref)
+    _assert_greedy_equal(m, 7, got, ref)
+    _assert_greedy_equal(m, 7, dyn, ref)
     np.testing.assert_array_equal(generate(m, prompt, 40, temperature=0, static=True, graph=False), got)
 
 
@@ -171,16 +193,17 @@ def test_static_engine_ragged_batch_equals_each_row_alone():
     got = generate(m, prompt, 24, temperature=0, attention_mask=mask)
     for b, r in enumerate(rows):
         alone = generate(m, np.array([r]), 24, temperature=0)
-        np.testing.assert_array_equal(got[b, T:], alone[0, len(r):], err_msg=f"row {b}")
+        _assert_greedy_equal(m, len(r), np.concatenate([r, got[b, T:]])[None], alone)
     # the dynamic engine handles the same padded batch the same way
-    np.testing.assert_array_equal(generate(m, prompt, 24, temperature=0, attention_mask=mask, static=False), got)
+    dyn = generate(m, prompt, 24, temperature=0, attention_mask=mask, static=False)
+    for b, r in enumerate(rows):
+        _assert_greedy_equal(m, len(r), np.concatenate([r, dyn[b, T:]])[None], np.concatenate([r, got[b, T:]])[None])
 
 
 @pytest.mark.gpu
 def test_static_engine_sampling_is_reproducible_by_seed_and_stops_at_eos():
     import cupy
     m = _peaked(cupy)
-    m.lm_head.weight.data /= 8.0  # flatter: sampling has choices
     p = np.array([[5, 17, 200], [9, 9, 9]])
     kw = dict(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.1)
     a = generate(m, p, 30, seed=7, **kw)
@@ -206,5 +229,6 @@ def test_static_engine_matches_transformers_generate(tmp_path):
     with torch.no_grad():
         theirs = ref.generate(torch.from_numpy(prompt).cuda(), max_new_tokens=32, do_sample=False,
                               pad_token_id=0).cpu().numpy()
-    got = generate(ck.from_pretrained(tmp_path / "hf", xp=cupy, dtype=ck.bfloat16), prompt, 32, temperature=0)
-    np.testing.assert_array_equal(got, theirs)
+    mine = ck.from_pretrained(tmp_path / "hf", xp=cupy, dtype=ck.bfloat16)
+    got = generate(mine, prompt, 32, temperature=0)
+    _assert_greedy_equal(mine, 7, got, theirs)
