@@ -1,4 +1,4 @@
-// Activations: SwiGLU (LLaMA's MLP) and GELU with the tanh approximation (GPT-2).
+// Activations: SwiGLU (LLaMA's MLP) and GELU, tanh approximation (GPT-2's gelu_new) or exact (erf: BERT, HF "gelu").
 //
 //   silu(g)   = g * s,  s = sigmoid(g) = 1 / (1 + e^-g)
 //   swiglu    y = silu(g) * u
@@ -8,6 +8,14 @@
 //             = x * sigmoid(2 u), u = k (x + 0.044715 x^3)   (0.5 (1 + tanh u) = sigmoid(2u): no tanh, and no
 //               cancellation in 1 + tanh u for u << 0)
 //   backward  dx = dy * (s + 2 x s (1 - s) k (1 + 3 * 0.044715 x^2)),  s = sigmoid(2u)
+//   gelu exact  y = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))
+//   backward    dx = dy * (Phi(x) + x phi(x)),  phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+//     PyTorch's formula (approximate="none"), with CUDA's erff (<= 2 ulp) and __expf for phi. 1 + erf(x / sqrt 2)
+//     cancels for x << 0: at x = -5 (Phi = 2.9e-7) it is good to ~2e-7 absolute, so y (~ -1.4e-6) carries ~3e-7
+//     absolute error -- far below a bf16 activation's resolution and what PyTorch computes; erfcf(-x / sqrt 2)
+//     would keep the relative accuracy at ~2x the instructions (a division and an exp), in an op whose tanh
+//     twin already came out issue-bound (NOTES, run 4). x = +-1e4: erff = +-1 -> y = 1e4 / -0; phi's exp
+//     underflows to 0 (x^2 -> inf in fp32 beyond 1.8e19: exp(-inf) = 0), so dx = 1 / 0, never NaN.
 //
 // Stability: sigmoid2() (common/pointwise.cuh) gives s and 1 - s = e^-z s without NaN for every finite z
 // (e^-z = inf -> s = 0, 1 - s = 1), so inputs of +-1e4 (and far beyond for SwiGLU) give finite outputs:
@@ -53,6 +61,18 @@ __device__ __forceinline__ float gelu_grad(float x) {
   sigmoid2(2.f * GELU_K * (x + GELU_C * x2 * x), s, oms);
   return s + 2.f * x * (s * oms) * GELU_K * (1.f + 3.f * GELU_C * x2);
 }
+constexpr float GELU_RSQRT2 = 0.7071067811865476f;    // 1 / sqrt(2)
+constexpr float GELU_RSQRT2PI = 0.3989422804014327f;  // 1 / sqrt(2 pi)
+__device__ __forceinline__ float gelu_erf_f(float x) { return 0.5f * x * (1.f + erff(x * GELU_RSQRT2)); }
+__device__ __forceinline__ float gelu_erf_grad(float x) {
+  const float cdf = 0.5f * (1.f + erff(x * GELU_RSQRT2));
+  return cdf + x * (__expf(-0.5f * x * x) * GELU_RSQRT2PI);
+}
+// The form as a compile-time flag: EXACT = erf, else tanh.
+template <bool EXACT>
+__device__ __forceinline__ float gelu_fn(float x) { return EXACT ? gelu_erf_f(x) : gelu_f(x); }
+template <bool EXACT>
+__device__ __forceinline__ float gelu_dfn(float x) { return EXACT ? gelu_erf_grad(x) : gelu_grad(x); }
 
 template <typename T, int E, bool VEC, int U>
 struct SwigluFwd {
@@ -107,7 +127,7 @@ struct SwigluBwd {
   }
 };
 
-template <typename T, int E, bool VEC, int U>
+template <typename T, int E, bool VEC, int U, bool EXACT = false>
 struct GeluFwd {
   const T* x;
   T* y;
@@ -116,14 +136,14 @@ struct GeluFwd {
   __device__ __forceinline__ void store(int k, long long, long long c) {
     float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) f[i] = gelu_f(cx[k].get(i));
+    for (int i = 0; i < E; ++i) f[i] = gelu_fn<EXACT>(cx[k].get(i));
     Chunk<T, E, VEC> o;
     o.pack(f);
     o.store(y + c);
   }
 };
 
-template <typename T, int E, bool VEC, int U>
+template <typename T, int E, bool VEC, int U, bool EXACT = false>
 struct GeluBwd {
   const T* x;
   const T* dy;
@@ -136,7 +156,7 @@ struct GeluBwd {
   __device__ __forceinline__ void store(int k, long long, long long c) {
     float f[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) f[i] = cd[k].get(i) * gelu_grad(cx[k].get(i));
+    for (int i = 0; i < E; ++i) f[i] = cd[k].get(i) * gelu_dfn<EXACT>(cx[k].get(i));
     Chunk<T, E, VEC> o;
     o.pack(f);
     o.store(dx + c);
@@ -147,6 +167,7 @@ constexpr int ACT_U = 4;
 
 // Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
 // accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
+// gelu_*: tanh form, gelu_erf_*: exact form.
 #define ACT_KERNELS(T, TN, VEC, VS)                                                                           \
   extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
       swiglu_fwd_##TN##_##VS(const T* g, const T* u, T* y, long long n) {                                   \
@@ -185,6 +206,20 @@ constexpr int ACT_U = 4;
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluBwd<T, E, VEC, ACT_U> op{x, dy, dx};                                                                \
     GeluBwd<T, 1, false, 1> tail{x, dy, dx};                                                                \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      gelu_erf_fwd_##TN##_##VS(const T* x, T* y, long long n) {                                             \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    GeluFwd<T, E, VEC, ACT_U, true> op{x, y};                                                               \
+    GeluFwd<T, 1, false, 1, true> tail{x, y};                                                               \
+    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
+      gelu_erf_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                               \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    GeluBwd<T, E, VEC, ACT_U, true> op{x, dy, dx};                                                          \
+    GeluBwd<T, 1, false, 1, true> tail{x, dy, dx};                                                          \
     run_flat<E, ACT_U>(op, tail, n);                                                                        \
   }
 

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 
 import cukernels as ck
+from cukernels.ops.activations import _erf64, _erfc64
 from helpers import DTYPES, TOL, assert_close, device_copy, poisoned, randn, to_host
 
 K = math.sqrt(2.0 / math.pi)
+FORMS = ["tanh", "none"]
 
 
 # Independent float64 formulas: sigmoid through tanh (sigmoid(z) = (1 + tanh(z/2)) / 2, no overflow anywhere),
@@ -24,6 +26,19 @@ def gelu64(x):
     return 0.5 * x * (1.0 + np.tanh(K * (x + 0.044715 * x**3)))
 
 
+_erf_exact = np.vectorize(math.erf, otypes=[np.float64])  # slow (~0.2 us an element): small arrays only
+_erfc_exact = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def gelu_erf64(x):
+    """The exact GELU with Python's math.erfc: x Phi(x) = 0.5 x erfc(-x / sqrt 2), the same as 0.5 x (1 + erf(x /
+    sqrt 2)) without its cancellation for x << 0 (at x = -9.19, 1 + erf is 0 in float64; the GELU is -1.8e-19)."""
+    return 0.5 * x * _erfc_exact(-x / math.sqrt(2.0))
+
+
+GELU64 = {"tanh": gelu64, "none": gelu_erf64}
+
+
 def central_diff(f, x, h=1e-6):
     """Elementwise derivative of an elementwise float64 function by central differences."""
     return (f(x + h) - f(x - h)) / (2 * h)
@@ -38,6 +53,9 @@ def test_reference_forward_matches_f64(rng, shape):
     np.testing.assert_allclose(y, swiglu64(g.astype(np.float64), u), rtol=1e-6, atol=1e-7)
     x = randn(rng, shape, np.float32, 3.0)
     np.testing.assert_allclose(ck.gelu(x), gelu64(x.astype(np.float64)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(ck.gelu(x, approximate="tanh"), ck.gelu(x))  # the default is tanh
+    np.testing.assert_allclose(ck.gelu(x, approximate="none"), gelu_erf64(x.astype(np.float64)), rtol=1e-6,
+                               atol=1e-7)
 
 
 def test_reference_bf16_rounds_once(rng):
@@ -48,6 +66,8 @@ def test_reference_bf16_rounds_once(rng):
     assert np.array_equal(y.view(np.uint16), ref.view(np.uint16))
     yg = ck.gelu(g)
     assert np.array_equal(yg.view(np.uint16), gelu64(g.astype(np.float64)).astype(ck.bfloat16).view(np.uint16))
+    ye = ck.gelu(g, approximate="none")
+    assert np.array_equal(ye.view(np.uint16), gelu_erf64(g.astype(np.float64)).astype(ck.bfloat16).view(np.uint16))
 
 
 def test_reference_swiglu_backward_matches_finite_differences(rng):
@@ -64,11 +84,29 @@ def test_reference_swiglu_backward_matches_finite_differences(rng):
     np.testing.assert_allclose(du, du_fd, rtol=1e-5, atol=1e-6)
 
 
-def test_reference_gelu_backward_matches_finite_differences(rng):
+@pytest.mark.parametrize("form", FORMS)
+def test_reference_gelu_backward_matches_finite_differences(rng, form):
     x = (rng.standard_normal((6, 11)) * 3).astype(np.float32)
     dy = rng.standard_normal((6, 11)).astype(np.float32)
-    fd = dy.astype(np.float64) * central_diff(gelu64, x.astype(np.float64))
-    np.testing.assert_allclose(ck.gelu_backward(x, dy), fd, rtol=1e-5, atol=1e-6)
+    fd = dy.astype(np.float64) * central_diff(GELU64[form], x.astype(np.float64))
+    np.testing.assert_allclose(ck.gelu_backward(x, dy, approximate=form), fd, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_erf_matches_math_erf():
+    """The float64 erf / erfc behind the exact GELU's reference, against Python's math.erf / math.erfc at 1e4 points
+    over [-28, 28] (both branches, the switch at |x| = 2, the underflow end) plus a few exact points."""
+    x = np.concatenate([np.linspace(-28.0, 28.0, 10_000), [0.0, -0.0, 1e-300, -1e-12, 2.0, -2.0,
+                                                            np.nextafter(2.0, 0.0), 0.5, 5.0, 26.5]])
+    e, c = _erf64(x), _erfc64(x)
+    want_e = np.array([math.erf(v) for v in x])
+    want_c = np.array([math.erfc(v) for v in x])
+    np.testing.assert_allclose(e, want_e, rtol=4e-15, atol=1e-300)  # measured 9e-16
+    ok = want_c > 1e-290  # below that erfc is subnormal in float64 (the CPU's too)
+    np.testing.assert_allclose(c[ok], want_c[ok], rtol=1e-12)  # measured 1.9e-13
+    assert np.all(c[~ok] < 1e-280) and e.shape == x.shape
+    assert np.isnan(_erf64(np.array([np.nan]))).all() and _erfc64(np.array([40.0, -40.0])).tolist() == [0.0, 2.0]
+    big = np.random.default_rng(0).standard_normal((3, 1000)) * 4  # any shape; the rational tail of math.erf
+    np.testing.assert_allclose(_erf64(big), _erf_exact(big), rtol=4e-15, atol=1e-300)
 
 
 def test_reference_packed_equals_separate(rng):
@@ -88,10 +126,14 @@ def test_reference_large_inputs_are_finite_and_exact():
         y = ck.swiglu(x, one)
         dg, du = ck.swiglu_backward(x, one, one)
         yg, dx = ck.gelu(x), ck.gelu_backward(x, one)
-    for a in (y, dg, du, yg, dx):
+        ye, dxe = ck.gelu(x, approximate="none"), ck.gelu_backward(x, one, approximate="none")
+        ye_huge = ck.gelu(np.array([-3e38, 3e38], np.float32), approximate="none")
+    for a in (y, dg, du, yg, dx, ye, dxe, ye_huge):
         assert np.isfinite(a).all()
     assert y[-1] == 1e4 and y[0] == 0 and dg[-1] == 1 and dg[0] == 0
     assert yg[-1] == 1e4 and yg[0] == 0 and dx[-1] == 1 and dx[0] == 0
+    assert ye[-1] == 1e4 and ye[0] == 0 and dxe[-1] == 1 and dxe[0] == 0
+    np.testing.assert_array_equal(ye_huge, np.array([0.0, 3e38], np.float32))  # no overflow inside either
 
 
 def test_out_is_used_and_in_place(rng):
@@ -128,6 +170,10 @@ _f = lambda *s: np.zeros(s, np.float32)
         (lambda: ck.swiglu_packed_backward(_f(3, 8), _f(3, 8)), ValueError, r"dy: expected shape \(3, 4\)"),
         (lambda: ck.gelu(np.zeros(3, np.int32)), TypeError, "x: expected dtype"),
         (lambda: ck.gelu_backward(_f(3), np.zeros(3, ck.bfloat16)), TypeError, "dy: expected dtype float32"),
+        (lambda: ck.gelu(_f(3), approximate="exact"), ValueError, "approximate: expected 'tanh' .* or 'none'"),
+        (lambda: ck.gelu(_f(3), approximate=None), TypeError, "approximate: expected 'tanh' or 'none'; got NoneType"),
+        (lambda: ck.gelu_backward(_f(3), _f(3), approximate="erf"), ValueError, "approximate"),
+        (lambda: ck.gelu_backward(_f(3), _f(3), approximate=True), TypeError, "approximate"),
     ],
 )
 def test_bad_input_messages(make, exc, match):
@@ -159,12 +205,13 @@ def test_gpu_flat_matches_reference(rng, n, dtype, misalign):
     rg, ru = ck.swiglu_backward(g, u, dy)
     assert_close(dg, rg, dtype, what="dgate")
     assert_close(du, ru, dtype, what="dup")
-    o = out()
-    assert ck.gelu(gd, out=o) is o
-    assert_close(o, ck.gelu(g), dtype, what="gelu")
-    o = out()
-    assert ck.gelu_backward(gd, dyd, out=o) is o
-    assert_close(o, ck.gelu_backward(g, dy), dtype, what="gelu dx")
+    for form in FORMS:
+        o = out()
+        assert ck.gelu(gd, approximate=form, out=o) is o
+        assert_close(o, ck.gelu(g, approximate=form), dtype, what=f"gelu {form}")
+        o = out()
+        assert ck.gelu_backward(gd, dyd, approximate=form, out=o) is o
+        assert_close(o, ck.gelu_backward(g, dy, approximate=form), dtype, what=f"gelu dx {form}")
 
 
 @pytest.mark.gpu
@@ -192,9 +239,12 @@ def test_gpu_large_inputs_are_finite(rng, dtype):
                         (rng.standard_normal(1000) * 100).astype(np.float32)]).astype(dtype)
     one = np.ones_like(x)
     xd, od = device_copy(x), device_copy(one)
-    outs = [ck.swiglu(xd, od), *ck.swiglu_backward(xd, od, od), ck.gelu(xd), ck.gelu_backward(xd, od)]
-    refs = [ck.swiglu(x, one), *ck.swiglu_backward(x, one, one), ck.gelu(x), ck.gelu_backward(x, one)]
-    for name, o, r in zip(["swiglu", "dgate", "dup", "gelu", "gelu dx"], outs, refs):
+    ex = dict(approximate="none")
+    outs = [ck.swiglu(xd, od), *ck.swiglu_backward(xd, od, od), ck.gelu(xd), ck.gelu_backward(xd, od),
+            ck.gelu(xd, **ex), ck.gelu_backward(xd, od, **ex)]
+    refs = [ck.swiglu(x, one), *ck.swiglu_backward(x, one, one), ck.gelu(x), ck.gelu_backward(x, one),
+            ck.gelu(x, **ex), ck.gelu_backward(x, one, **ex)]
+    for name, o, r in zip(["swiglu", "dgate", "dup", "gelu", "gelu dx", "gelu erf", "gelu erf dx"], outs, refs):
         h = to_host(o).astype(np.float32)
         assert np.isfinite(h).all(), name
         assert_close(o, r, dtype, what=name)
@@ -212,6 +262,9 @@ def test_gpu_large_grid_stride_and_in_place(rng, dtype):
     xd = device_copy(g)
     assert ck.gelu(xd, out=xd) is xd
     assert_close(xd, ck.gelu(g), dtype)
+    xd = device_copy(g)
+    assert ck.gelu(xd, approximate="none", out=xd) is xd
+    assert_close(xd, ck.gelu(g, approximate="none"), dtype)
 
 
 @pytest.mark.gpu
@@ -244,3 +297,27 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
     s.synchronize()
     assert_close(y, ck.swiglu_packed(to_host(gu)), ck.bfloat16)
     assert_close(dgu, ck.swiglu_packed_backward(to_host(gu), to_host(dy)), ck.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gpu_gelu_matches_torch(rng, dtype, form):
+    """Both forms against torch.nn.functional.gelu(approximate=form) and its autograd gradient on the same inputs
+    (|x| up to ~20: both tails). fp32: a few ulp apart (different evaluation orders); bf16: one rounding step."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from cukernels._backend import to_torch
+
+    x = randn(rng, (4097,), dtype, 5.0)
+    dy = randn(rng, (4097,), dtype)
+    xd, dyd = device_copy(x), device_copy(dy)
+    tx = to_torch(xd, torch).clone().requires_grad_(True)
+    ty = torch.nn.functional.gelu(tx, approximate=form)
+    (tdx,) = torch.autograd.grad(ty, tx, to_torch(dyd, torch))
+    y = ck.gelu(xd, approximate=form)
+    dx = ck.gelu_backward(xd, dyd, approximate=form)
+    tol = (1e-5, 1e-6) if np.dtype(dtype) == np.float32 else TOL[np.dtype(dtype)]
+    assert_close(y, ty.detach().float().cpu().numpy(), dtype, *tol, what=f"gelu {form} vs torch")
+    assert_close(dx, tdx.float().cpu().numpy(), dtype, *tol, what=f"gelu {form} dx vs torch")

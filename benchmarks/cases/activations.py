@@ -1,4 +1,5 @@
-"""Benchmark cases for ck.swiglu / ck.swiglu_packed / ck.gelu and their backwards (kernels_cu/activations.cu)."""
+"""Benchmark cases for ck.swiglu / ck.swiglu_packed / ck.gelu (tanh and exact erf forms) and their backwards
+(kernels_cu/activations.cu)."""
 import numpy as np
 
 import cukernels as ck
@@ -10,6 +11,7 @@ SHAPES = [(4096, 8192), (16384, 8192)]
 
 def cases(ctx):
     cp, torch = ctx.cp, ctx.torch
+    from cupyx.scipy.special import erf  # the CuPy composite's erf (an elementwise kernel)
     F_ = torch.nn.functional if torch is not None else None
     out = []
     shapes = SHAPES[:1] if ctx.quick else SHAPES
@@ -52,7 +54,16 @@ def cases(ctx):
                 g = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * x * x)
                 return (dys[i].astype(f32) * g).astype(dt)
 
-            t_sw = t_swb = t_pk = t_pkb = t_ge = t_geb = None
+            def c_gelu_erf(i, dt=dt, gs=gs):
+                x = gs[i].astype(f32)
+                return (0.5 * x * (1 + erf(x * 0.7071067811865476))).astype(dt)
+
+            def c_gelu_erf_bwd(i, dt=dt, gs=gs, dys=dys):
+                x = gs[i].astype(f32)
+                g = 0.5 * (1 + erf(x * 0.7071067811865476)) + x * cp.exp(-0.5 * x * x) * 0.3989422804014327
+                return (dys[i].astype(f32) * g).astype(dt)
+
+            t_sw = t_swb = t_pk = t_pkb = t_ge = t_geb = t_gee = t_geeb = None
             if torch is not None:
                 tg, tu, tdy, tgu = [ctx.t(a) for a in gs], [ctx.t(a) for a in us], [ctx.t(a) for a in dys], [ctx.t(a) for a in gus]
                 tgr = [a.clone().requires_grad_(True) for a in tg]
@@ -61,6 +72,7 @@ def cases(ctx):
                 tys = [F_.silu(g) * u for g, u in zip(tgr, tur)]
                 tpk = [F_.silu(a[:, :F]) * a[:, F:] for a in tgur]
                 tge = [F_.gelu(g, approximate="tanh") for g in tgr]
+                tgee = [F_.gelu(g, approximate="none") for g in tgr]
 
                 def t_sw(i, tg=tg, tu=tu):
                     return F_.silu(tg[i]) * tu[i]
@@ -81,6 +93,12 @@ def cases(ctx):
                 def t_geb(i, tge=tge, tgr=tgr, tdy=tdy):
                     return torch.autograd.grad(tge[i], (tgr[i],), tdy[i], retain_graph=True)
 
+                def t_gee(i, tg=tg):
+                    return F_.gelu(tg[i], approximate="none")
+
+                def t_geeb(i, tgee=tgee, tgr=tgr, tdy=tdy):
+                    return torch.autograd.grad(tgee[i], (tgr[i],), tdy[i], retain_graph=True)
+
             ex = dict(nsets=k)
             out += [
                 Case("swiglu fwd", shape, dn, 3 * n * sz, "3*N*s",
@@ -98,5 +116,12 @@ def cases(ctx):
                 Case("gelu bwd", shape, dn, 3 * n * sz, "3*N*s",
                      lambda i, gs=gs, dys=dys, dgs=dgs: ck.gelu_backward(gs[i], dys[i], out=dgs[i]), c_gelu_bwd, t_geb,
                      extra=ex),
+                Case("gelu erf fwd", shape, dn, 2 * n * sz, "2*N*s",
+                     lambda i, gs=gs, ys=ys: ck.gelu(gs[i], approximate="none", out=ys[i]), c_gelu_erf, t_gee,
+                     note="exact form (erff); torch approximate='none'", extra=ex),
+                Case("gelu erf bwd", shape, dn, 3 * n * sz, "3*N*s",
+                     lambda i, gs=gs, dys=dys, dgs=dgs: ck.gelu_backward(gs[i], dys[i], approximate="none",
+                                                                         out=dgs[i]),
+                     c_gelu_erf_bwd, t_geeb, extra=ex),
             ]
     return out
