@@ -196,6 +196,10 @@ def test_reference_row_strided_equals_contiguous(rng, dtype):
         np.testing.assert_array_equal(ov, want_dx)
         assert _padding_is_nan(obuf, V)
     want_loss, want_dx = ck.cross_entropy_fused(x, t, label_smoothing=0.1, dloss=0.5)
+    _, d = ck.cross_entropy_fused(xv, t, label_smoothing=0.1, dloss=0.5)  # no out: dlogits padded like the logits
+    assert d.strides == xv.strides and d.shape == xv.shape
+    np.testing.assert_array_equal(d, want_dx)
+    assert ck.cross_entropy_fused(x, t)[1].flags.c_contiguous
     loss, dx = ck.cross_entropy_fused(xv, t, label_smoothing=0.1, dloss=0.5, out=xv)  # in place, strided
     assert dx is xv
     np.testing.assert_array_equal(loss, want_loss)
@@ -469,6 +473,10 @@ def test_gpu_row_strided_matches_reference(rng, V, dtype, layout):
         assert_close(dx_f, ref_dx, dtype, rtol=rt, atol=at, what="fused dx")
         assert _padding_is_nan(obuf, V), "fused wrote a padding column"
     ref_loss, ref_dx = ck.cross_entropy_fused(x, t, label_smoothing=eps, dloss=2.0)
+    loss, dx = ck.cross_entropy_fused(xd, td, label_smoothing=eps, dloss=2.0)  # no out: rows as far apart as x's
+    assert dx.strides == xd.strides
+    assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="default-out loss")
+    assert_close(dx, ref_dx, dtype, rtol=rt, atol=at, what="default-out dx")
     loss, dx = ck.cross_entropy_fused(xd, td, label_smoothing=eps, dloss=2.0, out=xd)
     assert dx is xd
     assert_close(loss, ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="in-place loss")

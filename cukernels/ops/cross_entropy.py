@@ -91,6 +91,16 @@ def _check_dx_out(out, logits, ldx):
     return ldo
 
 
+def _like_rows(xp, logits, ld):
+    """A new array of the logits' shape and dtype whose rows lie ``ld`` elements apart, like theirs: padded logits
+    give padded dlogits, so the gradient GEMMs that read them keep their aligned kernels and the two-pointer
+    kernels their 16-byte path (the padding columns are left uninitialised and never read)."""
+    V = logits.shape[-1]
+    if ld == V or logits.size == 0:
+        return xp.empty(logits.shape, dtype=logits.dtype)
+    return xp.empty((*logits.shape[:-1], ld), dtype=logits.dtype)[..., :V]
+
+
 def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
     B.check_dtype("logits", logits, B.FLOATS)
     B.check_ndim("logits", logits, 1)
@@ -335,7 +345,7 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
         ignore_index, reduction, label_smoothing: as in the forward.
         out: optional buffer for dx (dtype and shape of logits, row-strided like them; columns past V of a wider
             buffer are left alone); may be ``logits`` itself (in place), must not otherwise overlap them.
-            Default: a new C-contiguous array.
+            Default: a new array with the logits' row stride (C-contiguous for C-contiguous logits).
 
     Returns:
         ``dlogits``, dtype and shape of ``logits``.
@@ -348,7 +358,7 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
     B.check_contiguous("lse", lse)
     dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
     ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
-    dx = out if out is not None else xp.empty(logits.shape, dtype=logits.dtype)
+    dx = out if out is not None else _like_rows(xp, logits, ldx)
     if xp is np:
         _host_check_targets(targets, V, ig)
         _, _, valid, x, ts = _ref_rows(logits, targets, V, ig, eps)
@@ -375,7 +385,7 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
         dloss: float or 0-d float32 device array (read on the device; e.g. a loss scale).
         out: dlogits buffer (dtype and shape of logits, row-strided like them: only columns [0, V) of each row
             are written), or ``logits`` itself for in place; it must not otherwise overlap ``logits``. Default: a
-            new C-contiguous array.
+            new array with the logits' row stride (C-contiguous for C-contiguous logits).
 
     Returns:
         ``(loss, dlogits)``: loss as in :func:`cross_entropy`, dlogits like ``logits``.
@@ -394,7 +404,7 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
     if darr is not None and darr.ndim:
         raise ValueError(f"dloss: expected a float or a 0-d float32 array; got shape {tuple(darr.shape)}")
     ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
-    dx = out if out is not None else xp.empty(logits.shape, dtype=logits.dtype)
+    dx = out if out is not None else _like_rows(xp, logits, ldx)
     N = targets.size
     if xp is np:
         _host_check_targets(targets, V, ig)
