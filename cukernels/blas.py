@@ -198,6 +198,7 @@ def _check_out_layout(out, M, N, nbatch):
     return ldc, sc
 
 
+@B.interop
 def layout_ok(x) -> bool:
     """True when :func:`matmul` takes ``x`` (an operand or ``out``) as it is: last axis contiguous, rows at a
     non-negative element-multiple stride no shorter than a row, batch axes walked by one stride. A caller that
