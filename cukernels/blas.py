@@ -202,7 +202,10 @@ def _check_out_layout(out, M, N, nbatch):
 def layout_ok(x) -> bool:
     """True when :func:`matmul` takes ``x`` (an operand or ``out``) as it is: last axis contiguous, rows at a
     non-negative element-multiple stride no shorter than a row, batch axes walked by one stride. A caller that
-    would otherwise copy (``ascontiguousarray``) can test this first and pass row-strided views straight on."""
+    would otherwise copy (``ascontiguousarray``) can test this first and pass row-strided views straight on.
+    Arrays of fewer than 2 dimensions: False (matmul takes matrices)."""
+    if getattr(x, "ndim", 0) < 2:
+        return False
     try:
         _layout("x", x)
     except ValueError:

@@ -162,6 +162,7 @@ def test_layout_ok():
     assert blas.layout_ok(x) and blas.layout_ok(x[:, :5]) and blas.layout_ok(x[1:3, 2:])
     assert not blas.layout_ok(x.T) and not blas.layout_ok(x[:, ::2]) and not blas.layout_ok(x[::-1])
     assert blas.layout_ok(x[:1, ::2][:, :1])  # one element: strides are meaningless
+    assert not blas.layout_ok(np.ones(4, _F)) and blas.layout_ok(np.ones((2, 3, 4), _F)[:, :, :2])
 
 
 @pytest.mark.gpu
