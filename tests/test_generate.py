@@ -145,7 +145,8 @@ def _peaked(xp, model_cls="llama", seed=11):
 
 def _assert_greedy_equal(model, prompt_len, got, want, rel=0.01):
     """Greedy sequences equal, except after a genuine near-tie: at the first differing token, the reference
-    sequence's top-2 logits (recomputed without a cache) must lie within ``rel`` of the logits' spread."""
+    sequence's top-2 logits (recomputed without a cache) must lie within ``rel`` of the logits' spread or four
+    bf16 units in the last place of the top logit (the H200 run: margins of 1 and 2 ulps at 28 and 25 tokens)."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape
     for b in range(got.shape[0]):
@@ -159,8 +160,11 @@ def _assert_greedy_equal(model, prompt_len, got, want, rel=0.01):
         lg = lg.get() if hasattr(lg, "get") else lg
         top = np.sort(lg)[-2:]
         margin = float(top[1] - top[0])
-        assert margin < rel * float(lg.std()), (f"row {b}: diverges at {i} ({got[b, i]} vs {want[b, i]}) with a "
-                                                f"clear margin {margin:.4f} (logit std {lg.std():.3f})")
+        # bf16 logits: a few units in the last place of the top logit apart is a tie decided by rounding
+        ulp = 2.0 ** (np.floor(np.log2(max(abs(float(top[1])), 1e-30))) - 7)
+        assert margin < max(rel * float(lg.std()), 4 * ulp), (
+            f"row {b}: diverges at {i} ({got[b, i]} vs {want[b, i]}) with a clear margin {margin:.4f} (logit std "
+            f"{lg.std():.3f}, bf16 ulp {ulp:.4f})")
 
 
 @pytest.mark.gpu

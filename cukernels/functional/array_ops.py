@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import _backend as B
 from ..autograd import Function, Tensor, _xp, fast_add
+from ..blas import layout_ok as _layout_ok
 from ..blas import matmul as _ck_matmul
 from ..ops.elementwise import add as _ck_add
 
@@ -50,12 +51,14 @@ def gemm(a, b, *, trans_a=False, trans_b=False, out=None, accumulate=False):
     to it with beta = 1: bf16 operands accumulate straight into the fp32 ``.grad`` buffer.
     """
     xp = _xp(a)
-    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    # Row-strided views (a padded logits buffer) go to cuBLAS as they are (lda = the row stride); others copy.
+    a = a if _layout_ok(a) else xp.ascontiguousarray(a)
+    b = b if _layout_ok(b) else xp.ascontiguousarray(b)
     if b.dtype != a.dtype:
         b = b.astype(a.dtype)
     if out is None:
         return _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b)
-    direct = out.flags.c_contiguous and (out.dtype == a.dtype or (out.dtype == np.float32 and a.dtype == B.bfloat16))
+    direct = _layout_ok(out) and (out.dtype == a.dtype or (out.dtype == np.float32 and a.dtype == B.bfloat16))
     if direct:
         return _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b, out=out, beta=1.0 if accumulate else 0.0)
     r = _ck_matmul(a, b, trans_a=trans_a, trans_b=trans_b)
@@ -416,12 +419,25 @@ class Linear(Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, w_lowp=None, b=None):
+    def forward(ctx, x, w, w_lowp=None, b=None, pad_rows=False):
         wl = w_lowp if w_lowp is not None else (w if w.dtype == x.dtype else w.astype(x.dtype))
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, wl)
         ctx.xshape = x.shape
-        y = gemm(x2, wl, trans_b=True)
+        ctx.full = None
+        if pad_rows and b is None and _xp(x2) is not np and w.shape[0] % 64:
+            # A vocabulary-sized output whose row length is not a multiple of 64 (GPT-2's 50257): cuBLAS falls back
+            # to align1 kernels whenever the odd length is a GEMM dimension (15.6 ms of a 43 ms GPT-2 step). So
+            # the GEMMs run on Vp = 50304: W copied into a zero-padded [Vp, in] buffer (77 MB, ~25 us) and the
+            # logits written in full; the [N, V] view goes on (the loss reads the strided rows in place), its
+            # padding columns are exactly 0 and stay 0, and the backward multiplies the full [N, Vp] buffer.
+            V = w.shape[0]
+            wp = _padded_weight(wl)
+            full = gemm(x2, wp, trans_b=True, out=_xp(x2).empty((x2.shape[0], wp.shape[0]), dtype=x2.dtype))
+            y = full[:, :V]
+            ctx.full, ctx.wp = full, wp
+        else:
+            y = gemm(x2, wl, trans_b=True)
         if b is not None:
             if _xp(y) is np:
                 y += b.astype(y.dtype)
@@ -435,7 +451,15 @@ class Linear(Function):
         g2 = g.reshape(-1, g.shape[-1])
         if g2.dtype != x2.dtype:
             g2 = g2.astype(x2.dtype)
-        gx = gemm(g2, wl).reshape(ctx.xshape) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[0]:
+            full = ctx.full
+            if full is not None and g2.data.ptr == full.data.ptr and g2.strides == full.strides:
+                gx = gemm(full, ctx.wp)  # dlogits written in place over the logits: padding columns still 0
+            else:
+                gx = gemm(g2, wl)
+            gx = gx.reshape(ctx.xshape)
+        else:
+            gx = None
         gw = _weight_grad(ctx, 1, lambda out, acc: gemm(g2, x2, trans_a=True, out=out, accumulate=acc))
         gb = None
         if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
@@ -443,7 +467,7 @@ class Linear(Function):
             gb = _weight_grad(ctx, 3, lambda out, acc: gemm(ones, g2, out=None if out is None else
                                                             out.reshape(1, -1), accumulate=acc))
             gb = None if gb is None else gb.reshape(-1)
-        return gx, gw, None, gb
+        return gx, gw, None, gb, None
 
 
 def _weight_grad(ctx, i, product):
@@ -457,6 +481,20 @@ def _weight_grad(ctx, i, product):
         product(buf, acc)
         return None
     return product(None, False)
+
+
+_PADDED: dict = {}
+
+
+def _padded_weight(w):
+    """``w`` [V, in] copied into a cached zero-padded [ceil(V/64)*64, in] buffer (padding rows stay 0)."""
+    Vp = -(-w.shape[0] // 64) * 64
+    key = (w.data.ptr, w.shape, w.dtype.str)
+    buf = _PADDED.get(key)
+    if buf is None:
+        buf = _PADDED[key] = _xp(w).zeros((Vp, w.shape[1]), dtype=w.dtype)
+    buf[:w.shape[0]] = w
+    return buf
 
 
 _ONES: dict = {}
@@ -505,9 +543,10 @@ def cast(x, dtype):
     return x if _data(x).dtype == dtype else Cast.apply(x, dtype)
 
 
-def linear(x, w, w_lowp=None, b=None):
-    """``x @ w.T (+ b)`` (w is [out, in])."""
-    return Linear.apply(x, w, w_lowp, b)
+def linear(x, w, w_lowp=None, b=None, *, pad_rows=False):
+    """``x @ w.T (+ b)`` (w is [out, in]); ``pad_rows``: the output rows 64 elements apart (a strided view; on
+    CuPy, without bias) for a vocabulary-sized projection."""
+    return Linear.apply(x, w, w_lowp, b, pad_rows)
 
 
 def silu(x):

@@ -250,7 +250,7 @@ class CausalLM(Module):
     def head(self, x):
         """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""
         mod, w, b = self.output_weight()
-        return project(mod, x, w, b)
+        return project(mod, x, w, b, pad_rows=True)  # (logits rows 64-aligned when the vocabulary is not)
 
     def positions(self, position_ids, T, xp):
         """``position_ids`` as an int32 array [T] or [B, T] (an int offset p0 -> p0..p0+T-1)."""

@@ -35,13 +35,14 @@ def weight_for_gemm(module, w):
     return F.cast(w, dt), None
 
 
-def project(module, x, w, bias=None):
+def project(module, x, w, bias=None, *, pad_rows=False):
     """``x @ w.T (+ bias)`` with autocast handled as :class:`Linear` does (tied heads reuse it). Fused: the bias
-    add and its gradient live in the GEMM Function; composite: a separate broadcast add on the tape."""
+    add and its gradient live in the GEMM Function (``pad_rows``: see ``functional.linear``); composite: a
+    separate broadcast add on the tape."""
     x = autocast_input(x)
     wt, wl = weight_for_gemm(module, w)
     if module.fused:
-        return F.linear(x, wt, wl, bias)
+        return F.linear(x, wt, wl, bias, pad_rows=pad_rows)
     y = F.linear(x, wt, wl)
     if bias is not None:
         y = y + (F.cast(bias, y.dtype) if bias.dtype != y.dtype else bias)
