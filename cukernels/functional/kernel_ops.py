@@ -294,15 +294,18 @@ class DropoutAddF(Function):
 
 
 class GeluF(Function):
+    """ck.gelu: the tanh approximation or the exact erf form (``approximate="none"``)."""
+
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, approximate="tanh"):
         ctx.save_for_backward(x)
-        return _gelu(x)
+        ctx.approximate = approximate
+        return _gelu(x, approximate=approximate)
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        return _gelu_bwd(x, _contig(g, x.dtype))
+        return _gelu_bwd(x, _contig(g, x.dtype), approximate=ctx.approximate), None
 
 
 def rms_norm(x, w, eps=1e-6, fused=True):
@@ -488,15 +491,15 @@ def dropout_add(x, residual, p, *, seed, offset, training=True):
 
 
 def gelu(x, fused=True, approximate="tanh"):
-    """GELU. ``approximate="tanh"`` (GPT-2's "gelu_new"): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``,
-    the kernel when fused; ``"none"``: the exact ``0.5 x (1 + erf(x / sqrt(2)))``, a composite of array ops
-    (no kernel yet)."""
+    """GELU. ``approximate="tanh"`` (GPT-2's "gelu_new"): ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``;
+    ``"none"``: the exact ``0.5 x (1 + erf(x / sqrt(2)))``. Fused: the ck.gelu kernels (both forms); composite:
+    array ops (float64 inputs, gradient checks, take this path for the exact form too)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate: expected 'tanh' or 'none'; got {approximate!r}")
+    if fused and not (approximate == "none" and _data(x).dtype == np.float64):
+        return GeluF.apply(x, approximate)
     if approximate == "none":
         return mul(mul(x, 0.5), add(erf(mul(x, float(1 / np.sqrt(2.0)))), 1.0))
-    if approximate != "tanh":
-        raise ValueError(f"approximate: expected 'tanh' or 'none'; got {approximate!r}")
-    if fused:
-        return GeluF.apply(x)
     c = float(np.sqrt(2.0 / np.pi))
     inner = mul(add(x, mul(pow(x, 3), 0.044715)), c)
     return mul(mul(x, 0.5), add(tanh(inner), 1.0))
