@@ -357,7 +357,7 @@ def cross_entropy_backward(logits, targets, lse, dloss, *, ignore_index=-100, re
     B.check_shape("lse", lse, rshape, " (logits.shape[:-1])")
     B.check_contiguous("lse", lse)
     dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
-    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
+    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, ldx)  # (_like_rows: the logits' stride)
     dx = out if out is not None else _like_rows(xp, logits, ldx)
     if xp is np:
         _host_check_targets(targets, V, ig)
@@ -403,7 +403,7 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
     dscalar, darr = _check_dloss(xp, dloss, reduction, rshape)
     if darr is not None and darr.ndim:
         raise ValueError(f"dloss: expected a float or a 0-d float32 array; got shape {tuple(darr.shape)}")
-    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, V)
+    ldo = _check_dx_out(out, logits, ldx) if out is not None else max(1, ldx)  # (_like_rows: the logits' stride)
     dx = out if out is not None else _like_rows(xp, logits, ldx)
     N = targets.size
     if xp is np:
