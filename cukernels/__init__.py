@@ -22,7 +22,7 @@ from .ops.decode_attention import decode_attention, decode_attention_workspace, 
 from .ops.sampling import sample_tokens
 from .autograd import Function, Tensor, no_grad, tensor
 from .amp import autocast
-from . import functional, graph, io, nn, optim
+from . import distributed, functional, graph, io, nn, optim
 from .io import checkpoint
 from .models import GPT2, GPT2Config, Llama, LlamaConfig, from_pretrained
 from . import models, generation

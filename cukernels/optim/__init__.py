@@ -3,5 +3,6 @@ shadows, sparse embedding rows, device step/lr) and :class:`CompositeAdamW` (pla
 share one ``state_dict`` format."""
 from .adamw import ALIGN, AdamW, WarmupCosine
 from .composite import CompositeAdamW
+from .zero import ZeroAdamW, consolidate_state, shard_layout
 
-__all__ = ["AdamW", "CompositeAdamW", "WarmupCosine", "ALIGN"]
+__all__ = ["AdamW", "CompositeAdamW", "WarmupCosine", "ALIGN", "ZeroAdamW", "consolidate_state", "shard_layout"]
