@@ -205,7 +205,8 @@ def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, to
                float(top_p), repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                prev_tokens=tokens if repetition_penalty not in (None, 1.0) else None,
                prev_len=cache.length if repetition_penalty not in (None, 1.0) else None,
-               seed=int(seed or 0) & ((1 << 64) - 1))
+               seed=(int(seed) if seed is not None else int(np.random.default_rng().integers(1 << 63)))
+               & ((1 << 64) - 1))  # (no seed: a fresh one per call, as the host sampler's default Generator)
 
     def pick(logits):
         """Sample into ``ids``, hold finished rows at eos, append to ``tokens`` at the cache length."""

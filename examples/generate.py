@@ -97,16 +97,20 @@ def main(argv=None):
                 sys.stdout.write(s)
                 sys.stdout.flush()
         t0 = time.perf_counter()
+        stats = {}
         out = generate(model, ids, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, rng=rng,
                        use_cache=not a.no_cache, eos_token_id=a.eos_id,
-                       autocast=ck.bfloat16 if a.autocast else None, on_token=stream)
+                       autocast=ck.bfloat16 if a.autocast else None, on_token=stream, stats=stats,
+                       seed=None if a.seed is None else a.seed + i)
         dt = time.perf_counter() - t0
         n = len(out) - len(ids)
         if not byte_io:
             print(" ".join(str(int(t)) for t in out))
         else:
             print()
-        print(f"# sample {i + 1}: {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tok/s)", file=sys.stderr)
+        pre, dec = stats.get("prefill_s", 0.0), stats.get("decode_s", 0.0)
+        print(f"# sample {i + 1}: {n} tokens in {dt:.2f} s | prefill {len(ids)} tokens {pre * 1e3:.1f} ms | decode "
+              f"{max(n - 1, 0) / max(dec, 1e-9):.1f} tok/s", file=sys.stderr)
         if i + 1 < a.num_samples:
             print("-" * 40)
 
