@@ -33,6 +33,7 @@
 //   * q, k, v, dO may be strided views ([B, T, heads, D] with any batch / token / head strides that are multiples
 //     of 8 elements, 16-byte aligned): the projections' outputs are read in place, no transposes.
 #include "common/vec.cuh"
+#include "common/mma.cuh"
 
 namespace {
 
@@ -41,46 +42,10 @@ constexpr int NT = NW * 32;    // threads per block
 constexpr int BM = NW * 16;    // query (dq, fwd) or key (dkdv) rows per block: 16 per warp
 constexpr float LOG2E = 1.4426950408889634f;
 
-// ------------------------------------------------------------------------------------------ PTX helpers
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 destination bytes (rows past the sequence end).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-// c += a (16x16, row) * b (16x8, col), bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+// PTX helpers (cp.async, ldmatrix, mma.sync, ex2) and the Q K^T / P V fragment loops: common/mma.cuh.
 
 // ------------------------------------------------------------------------------------------ tiles
 // A [rows x D] bf16 tile in shared memory, rows padded to D + 8 elements (see the header comment).
-template <int D> struct Tile {
-  static constexpr int LD = D + 8;
-};
 
 // Copy rows [r0, r0 + ROWS) of a [T, D] slab (row stride `ld` elements) into shared `dst`; rows >= T are zeros.
 template <int D, int ROWS>
@@ -105,62 +70,6 @@ __device__ __forceinline__ void load_kv(bf16* Ks, bf16* Vs, int st, const bf16* 
   load_tile<D, BN>(Vs + st * BN * Tile<D>::LD, vp, vld, jb * BN, Tk);
 }
 
-// A-operand fragments of a warp's 16 rows (starting at row m0 of a shared tile) for all D / 16 k-steps.
-template <int D>
-__device__ __forceinline__ void load_a_frags(unsigned (&f)[D / 16][4], const bf16* t, int m0) {
-  const int l = threadIdx.x & 31;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    ldsm_x4(f[kk], t + (m0 + (l & 7) + ((l >> 3) & 1) * 8) * Tile<D>::LD + kk * 16 + (l >> 4) * 8);
-}
-
-// acc[16 x N] += A (16 x K, registers) * X^T where X is a shared [N x K] tile (rows n0.., k-columns from 0):
-// the "B = X^T" product (S = Q K^T, dP = dO V^T ...). N multiple of 16.
-template <int K, int N, int LD>
-__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const unsigned (&a)[K / 16][4], const bf16* x) {
-  const int l = threadIdx.x & 31;
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-#pragma unroll
-    for (int nn = 0; nn < N / 16; ++nn) {
-      unsigned b[4];
-      ldsm_x4(b, x + (nn * 16 + (l & 7) + (l >> 4) * 8) * LD + kk * 16 + ((l >> 3) & 1) * 8);
-      mma(acc[2 * nn], a[kk], b[0], b[1]);
-      mma(acc[2 * nn + 1], a[kk], b[2], b[3]);
-    }
-  }
-}
-
-// acc[16 x N] += P (16 x K, fp32 accumulators re-packed to bf16 A fragments) * X where X is a shared [K x N]
-// tile (rows = the reduction index: keys for P V, queries for P^T dO ...).
-template <int K, int N, int LD>
-__device__ __forceinline__ void mma_pb(float (&acc)[N / 8][4], const float (&p)[K / 8][4], const bf16* x) {
-  const int l = threadIdx.x & 31;
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    unsigned a[4];
-    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-#pragma unroll
-    for (int nn = 0; nn < N / 16; ++nn) {
-      unsigned b[4];
-      ldsm_x4_t(b, x + (kk * 16 + (l & 7) + ((l >> 3) & 1) * 8) * LD + nn * 16 + (l >> 4) * 8);
-      mma(acc[2 * nn], a, b[0], b[1]);
-      mma(acc[2 * nn + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// 2^x in one MUFU.EX2 (flush-to-zero: exponents below -126 give 0, which is what a probability that small
-// rounds to in bf16 anyway). exp2f without fast-math adds a denormal-range fix-up around the same instruction;
-// at head_dim 64 one exp per (query, key) pair costs as much issue time as the two tile products.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Set to -inf the elements of a warp's [16 x N] score tile (rows row0 + g, row0 + g + 8; columns col0 + ...)
 // that the mask hides. ROWS_ARE_QUERIES: fwd / dq tiles (rows = queries, columns = keys); else dkdv's
@@ -279,10 +188,6 @@ __device__ __forceinline__ void apply_key_mask(float (&s)[N / 8][4], int row0, i
   }
 }
 
-template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
-}
 
 // Store a warp's 16 x D fp32 accumulator tile (times `mul`) as bf16 rows [row0, row0 + 16) of a [T, ld] slab.
 template <int D>
