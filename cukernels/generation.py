@@ -271,17 +271,9 @@ def load_model(path, *, xp=np, fused=True, dtype=None):
     with init_context(empty=True, dtype=dtype):
         model = cls(config, xp=xp, fused=fused)
     sd = C.model_arrays(arrays)
-    C.check_compatible(p, {k: _Like(a.shape) for k, a in sd.items()},
-                       {k: _Like(a.shape) for k, a in model.state_dict().items()}, "model")
+    C.check_compatible(p, sd, model.state_dict(), "model", dtypes=False)  # (the dtype converts on load)
     model.load_state_dict(sd)
     return model, f"trainer checkpoint {p} (step {meta.get('step')})"
-
-
-class _Like:
-    dtype = np.dtype(np.float32)  # names and shapes are checked; the dtype converts on load
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
 
 
 def _generate_method(self, ids, max_new_tokens, **kw):

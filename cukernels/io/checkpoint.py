@@ -149,9 +149,9 @@ def load(path) -> tuple[Arrays, dict]:
     return Arrays(path, entries, mm), meta
 
 
-def check_compatible(path, arrays: Mapping, expected: Mapping, what: str = "model"):
-    """Raise CheckpointError unless ``arrays`` has exactly the names, shapes and dtypes of ``expected``
-    (name -> array-like with .shape/.dtype), naming the file and the first disagreements."""
+def check_compatible(path, arrays: Mapping, expected: Mapping, what: str = "model", *, dtypes: bool = True):
+    """Raise CheckpointError unless ``arrays`` has exactly the names, shapes and (``dtypes=True``) dtypes of
+    ``expected`` (name -> array-like with .shape/.dtype), naming the file and the first disagreements."""
     problems = []
     missing = sorted(set(expected) - set(arrays))
     extra = sorted(set(arrays) - set(expected))
@@ -163,7 +163,7 @@ def check_compatible(path, arrays: Mapping, expected: Mapping, what: str = "mode
         a, e = arrays[name], expected[name]
         if tuple(a.shape) != tuple(e.shape):
             problems.append(f"{name}: shape {tuple(a.shape)} in the file, {tuple(e.shape)} in the {what}")
-        elif np.dtype(a.dtype) != np.dtype(e.dtype):
+        elif dtypes and np.dtype(a.dtype) != np.dtype(e.dtype):
             problems.append(f"{name}: dtype {a.dtype} in the file, {e.dtype} in the {what}")
     if problems:
         raise CheckpointError(f"{path}: does not match the {what}: " + "; ".join(problems[:6]))
