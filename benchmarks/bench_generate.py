@@ -63,8 +63,10 @@ def hf(name, B, T, new, mode):
     model = model.to("cuda", torch.bfloat16).eval()
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if mode == "static-compile":
+        # transformers >= 4.48 compiles the forward itself when generate() runs on a static cache (its own
+        # compile_config); wrapping forward in torch.compile(mode="reduce-overhead") as well made transformers 5.17
+        # fail on the H200 ("accessing tensor output of CUDAGraphs that has been overwritten", session 3).
         kw["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
     with torch.no_grad():
         for _ in range(2):  # warm-up (compile)
