@@ -459,6 +459,18 @@ def test_nccl_collectives_under_launcher():
 
 @pytest.mark.gpu
 @needs_two
+def test_nccl_live_graph_at_teardown_does_not_hang():
+    """destroy_process_group() with a graph of collectives still alive: NCCL would wait for the graph forever;
+    the group leaves the communicator to the process exit instead, says so, and both ranks exit 0 quickly."""
+    rc, out, err, secs = launch("nccl_graph_alive", nproc=2, timeout=300)
+    assert rc == 0, out + err
+    assert "[rank 0] OK nccl_graph_alive" in out and "[rank 1] OK nccl_graph_alive" in out, out + err
+    assert "left to the process exit" in err, err
+    assert secs < 120, secs
+
+
+@pytest.mark.gpu
+@needs_two
 def test_nccl_killed_rank_ends_the_run():
     """A rank SIGKILLed while the other waits in an all_reduce: the launcher stops the run within seconds."""
     rc, out, err, secs = launch("nccl_killed", nproc=2, extra=("--grace", "3"), timeout=300)
@@ -555,8 +567,40 @@ def worker_nccl_collectives():
         s.synchronize()
         assert float(y[0].get()) == sum(q + 10 * k for q in range(N)), f"graph replay {k}"
     g.barrier()
+    assert g.captured == 1, g.captured  # the captured all_reduce (the warm-up one ran eagerly)
+    # NCCL destroys a communicator only once every graph that captured one of its collectives is gone (session 3
+    # hung here for 60 s with the graph still alive): drop it first, then the teardown is prompt and complete.
+    del graph
+    t0 = time.monotonic()
     dist.destroy_process_group()
+    assert not g.leaked and time.monotonic() - t0 < 30, (g.leaked, time.monotonic() - t0)
     print("OK nccl_collectives")
+
+
+def worker_nccl_graph_alive():
+    """A graph that captured a collective is still alive at destroy_process_group(): the communicator is left to
+    the process exit with a note (no hang), and the process exits 0."""
+    import cupy as cp
+
+    g = dist.init_process_group()
+    x = cp.ones(1024, dtype=np.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        g.all_reduce(x)
+        s.synchronize()
+        s.begin_capture()
+        g.all_reduce(x)
+        graph = s.end_capture()
+    graph.launch(s)
+    s.synchronize()
+    assert float(x[0].get()) == g.world_size ** 2
+    t0 = time.monotonic()
+    dist.destroy_process_group()  # graph still referenced here
+    assert g.leaked and time.monotonic() - t0 < 30
+    graph.launch(s)  # the communicator was not destroyed: the graph still runs
+    s.synchronize()
+    assert float(x[0].get()) == g.world_size ** 3
+    print("OK nccl_graph_alive")
 
 
 def worker_nccl_killed():

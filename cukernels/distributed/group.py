@@ -22,6 +22,14 @@ raises :class:`DistributedError` naming the rank and the collective; a watchdog 
 ``ncclCommGetAsyncError`` once a second and, on an asynchronous error (a peer lost over the network, ...), aborts
 the communicator, says so on stderr and ends the process, so a run never hangs on a dead communicator.
 
+Teardown and CUDA graphs. NCCL >= 2.26 does not destroy (nor abort) a communicator while a CUDA graph that
+captured one of its collectives is alive: ``ncclCommDestroy`` polls until every such graph has been destroyed
+(``commDestroySync``: "keep polling until all graphs referencing us die"), and CuPy calls it holding the GIL. So
+delete captured graphs (``del graph``, ``del stepper``) before :meth:`NcclGroup.destroy`. The group counts the
+collectives it queues while the stream captures; at destroy, if it captured any and a ``cupy.cuda.Graph`` is
+still alive after a garbage collection, it leaves the communicator to the process exit (saying so on stderr)
+instead of hanging -- a run that ends with its step graph alive still exits cleanly.
+
 Reduction order. NCCL sums in its ring / tree order, rounding to the element type after every addition (bf16
 sums are bf16 adds of fp32-widened operands); ``avg`` on floating types is NCCL's pre-multiplied sum: each input
 times ``1/world_size`` (rounded to the element type), then the sum. For two ranks every order is the same one
@@ -30,6 +38,9 @@ order (0, 1, ..., N-1), so a CPU test can predict every bit.
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -237,6 +248,47 @@ def _nccl_op(nccl, op):
     return {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_AVG, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[op]
 
 
+@contextlib.contextmanager
+def _backstop(seconds):
+    """Exit the process (status 1, Python tracebacks on stderr) if the block does not end within ``seconds``.
+
+    faulthandler's watchdog is a C thread that needs no GIL: CuPy holds the GIL inside ``ncclCommDestroy`` /
+    ``ncclCommAbort``, so a ``threading.Timer`` could never fire while one of them hangs. (It replaces any
+    ``faulthandler.dump_traceback_later`` the program armed itself.)"""
+    armed = False
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+        armed = True
+    except Exception:  # no usable stderr file descriptor: run unguarded
+        pass
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def live_cuda_graphs():
+    """How many ``cupy.cuda.Graph`` objects are alive in this process (after nothing: call ``gc.collect()``
+    first to drop unreachable ones). CuPy's Graph is garbage-collector tracked, so ``gc.get_objects`` sees it."""
+    try:
+        from cupy.cuda.graph import Graph  # noqa: PLC0415
+    except Exception:
+        return 0
+    return sum(1 for o in gc.get_objects() if type(o) is Graph)
+
+
+_PINNED = []  # communicators left to the process exit (see NcclGroup.destroy)
+
+
+def _pin(obj):
+    """Keep ``obj`` alive for the rest of the process, through interpreter shutdown too: CuPy's communicator
+    calls ``ncclCommDestroy`` when deallocated, which would block on a live graph just the same."""
+    import ctypes  # noqa: PLC0415
+    _PINNED.append(obj)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 class _Watchdog(threading.Thread):
     """Polls ``ncclCommGetAsyncError`` every ``interval`` seconds (host memory only: safe while the main thread
     captures a graph in CuPy's default relaxed mode). On an error: stderr names the rank, the communicator is
@@ -264,6 +316,12 @@ class _Watchdog(threading.Thread):
                              f"communicator was aborted")
                 sys.stderr.write(f"cukernels.distributed: {g._failed}\n")
                 sys.stderr.flush()
+                # Armed before the abort: ncclCommAbort can block (a live graph that captured a collective, see
+                # the module docstring) while holding the GIL, where no Python timer runs.
+                try:
+                    faulthandler.dump_traceback_later(self.grace + 5.0, exit=True, file=sys.__stderr__)
+                except Exception:
+                    pass
                 g._abort()
                 _thread.interrupt_main()
                 timer = threading.Timer(self.grace, os._exit, (1,))
@@ -287,6 +345,8 @@ class NcclGroup(ProcessGroup):
         self._failed = None
         self._lock = threading.Lock()
         self._scratch = None  # barrier's one-element buffer
+        self.captured = 0  # collectives queued into a CUDA graph capture (see destroy)
+        self.leaked = False  # destroy() left the communicator to the process exit (a captured graph was alive)
         self._watchdog = _Watchdog(self) if watchdog else None
         if self._watchdog is not None:
             self._watchdog.start()
@@ -313,7 +373,16 @@ class NcclGroup(ProcessGroup):
             raise DistributedError(self._failed) from e
 
     def _stream(self):
-        return self.xp.cuda.get_current_stream().ptr
+        s = self.xp.cuda.get_current_stream()
+        # Count captured collectives: destroy() must know whether a graph may hold this communicator. The legacy
+        # stream (ptr 0) cannot capture, and querying it while another stream captures is itself an error.
+        if s.ptr != 0:
+            try:
+                if s.is_capturing():
+                    self.captured += 1
+            except Exception:  # a query refused mid-capture: the capture is what matters, count it
+                self.captured += 1
+        return s.ptr
 
     @staticmethod
     def _what(name, a):
@@ -357,13 +426,20 @@ class NcclGroup(ProcessGroup):
 
     def destroy(self, timeout=60.0):
         """Wait for this GPU's queued work, then free the communicator. A communicator that failed is aborted
-        instead; if the wait does not end within ``timeout`` seconds (a peer died with a collective in flight),
-        the process says so on stderr and exits with status 1 rather than hang."""
+        instead. If the wait does not end within ``timeout`` seconds (a peer died with a collective in flight),
+        the process says so on stderr and exits with status 1 rather than hang.
+
+        CUDA graphs: NCCL waits for every graph that captured a collective of this communicator to be destroyed
+        before it destroys (or aborts) the communicator. Delete such graphs first. If this group queued a
+        collective into a capture and a ``cupy.cuda.Graph`` is still alive after ``gc.collect()``, the
+        communicator is not destroyed: a note on stderr, ``self.leaked = True``, and the process exit reclaims
+        it (a hang would be the alternative)."""
         if self._watchdog is not None:
             self._watchdog.stop.set()
             self._watchdog.join(timeout=5.0)
         if self._failed is not None:
-            self._abort()
+            with _backstop(timeout):
+                self._abort()
             return
         with self._lock:
             comm, self._comm = self._comm, None
@@ -382,12 +458,25 @@ class NcclGroup(ProcessGroup):
         timer.start()
         try:
             try:
-                self.xp.cuda.Device(self.device).synchronize()
+                self.xp.cuda.Device(self.device).synchronize()  # (releases the GIL: the timer can fire)
             except Exception:  # a sticky CUDA error: nothing to wait for; still free the communicator
                 pass
-            comm.destroy()
         finally:
             timer.cancel()
+        if self.captured:
+            gc.collect()  # graphs only reachable from garbage (a finished trainer's step) go now
+            live = live_cuda_graphs()
+            if live:
+                self.leaked = True
+                _pin(comm)
+                sys.stderr.write(f"cukernels.distributed: rank {self.rank}: {live} CUDA graph(s) still alive and "
+                                 f"{self.captured} collective(s) of this group were captured into graphs; NCCL "
+                                 f"would wait for those graphs forever, so the communicator is left to the "
+                                 f"process exit (delete captured graphs before destroy_process_group())\n")
+                sys.stderr.flush()
+                return
+        with _backstop(timeout):  # ncclCommDestroy holds the GIL: only a C-level watchdog can end a hang there
+            comm.destroy()
 
 
 def make_nccl_comm(world_size, unique_id, rank):
