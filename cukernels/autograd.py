@@ -10,11 +10,20 @@ optimizer hands every parameter a ``.grad`` view into one flat buffer and relies
 Function may also accumulate a leaf's gradient itself (``ctx.leaf_grad(i)`` gives the buffer, e.g. a weight-grad
 GEMM with beta = 1 or a sparse-row embedding gradient) and return ``None`` for that input.
 
+Gradient-ready hooks (:meth:`Tensor.register_grad_ready_hook`): ``fn(leaf)`` runs once per ``backward()``, as soon
+as every Function of that backward that takes the leaf as an input (with a gradient wanted) has run its
+backward -- whether it returned the leaf's gradient or wrote it into ``.grad`` / ``.sparse_grad`` itself. A
+data-parallel optimizer starts reducing a bucket of gradients there while the rest of the backward runs. With no
+hook registered anywhere the backward does no extra work.
+
 The Functions themselves live in :mod:`cukernels.functional`, which also installs the Tensor's arithmetic
 operators and methods (``+``, ``**``, ``@``, ``exp``, ``sum``, ``reshape``, indexing, ...): this module imports
 nothing above the ops.
 """
 from __future__ import annotations
+
+import threading
+import weakref
 
 import numpy as np
 
@@ -22,6 +31,11 @@ from . import _backend as B
 from .ops.elementwise import add as _ck_add
 
 _grad_enabled = True
+_live_ready_hooks = 0  # gradient-ready hooks registered and not removed (0: backward skips the bookkeeping)
+# Ranks in threads (the CPU tests of data parallelism) register hooks at once; re-entrant because a tensor's
+# finalizer (_forget_hooks) may run from a garbage collection triggered inside a locked section. An update lost
+# that way can only leave the count too high (bookkeeping done for nothing), never too low.
+_hooks_lock = threading.RLock()
 
 
 class no_grad:
@@ -88,6 +102,7 @@ class Tensor:
         self.sparse_grad = None
         self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
         self._node = None  # (Function class, ctx) for a non-leaf; _FREED once a backward released it
+        self._ready_hooks = None  # gradient-ready hooks (register_grad_ready_hook), in registration order
 
     # -- array-like -----------------------------------------------------------------------------------------
     shape = property(lambda self: tuple(self.data.shape))
@@ -125,8 +140,66 @@ class Tensor:
         """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` (see :func:`backward`)."""
         backward(self, grad, retain_graph=retain_graph)
 
+    def register_grad_ready_hook(self, fn):
+        """Call ``fn(self)`` once per :func:`backward` that reaches this leaf, right after its gradient for that
+        backward is complete: every recorded Function taking this tensor as an input (with a gradient wanted) has
+        run its backward, including Functions that write the gradient straight into ``.grad`` (weight-grad GEMMs)
+        or ``.sparse_grad`` (sparse-row embeddings). A leaf used by several Functions (a tied embedding, ``x * x``)
+        fires once, after the last of them. Returns a handle whose ``remove()`` unregisters the hook.
+
+        Raises TypeError when ``fn`` is not callable, RuntimeError on a tensor that is not a leaf requiring a
+        gradient (only leaves keep a ``.grad``)."""
+        global _live_ready_hooks
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable taking the tensor; got {type(fn).__name__}")
+        if not self.requires_grad or self._node is not None:
+            raise RuntimeError("register_grad_ready_hook: only a leaf tensor that requires a gradient has a .grad "
+                               f"to wait for (this one: requires_grad={self.requires_grad}, leaf={self.is_leaf})")
+        with _hooks_lock:
+            if self._ready_hooks is None:
+                self._ready_hooks = []
+                # A tensor dropped with hooks still registered takes them out of the live count. The finalizer
+                # holds only a one-int box: holding the hook list would keep alive what the hooks reference (an
+                # optimizer, which references this tensor).
+                self._ready_box = [0]
+                weakref.finalize(self, _forget_hooks, self._ready_box)
+            self._ready_hooks.append(fn)
+            self._ready_box[0] += 1
+            _live_ready_hooks += 1
+        return _HookHandle(self, fn)
+
 
 _FREED = "freed"  # a non-leaf whose saved arrays a backward released (retain_graph=False)
+
+
+def _forget_hooks(box):
+    global _live_ready_hooks
+    with _hooks_lock:
+        _live_ready_hooks -= box[0]
+        box[0] = 0
+
+
+class _HookHandle:
+    """What :meth:`Tensor.register_grad_ready_hook` returns: ``remove()`` unregisters the hook (idempotent)."""
+
+    __slots__ = ("_tensor", "_fn")
+
+    def __init__(self, tensor, fn):
+        self._tensor, self._fn = tensor, fn
+
+    def remove(self):
+        global _live_ready_hooks
+        t, self._tensor = self._tensor, None
+        if t is None:
+            return
+        with _hooks_lock:
+            hooks = t._ready_hooks or []
+            for i, h in enumerate(hooks):
+                if h is self._fn:
+                    del hooks[i]
+                    t._ready_box[0] -= 1
+                    _live_ready_hooks -= 1
+                    break
 
 
 class Context:
@@ -232,10 +305,35 @@ def _toposort(root):
     return order  # inputs before outputs
 
 
+def _ready_counts(order, root):
+    """``{id(leaf): number of pending contributions}`` for the hooked leaves of this backward: one per (Function,
+    input slot) edge with a gradient wanted, plus one for a hooked root that is itself a leaf (its seed)."""
+    pending = {}
+    for t in order:
+        if isinstance(t._node, tuple):
+            ctx = t._node[1]
+            for a, need in zip(ctx.inputs, ctx.needs_input_grad):
+                if need and a._node is None and getattr(a, "_ready_hooks", None):
+                    pending[id(a)] = pending.get(id(a), 0) + 1
+    if root._node is None and getattr(root, "_ready_hooks", None):
+        pending[id(root)] = pending.get(id(root), 0) + 1
+    return pending
+
+
+def _contributed(t, pending):
+    """One contribution to leaf ``t`` is done; run its hooks when it was the last."""
+    n = pending[id(t)] - 1
+    pending[id(t)] = n
+    if n == 0:
+        for fn in list(t._ready_hooks or ()):
+            fn(t)
+
+
 def backward(root: Tensor, grad=None, retain_graph=False):
     """Accumulate d(root)/d(leaf) into every leaf that requires a gradient.
 
-    ``grad`` defaults to ones (root is usually a 0-d loss); no device->host read happens.
+    ``grad`` defaults to ones (root is usually a 0-d loss); no device->host read happens. Gradient-ready hooks of
+    the leaves (:meth:`Tensor.register_grad_ready_hook`) run as each leaf's last contribution lands.
     """
     if not root.requires_grad:
         raise RuntimeError("backward(): the tensor does not require a gradient (was it computed under no_grad?)")
@@ -248,32 +346,45 @@ def backward(root: Tensor, grad=None, retain_graph=False):
     elif isinstance(grad, Tensor):
         grad = grad.data
     grads = {id(root): grad}
-    for t in reversed(_toposort(root)):
+    order = _toposort(root)
+    # Hook bookkeeping only while some hook is registered: without one this loop is the plain backward.
+    pending = _ready_counts(order, root) if _live_ready_hooks else None
+    for t in reversed(order):
         g = grads.pop(id(t), None)
-        if g is None:
-            continue
         if t._node is None:
-            _accumulate_leaf(t, g)
+            if g is not None:
+                _accumulate_leaf(t, g)
+                if pending and id(t) in pending:  # the root itself is a hooked leaf
+                    _contributed(t, pending)
             continue
         if t._node is _FREED:
+            if g is None:
+                continue
             raise RuntimeError("backward(): part of this graph was already released by an earlier backward(); "
                                "call backward(retain_graph=True) the first time to go through it twice")
         fn, ctx = t._node
-        ctx.seed_one = seeded and t is root
-        gin = fn.backward(ctx, g)
-        if not isinstance(gin, tuple):
-            gin = (gin,)
-        for a, need, ga in zip(ctx.inputs, ctx.needs_input_grad, gin):
-            if not need or ga is None:
-                continue
-            if a._node is None:
-                _accumulate_leaf(a, ga)
-            elif id(a) in grads:
-                grads[id(a)] = fast_add(grads[id(a)], ga)
-            else:
-                grads[id(a)] = ga
-        if not retain_graph:
-            t._node = _FREED  # free the saved activations as we go
+        if g is not None:
+            ctx.seed_one = seeded and t is root
+            gin = fn.backward(ctx, g)
+            if not isinstance(gin, tuple):
+                gin = (gin,)
+            for a, need, ga in zip(ctx.inputs, ctx.needs_input_grad, gin):
+                if not need or ga is None:
+                    continue
+                if a._node is None:
+                    _accumulate_leaf(a, ga)
+                elif id(a) in grads:
+                    grads[id(a)] = fast_add(grads[id(a)], ga)
+                else:
+                    grads[id(a)] = ga
+            if not retain_graph:
+                t._node = _FREED  # free the saved activations as we go
+        if pending:
+            # This Function is done with its inputs (a node no gradient reached contributes nothing, but is done
+            # too): count it off every hooked leaf it takes, firing the hooks of leaves it completes.
+            for a, need in zip(ctx.inputs, ctx.needs_input_grad):
+                if need and a._node is None and id(a) in pending:
+                    _contributed(a, pending)
 
 
 def tensor(data, requires_grad=False, name=None, dtype=None):

@@ -195,14 +195,9 @@ def shard_layout(sizes, world_size, *, bucket_elems=None, align=ALIGN) -> ShardL
 
 
 # ---------------------------------------------------------------------------------------------- state
-def consolidate_state(shards):
-    """The full optimizer state from the :meth:`ZeroAdamW.state_dict_shard` of every rank of one run.
-
-    Returns ``(state, params)``: ``state`` in the ``ck.optim.AdamW.state_dict`` format (``kind "AdamW"``, step, lr,
-    hyperparameters, ``{name: {"exp_avg", "exp_avg_sq"}}`` full-shape NumPy arrays) and ``params``
-    ``{name: full fp32 NumPy array}`` (the master weights, each slice from its owner). Checks that there is one
-    shard per rank of one world size, one step, the same parameters and shapes, and that the slices of every
-    parameter tile it exactly; ValueError naming what disagrees otherwise."""
+def _check_shards(shards):
+    """Validate the shards of one run (see :func:`consolidate_state`); returns ``(sorted shards, {name: (shape,
+    [(lo, hi, rank, entry)] sorted, tiling [0, n)})``) without reading any array."""
     shards = list(shards)
     if not shards:
         raise ValueError("shards: expected the state_dict_shard() of every rank; got none")
@@ -222,7 +217,7 @@ def consolidate_state(shards):
     for s in shards[1:]:
         if list(s["state"]) != names:
             raise ValueError(f"shards: rank {s['rank']} lists other parameters than rank 0")
-    state, params = {}, {}
+    layout = {}
     for name in names:
         shape = tuple(shards[0]["state"][name]["shape"])
         n = int(np.prod(shape, dtype=np.int64))
@@ -234,7 +229,7 @@ def consolidate_state(shards):
                                  f"rank 0")
             if e["stop"] > e["start"]:
                 parts.append((int(e["start"]), int(e["stop"]), s["rank"], e))
-        parts.sort()
+        parts.sort(key=lambda p: p[:3])
         pos = 0
         for lo, hi, r, _ in parts:
             if lo != pos:
@@ -243,20 +238,69 @@ def consolidate_state(shards):
             pos = hi
         if pos != n:
             raise ValueError(f"shards: {name!r}: the ranks' slices end at {pos}; the parameter has {n} elements")
+        for lo, hi, r, e in parts:
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                if int(np.prod(e[key].shape, dtype=np.int64)) != hi - lo:
+                    raise ValueError(f"shards: {name!r} {key} of rank {r}: {int(np.prod(e[key].shape))} elements "
+                                     f"for the range [{lo}, {hi})")
+        layout[name] = (shape, parts)
+    return shards, layout
 
-        def full(key, parts=parts, n=n, shape=shape, name=name):
-            out = np.empty((n,), dtype=np.float32)
-            for lo, hi, r, e in parts:
-                a = e[key]
-                a = a.get() if hasattr(a, "get") else np.asarray(a)
-                if a.size != hi - lo:
-                    raise ValueError(f"shards: {name!r} {key} of rank {r}: {a.size} elements for the range "
-                                     f"[{lo}, {hi})")
-                out[lo:hi] = a.reshape(-1)
-            return out.reshape(shape)
 
-        state[name] = {"exp_avg": full("exp_avg"), "exp_avg_sq": full("exp_avg_sq")}
-        params[name] = full("param")
+def _host_flat(a):
+    a = a.get() if hasattr(a, "get") else np.asarray(a)
+    return a.reshape(-1)
+
+
+def _assemble(parts, key, lo, hi):
+    """Elements ``[lo, hi)`` of one flattened parameter's ``key`` from the shards' slices (fp32 NumPy)."""
+    out = np.empty((hi - lo,), dtype=np.float32)
+    for plo, phi, _, e in parts:
+        a, b = max(lo, plo), min(hi, phi)
+        if a < b:
+            out[a - lo:b - lo] = _host_flat(e[key])[a - plo:b - plo]
+    return out
+
+
+class ShardedArray:
+    """One full parameter-shaped array of a ZeRO checkpoint, assembled from the ranks' slices only when read
+    (``np.asarray(x)``, or ``x[lo:hi]`` of the flattened array through :meth:`flat`): a loader that keeps only its
+    own slices never holds the whole state in host memory. ``shape`` and ``dtype`` (float32) without reading."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, shape, parts, key):
+        self.shape, self._parts, self._key = tuple(shape), parts, key
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.ndim = len(self.shape)
+
+    def flat(self, lo, hi):
+        return _assemble(self._parts, self._key, lo, hi)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.flat(0, self.size).reshape(self.shape)
+        return a if dtype is None else a.astype(dtype)
+
+
+def consolidate_state(shards, *, lazy=False):
+    """The full optimizer state from the :meth:`ZeroAdamW.state_dict_shard` of every rank of one run.
+
+    Returns ``(state, params)``: ``state`` in the ``ck.optim.AdamW.state_dict`` format (``kind "AdamW"``, step, lr,
+    hyperparameters, ``{name: {"exp_avg", "exp_avg_sq"}}`` full-shape NumPy arrays) and ``params``
+    ``{name: full fp32 NumPy array}`` (the master weights, each slice from its owner). Checks that there is one
+    shard per rank of one world size, one step, the same parameters and shapes, and that the slices of every
+    parameter tile it exactly; ValueError naming what disagrees otherwise.
+
+    ``lazy=True``: every array is a :class:`ShardedArray`, assembled when read (``np.asarray``): with memory-mapped
+    shards (a checkpoint on disk) a loader copies one parameter at a time instead of the whole state."""
+    shards, layout = _check_shards(shards)
+    state, params = {}, {}
+    for name, (shape, parts) in layout.items():
+        arrays = {key: ShardedArray(shape, parts, key) for key in ("param", "exp_avg", "exp_avg_sq")}
+        if not lazy:
+            arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        state[name] = {"exp_avg": arrays["exp_avg"], "exp_avg_sq": arrays["exp_avg_sq"]}
+        params[name] = arrays["param"]
     s0 = shards[0]
     return ({"kind": "AdamW", "step": int(s0["step"]), "lr": float(s0["lr"]), "betas": tuple(s0["betas"]),
              "eps": float(s0["eps"]), "weight_decay": float(s0["weight_decay"]), "state": state}, params)
@@ -798,6 +842,16 @@ class ZeroAdamW:
                 self.group.all_gather(g.P[lo:hi], g.P[b.start:b.stop])
         self._join()
 
+    def broadcast_params(self, root=0):
+        """Give every rank rank ``root``'s parameters (one broadcast of each flat fp32 group, then the shadows
+        re-derived): data-parallel replicas start identical even if their initialisations could differ."""
+        if self.world_size == 1:
+            return
+        self._sync()
+        for g in self._groups:
+            self.group.broadcast(g.P, root)
+        self.refresh_shadows()
+
     def refresh_shadows(self):
         """Recompute every bf16 shadow from the fp32 parameters (after writing full parameter values on every
         rank, e.g. loading a checkpoint)."""
@@ -845,23 +899,34 @@ class ZeroAdamW:
                 rank's :meth:`state_dict_shard` from a run on any number of ranks (or the one shard of a world of
                 one).
             params: optional ``{name: full fp32 array}`` written into the parameters on every rank (a list of
-                shards brings its own). Without it the current parameter values stay (load the model first).
+                shards brings its own; ``params=False`` keeps the current values even then). Without it the current
+                parameter values stay (load the model first).
+        Shards are read lazily (:class:`ShardedArray`): from memory-mapped checkpoint files, host memory holds one
+        parameter at a time, and each rank reads only its own slices of the moments.
         Everything is checked before anything is written; the shadows are then refreshed from the fp32 values.
         """
         if isinstance(state, (list, tuple)):
-            state, own_params = consolidate_state(state)
+            state, own_params = consolidate_state(state, lazy=True)
             params = own_params if params is None else params
         elif isinstance(state, dict) and state.get("kind") == SHARD_KIND:
             if state.get("world_size") != 1:
                 raise ValueError(f"state: one shard of a world of {state.get('world_size')}; pass the list of every "
                                  f"rank's shard")
-            state, own_params = consolidate_state([state])
+            state, own_params = consolidate_state([state], lazy=True)
             params = own_params if params is None else params
+        if params is False:
+            params = None
         st = state["state"]
         missing, unexpected = set(self._by_name) - set(st), set(st) - set(self._by_name)
         if missing or unexpected:
             raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
         host = lambda a: np.asarray(a.get() if hasattr(a, "get") else a)  # noqa: E731
+
+        def piece(a, lo, hi):  # elements [lo, hi) of the flattened array, reading no more than that when lazy
+            if isinstance(a, ShardedArray):
+                return a.flat(lo, hi)
+            return host(a).reshape(-1)[lo:hi]
+
         for n, s in self._by_name.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(st[n][key].shape) != s.shape:
@@ -875,13 +940,13 @@ class ZeroAdamW:
         for n, s in self._by_name.items():
             g, L = s.group, s.group.layout
             if params is not None:
-                s.data[...] = self.xp.asarray(host(params[n]).astype(np.float32, copy=False))
+                s.data[...] = self.xp.asarray(host(params[n]).astype(np.float32, copy=False).reshape(s.shape))
             own = L.owned(s.index, self.rank)
             if own is None:
                 continue
             lo, hi, so = own
             for key, buf in (("exp_avg", g.M), ("exp_avg_sq", g.V)):
-                src = host(st[n][key]).reshape(-1)[lo:hi]
+                src = piece(st[n][key], lo, hi)
                 buf[so:so + hi - lo] = self.xp.asarray(src.astype(np.float32, copy=False))
         step = int(state["step"])
         if self.xp is np:
