@@ -60,6 +60,16 @@ DATA = {
                     "choice", ("sequential", "random")),
 }
 
+ZERO = {
+    "wire": Key("auto", "gradient dtype on the wire for the reduce-scatter: bf16 (half the bytes), fp32, or auto "
+                        "(bf16 under autocast bf16, else fp32)", "choice", ("auto", "bf16", "fp32")),
+    "bucket_elems": Key(1 << 25, "elements per reduce-scatter bucket (whole parameters, closed from the last "
+                                 "layer back); null: one bucket per parameter group", "int", check=_gt(0),
+                        optional=True),
+    "overlap": Key(True, "start each bucket's reduce-scatter as soon as the backward has finished it (autograd "
+                         "gradient-ready hooks); false: reduce everything after the backward", "bool"),
+}
+
 SCHEMA = {
     "model": Key({}, "the model family's config: type (default llama) and its Hugging Face fields", "section"),
     "data": Key(None, "training data (its keys: " + ", ".join(DATA) + ")", "section"),
@@ -100,16 +110,23 @@ SCHEMA = {
     "keep_last": Key(3, "keep the N newest checkpoints (0: all)", "int", check=_ge(0)),
     "resume": Key(None, "a checkpoint file, a folder of them, or 'latest' (newest in ckpt_dir)", optional=True),
     "init_from": Key(None, "initial weights: a Hugging Face folder or a trainer checkpoint", optional=True),
+    "distributed": Key("auto", "data parallel over the ranks of a launcher (python -m cukernels.run, torchrun, "
+                               "srun) with ZeRO-1 sharded AdamW: true, false, or auto (on when WORLD_SIZE > 1). "
+                               "batch_size is per rank; total_batch_size counts every rank", "tristate"),
+    "zero": Key(None, "ZeRO-1 optimizer settings under distributed (its keys: " + ", ".join(ZERO) + ")", "section"),
 }
 
 # Keys that may differ between a checkpoint and the run resuming it without touching the trajectory.
 RESUME_FREE = {"out_dir", "ckpt_dir", "ckpt_every", "ckpt_final", "keep_last", "resume", "log_every", "log_format",
-               "plot", "eval_every", "eval_steps", "progress", "sample_chars"}
+               "plot", "eval_every", "eval_steps", "progress", "sample_chars", "distributed"}
+# zero settings that do not change the arithmetic of a step (the wire dtype does)
+ZERO_RESUME_FREE = {"bucket_elems", "overlap"}
 
 
 def defaults() -> dict:
     cfg = {k: copy.deepcopy(v.default) for k, v in SCHEMA.items()}
     cfg["data"] = {k: v.default for k, v in DATA.items()}
+    cfg["zero"] = {k: v.default for k, v in ZERO.items()}
     cfg["model"] = {}
     return cfg
 
@@ -121,6 +138,8 @@ def describe() -> str:
         out.append(f"{k:18s} {v.default!r:>14}  {v.doc}")
         if k == "data":
             out += [f"  data.{dk:11s} {dv.default!r:>14}  {dv.doc}" for dk, dv in DATA.items()]
+        if k == "zero":
+            out += [f"  zero.{zk:11s} {zv.default!r:>14}  {zv.doc}" for zk, zv in ZERO.items()]
     return "\n".join(out)
 
 
@@ -149,6 +168,11 @@ def _check(path, spec: Key, v):
         if v not in spec.choices:
             opts = list(spec.choices) + (["null"] if spec.optional else [])
             raise ConfigError(f"{path}: expected one of {opts}; got {v!r}{suggest(v, spec.choices)}")
+    elif spec.kind == "tristate":
+        if isinstance(v, str) and v.lower() in ("true", "false", "auto"):
+            v = {"true": True, "false": False, "auto": "auto"}[v.lower()]
+        if not (v is True or v is False or v == "auto"):
+            raise ConfigError(f"{path}: expected true, false or auto; got {v!r}")
     elif spec.kind == "betas":
         if (not isinstance(v, (list, tuple)) or len(v) != 2
                 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
@@ -199,13 +223,15 @@ def validate(cfg: dict) -> dict:
             raise ConfigError(f"{k}: unknown config key{suggest(k, SCHEMA)}")
     for k, spec in SCHEMA.items():
         v = cfg.get(k, spec.default)
-        if k == "data":
+        if k in ("data", "zero"):
+            table = DATA if k == "data" else ZERO
+            v = {} if v is None else v
             if not isinstance(v, dict):
-                raise ConfigError(f"data: expected a mapping; got {v!r}")
+                raise ConfigError(f"{k}: expected a mapping; got {v!r}")
             for dk in v:
-                if dk not in DATA:
-                    raise ConfigError(f"data.{dk}: unknown config key{suggest(dk, DATA)}")
-            out[k] = {dk: _check(f"data.{dk}", ds, v.get(dk, ds.default)) for dk, ds in DATA.items()}
+                if dk not in table:
+                    raise ConfigError(f"{k}.{dk}: unknown config key{suggest(dk, table)}")
+            out[k] = {dk: _check(f"{k}.{dk}", ds, v.get(dk, ds.default)) for dk, ds in table.items()}
         elif k == "model":
             out[k] = _check_model(v)
         else:
@@ -215,6 +241,18 @@ def validate(cfg: dict) -> dict:
     if tbs is not None and tbs % (B * T):
         raise ConfigError(f"total_batch_size: {tbs} is not a multiple of batch_size * seq_len = {B * T}")
     return out
+
+
+def check_world(cfg: dict, world_size: int):
+    """Under data parallelism: ``total_batch_size`` (every rank's tokens per step) must be a multiple of
+    ``batch_size * seq_len * world_size``; returns the micro-batches per rank and step (ConfigError otherwise).
+    The default total is one micro-batch per rank."""
+    B, T = cfg["batch_size"], cfg["seq_len"]
+    tbs = cfg["total_batch_size"] or B * T * world_size
+    if tbs % (B * T * world_size):
+        raise ConfigError(f"total_batch_size: {tbs} tokens per step are not a multiple of batch_size * seq_len * "
+                          f"{world_size} ranks = {B * T * world_size}")
+    return tbs, tbs // (B * T * world_size)
 
 
 def _parse_override(o):

@@ -13,14 +13,17 @@ class Logger:
 
     KEYS = ["step", "kind", "loss", "lr", "grad_norm", "ms_per_step", "tok_per_s"]
 
-    def __init__(self, out_dir, fmt):
-        os.makedirs(out_dir, exist_ok=True)
+    def __init__(self, out_dir, fmt, write=True):
         self.path = os.path.join(out_dir, "log." + ("csv" if fmt == "csv" else "jsonl"))
-        self.fmt, self.rows, self._header = fmt, [], False
-        open(self.path, "w").close()
+        self.fmt, self.rows, self._header, self.write = fmt, [], False, write
+        if write:  # (write=False: the rows are kept in memory only -- the ranks other than 0 of a run)
+            os.makedirs(out_dir, exist_ok=True)
+            open(self.path, "w").close()
 
     def log(self, row):
         self.rows.append(row)
+        if not self.write:
+            return
         with open(self.path, "a") as f:
             if self.fmt == "csv":
                 if not self._header:
