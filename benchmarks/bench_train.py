@@ -1,7 +1,13 @@
 """Whole training step: LLaMA-3.2-1B shape, bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 
     PYTHONPATH=. python benchmarks/bench_train.py [--configs b4t64,b8t1024] [--ablation] [--vs-torch eager,compile]
-        [--data synthetic|shakespeare]
+        [--data synthetic|shakespeare] [--nproc N]
+
+``--nproc N`` (N > 1) re-runs this script under ``python -m cukernels.run --nproc-per-node N``: every rank builds
+the same step with ``ck.optim.ZeroAdamW`` (bf16 reduce-scatter in 2**25-element buckets started by the autograd's
+gradient-ready hooks, fp32 gathered only for 1-D parameters, the step with its collectives in one CUDA graph) on
+its own batch of B x T tokens (B and T per GPU); rank 0 prints ms/step, tok/s over all ranks and its own peak
+memory. The ablation and --vs-torch rows run on one GPU only.
 
 Model: vocab 128256, 16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, untied embeddings (1.50e9
 parameters). Tokens: ``--data synthetic`` (default; uniform random ids and targets) or ``--data shakespeare``
@@ -37,6 +43,8 @@ GPT2_124M = dict(type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024)}
 MODEL = {"name": "llama"}  # --model
+DIST = {"group": None}  # under the launcher (--nproc): the process group; the step uses ZeroAdamW
+ZERO_BUCKET = 1 << 25
 
 # GPT-2: the fused-softmax/LayerNorm write-up's switch, with everything else on (fused AdamW, shadows, graph).
 GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
@@ -137,7 +145,18 @@ class OurStep:
                 m.flash = "flash" in f
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
-        if "adam" in f:
+        group = DIST["group"]
+        if "adam" in f and group is not None:  # data parallel: ZeRO-1 over the launcher's ranks
+            emb = model.input_embedding().weight
+            opt = ck.optim.ZeroAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, group=group,
+                                     no_decay={p.name for p in no_decay}, gather_fp32=lambda n, a: a.ndim < 2,
+                                     sparse={emb.name} if "sparse_emb" in f else None, wire_dtype=ck.bfloat16,
+                                     bucket_elems=ZERO_BUCKET)
+            if "sparse_emb" in f:
+                opt.attach_sparse(emb)
+            opt.broadcast_params(0)
+            opt.attach_grad_hooks()
+        elif "adam" in f:
             emb = model.input_embedding().weight
             opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                  shadow_dtype=ck.bfloat16, no_decay={p.name for p in no_decay},
@@ -173,10 +192,15 @@ class OurStep:
         ck = self.ck
         self._zero()
         total = None
+        zero = isinstance(self.opt, ck.optim.ZeroAdamW)
         for i in range(self.accum):
             with ck.autocast(ck.bfloat16):
                 loss = self.model(self.ids[i], self.tgt[i])
-            loss.backward()
+            if zero and i < self.accum - 1:
+                with self.opt.no_sync():  # one reduction per step
+                    loss.backward()
+            else:
+                loss.backward()
             total = loss.data if total is None else total + loss.data
         if "adam" in self.feats:
             norm, scale = self.opt.clip_grad_norm(1.0)
@@ -196,7 +220,9 @@ class OurStep:
 
     def run(self, steps, warm=3, data="synthetic"):
         cp = self.cp
-        batches = make_batches(data, self.B, self.T, self.accum, self.mcfg["vocab_size"])
+        g = DIST["group"]
+        batches = make_batches(data, self.B, self.T, self.accum, self.mcfg["vocab_size"],
+                               seed=g.rank if g is not None else 0)
         times, losses = [], []
         for i in range(warm + steps):
             self.new_batch(batches)
@@ -297,7 +323,24 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
                     help="uniform random tokens, or tinyshakespeare byte tokens (see make_batches)")
+    ap.add_argument("--nproc", type=int, default=1, help="GPUs: N > 1 runs N ranks under cukernels.run, ZeroAdamW")
     args = ap.parse_args(argv)
+    import os
+    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        import subprocess
+        rest = list(sys.argv[1:] if argv is None else argv)
+        cmd = [sys.executable, "-m", "cukernels.run", "--nproc-per-node", str(args.nproc), "--quiet-others",
+               str(Path(__file__).resolve()), *rest]
+        return subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    world = 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import cukernels.distributed as dist
+
+        DIST["group"] = dist.init_process_group()
+        world = DIST["group"].world_size
+        if args.ablation or args.vs_torch:
+            print("--ablation / --vs-torch run on one GPU only; ignored with --nproc", flush=True)
+            args.ablation, args.vs_torch = False, ""
     MODEL["name"] = args.model
     args.configs = args.configs or ("b8t1024" if args.model == "gpt2" else "b4t64,b8t1024")
     global LLAMA_1B, GPT2_124M
@@ -310,8 +353,9 @@ def main(argv=None):
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
     what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
-    print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, AdamW, clip 1.0; data: {args.data}")
-    out = {"device": name, "rows": [], "ablation": [], "torch": []}
+    opt_name = f"ZeroAdamW on {world} GPUs (bf16 reduce-scatter, B x T per GPU)" if world > 1 else "AdamW"
+    print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, {opt_name}, clip 1.0; data: {args.data}")
+    out = {"device": name, "world_size": world, "rows": [], "ablation": [], "torch": []}
     for c in [c for c in args.configs.split(",") if c]:
         B, T = CONFIGS[c]
         try:
@@ -320,10 +364,12 @@ def main(argv=None):
         except Exception:
             traceback.print_exc()
             continue
-        tok = B * T
+        tok = B * T * world  # every rank's tokens
         tf = model_flops_per_token(mcfg, T) * tok / (ms * 1e-3) / 1e12
-        print(f"cukernels  B{B}xT{T}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
-              f"peak {mem:6.1f} GiB  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}", flush=True)
+        per = f" on {world} GPUs" if world > 1 else ""
+        print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
+              f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}",
+              flush=True)
         out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
         for mode in [m for m in args.vs_torch.split(",") if m]:
             try:
@@ -372,9 +418,14 @@ def main(argv=None):
                   f"{losses[0]:.4f}..{losses[-1]:.4f}", flush=True)
             out["ablation"].append(dict(row=ROW_NAMES[f], ms=ms, losses=losses, peak_gib=mem))
             prev = ms
-    if args.json:
+    if args.json and (DIST["group"] is None or DIST["group"].rank == 0):
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if DIST["group"] is not None:
+        import cukernels.distributed as dist
+
+        gc.collect()  # every captured step (its graph holds collectives) is gone before the communicator
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
