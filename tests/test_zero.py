@@ -735,8 +735,9 @@ def test_hook_fires_once_after_the_last_contribution():
     assert calls == {"x": 1, "w": 1, "b": 1}
     for n in want:
         np.testing.assert_array_equal(snaps[n], want[n], err_msg=n)
-    assert order.index("b") < order.index("x")  # b is only read by the first forward op: its backward runs late,
-    # but x (read by the first matmul too) completes with it or after it
+    # b's only reader is the add after the first matmul, whose backward runs before that matmul's: b completes
+    # before x, whose last contribution is that first matmul
+    assert order.index("b") < order.index("x"), order
     for h in handles:
         h.remove()
         h.remove()  # idempotent
