@@ -215,41 +215,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
           }
         }
       }
-      float mx0 = -CK_INF, mx1 = -CK_INF;  // raw scores: scale > 0, so max(s) * sl2 = max(s * sl2)
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
-      // A row with nothing visible yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
-      const float base0 = mn0 == -CK_INF ? 0.f : mn0, base1 = mn1 == -CK_INF ? 0.f : mn1;
-      const float cr0 = ex2(m0 - base0), cr1 = ex2(m1 - base1);
-      m0 = mn0;
-      m1 = mn1;
-      float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {  // p = 2^(s * scale * log2(e) - max): one FMA + one MUFU
-        s[nt][0] = ex2(fmaf(s[nt][0], sl2, -base0));
-        s[nt][1] = ex2(fmaf(s[nt][1], sl2, -base0));
-        s[nt][2] = ex2(fmaf(s[nt][2], sl2, -base1));
-        s[nt][3] = ex2(fmaf(s[nt][3], sl2, -base1));
-        ps0 += s[nt][0] + s[nt][1];
-        ps1 += s[nt][2] + s[nt][3];
-      }
-      l0 = l0 * cr0 + ps0;
-      l1 = l1 * cr1 + ps1;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        acc[nt][0] *= cr0;
-        acc[nt][1] *= cr0;
-        acc[nt][2] *= cr1;
-        acc[nt][3] *= cr1;
-      }
+      online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
       mma_pb<BN, D, LD>(acc, s, Vs + (st * STAGE + kg * BN) * LD);
     }
     __syncthreads();  // the next iteration's prefetch overwrites the stage just read
