@@ -3,6 +3,7 @@
 #   bash benchmarks/run_session.sh tests [pytest args]   GPU suite (-m gpu, 8 workers) + kernel compile check
 #   bash benchmarks/run_session.sh ops FAMILIES          bench_ops --quick for a comma list of families
 #   bash benchmarks/run_session.sh train [args]          bench_train (LLaMA both configs) + GPT-2 with PyTorch
+#   bash benchmarks/run_session.sh dist [configs]        (2 GPUs) distributed tests + bench_train 1 GPU vs --nproc 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}; mkdir -p "$out"
@@ -35,4 +36,12 @@ fi
 if [ "$stage" = "gpt2" ]; then
   timeout 200 python benchmarks/bench_train.py --model gpt2 ${1:+--vs-torch $1} --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log"
   timeout 200 python benchmarks/profile_step.py --model gpt2 --configs b8t1024 --top 30 2>&1 | grep -v "Warning\|warn" | tee "$out/profile_gpt2.log"
+fi
+if [ "$stage" = "dist" ]; then  # the 2-GPU machine: 2-GPU tests, then 1 GPU vs 2 GPUs on the LLaMA-1B shape
+  timeout ${DIST_TEST_TIMEOUT:-240} python -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed.py \
+    tests/test_zero.py tests/test_train_distributed.py 2>&1 | tee "$out/dist_tests.log" | tail -n 40
+  timeout 150 python benchmarks/bench_train.py --configs ${1:-b8t1024,b4t64} --json "$out/bench_1gpu.json" 2>&1 \
+    | tee "$out/bench_1gpu.log"
+  timeout 200 python benchmarks/bench_train.py --configs ${1:-b8t1024,b4t64} --nproc 2 --json "$out/bench_2gpu.json" \
+    2>&1 | tee "$out/bench_2gpu.log"
 fi
