@@ -45,3 +45,9 @@ if [ "$stage" = "dist" ]; then  # the 2-GPU machine: 2-GPU tests, then 1 GPU vs 
   timeout 200 python benchmarks/bench_train.py --configs ${1:-b8t1024,b4t64} --nproc 2 --json "$out/bench_2gpu.json" \
     2>&1 | tee "$out/bench_2gpu.log"
 fi
+if [ "$stage" = "genprof" ]; then  # where a decode step's time goes (eager kernel times + captured wall time)
+  timeout 120 python benchmarks/profile_generate.py --model llama --top ${1:-30} 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+  timeout 60 python benchmarks/profile_generate.py --model gpt2 --top 15 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_gpt2.log"
+fi
