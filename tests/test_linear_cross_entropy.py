@@ -239,6 +239,27 @@ def test_chunk_plan_numbers():
         assert -(-N // c) == -(-N // cmax), "no more chunks than the budget needs"
 
 
+# ---------------------------------------------------------------- CPU: a padded weight (num_classes)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_reference_padded_weight_equals_unpadded(rng, reduction):
+    """weight = V class rows + padding rows (GPT-2's [50304, H] layout): the padding rows, even NaN, change
+    nothing; dweight is [V, H]; a target in [V, Vw) is out of range."""
+    N, H, V, Vw = 9, 5, 13, 16
+    x, w, t = _case(rng, N, H, V, np.float32, zscale=2.0)
+    wp = np.full((Vw, H), np.nan, np.float32)
+    wp[:V] = w
+    ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1, chunk_rows=4)
+    got = linear_cross_entropy(x, wp, t, reduction=reduction, label_smoothing=0.1, chunk_rows=4, num_classes=V)
+    assert got[2].shape == (V, H)
+    for a, b, name in zip(got, ref, ("loss", "dx", "dW")):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    same = linear_cross_entropy(x, w, t, num_classes=V)  # num_classes == rows: the plain call
+    np.testing.assert_array_equal(same[0], linear_cross_entropy(x, w, t)[0])
+    t[0] = V  # a padding row's index is not a class
+    with pytest.raises(ValueError, match="targets: value 13 is out of range for 13 classes"):
+        linear_cross_entropy(x, wp, t, num_classes=V)
+
+
 def _bad(**kw):
     x = np.zeros((3, 4), np.float32)
     a = dict(x=x, weight=np.zeros((5, 4), np.float32), targets=np.zeros(3, np.int32))
@@ -282,6 +303,11 @@ def _bad(**kw):
         (_bad(dloss=np.ones(3, np.float32)), ValueError, r"dloss: expected shape \(\)"),
         (_bad(error=np.zeros((), np.int64)), TypeError, "error: expected dtype"),
         (_bad(weight=[[0.0] * 4] * 5), TypeError, "weight: expected a numpy.ndarray or cupy.ndarray"),
+        (_bad(num_classes=0), ValueError, r"num_classes: expected an integer in \[1, 5\]"),
+        (_bad(num_classes=6), ValueError, r"num_classes: expected an integer in \[1, 5\]"),
+        (_bad(num_classes=4.0), TypeError, "num_classes: expected an integer"),
+        (_bad(num_classes=4, grad_weight=np.zeros((5, 4), np.float32)), ValueError,
+         r"grad_weight: expected shape \(4, 4\)"),
     ],
 )
 def test_bad_input_messages(make, exc, match):
@@ -335,6 +361,32 @@ def test_gpu_matches_reference(rng, N, H, V, chunk, dtype):
     assert loss[1] is None and loss[2] is None
     ref = linear_cross_entropy(x, w, t, label_smoothing=eps, compute_grad=False)
     _close(loss[0], ref[0], *LOSS_TOL[np.dtype(dtype)], "eval loss")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, H, V, chunk", [(1, 64, 1000, None), (1000, 64, 50257, 256), (37, 33, 4099, 5)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_padded_weight_matches_reference(rng, N, H, V, chunk, dtype):
+    """num_classes: W in a [ceil(V/64)*64, H] buffer whose padding rows are NaN. The logits and dx GEMMs run over
+    the padded rows; a padding column that reached the loss or a padding dlogit left unzeroed poisons the result."""
+    import cupy as cp
+
+    misalign = N == 37
+    Vw = -(-V // 64) * 64 + (64 if V % 64 == 0 else 0)  # always some padding
+    x, w, t = _case(rng, N, H, V, dtype)
+    xd, td = device_copy(x, misalign), device_copy(t, misalign)
+    wp = cp.full((Vw, H), np.nan, dtype=np.float32).astype(dtype)
+    wp[:V] = cp.asarray(w)
+    for reduction in ("mean", "none"):
+        ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1, chunk_rows=chunk)
+        gw = poisoned((V, H), np.float32)
+        gi = poisoned((N, H), dtype, misalign)
+        got = linear_cross_entropy(xd, wp, td, reduction=reduction, label_smoothing=0.1, chunk_rows=chunk,
+                                   grad_weight=gw, grad_input=gi, num_classes=V)
+        assert got[2].shape == (V, H)
+        _check(got, ref, dtype, reduction, f"padded {N}x{H}x{V}->{Vw} {reduction}")
+    loss = linear_cross_entropy(xd, wp, td, compute_grad=False, num_classes=V, chunk_rows=chunk)
+    _close(loss[0], linear_cross_entropy(x, w, t, compute_grad=False)[0], *LOSS_TOL[np.dtype(dtype)], "eval")
 
 
 @pytest.mark.gpu

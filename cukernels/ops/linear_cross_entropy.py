@@ -29,6 +29,14 @@ dimension and the CE kernels as ``ld``. Unpadded 50257-element bf16 rows (100514
 confine cuBLAS to its align1 kernels for all three GEMMs (measured on the H200: 15.6 ms for GPT-2's head GEMMs
 at N = 8192 through an unpadded [N, 50257] buffer).
 
+A padded weight (``num_classes`` V below the weight's row count Vw, e.g. GPT-2's head copied into a zero-padded
+[50304, H] buffer, the layout ``functional.linear(pad_rows=True)`` uses): measured on the H200, cuBLAS keeps its
+align1 kernels whenever an odd V is the logits GEMM's N or the dx GEMM's K, whatever the leading dimension (GPT-2
+step 29.5 -> 19.9 ms once W was padded). So the logits and dx GEMMs run over all Vw rows (workspace [C, Vw]); the
+loss kernel reads only the first V columns; the Vw - V padding columns of dlogits are set to 0 per chunk (a
+C x 47 fill for GPT-2, ~3 us) so dx ignores whatever the padding rows hold; dW is the [V, H] gradient (its GEMM
+takes the first V workspace columns, M = V, which cuBLAS runs on an align8 kernel: 1.2 ms at N8192 for GPT-2).
+
 The weight gradient accumulates in fp32 straight from the GEMM (beta = 1) rather than through a bf16 per-chunk
 buffer: a bf16 dW would add 525 MB (over the budget), a cast + add pass over ~2.6 GB per chunk, and a bf16
 rounding of the partial sums per chunk.
@@ -94,7 +102,7 @@ def _check_dloss(xp, dloss):
 
 
 def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad_weight, accumulate, compute_grad,
-              chunk_rows, grad_input, error):
+              chunk_rows, grad_input, error, num_classes):
     B.check_dtype("x", x, B.FLOATS)
     if x.ndim != 2:
         raise ValueError(f"x: expected a 2-D array [N, H]; got shape {tuple(x.shape)}")
@@ -103,12 +111,18 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
     B.check_dtype("weight", weight, (x.dtype,))
     if weight.ndim != 2 or weight.shape[1] != H:
         raise ValueError(f"weight: expected shape [V, {H}] (H = x.shape[1]); got {tuple(weight.shape)}")
-    V = weight.shape[0]
-    if V < 1:
+    Vw = weight.shape[0]
+    if Vw < 1:
         raise ValueError(f"weight: expected at least 1 row (the vocabulary); got shape {tuple(weight.shape)}")
-    if V >= 2**31:
-        raise ValueError(f"weight: at most 2**31 - 1 rows (classes) supported; got {V}")
+    if Vw >= 2**31:
+        raise ValueError(f"weight: at most 2**31 - 1 rows (classes) supported; got {Vw}")
     B.check_contiguous("weight", weight)
+    V = Vw
+    if num_classes is not None:
+        V = _int("num_classes", num_classes)
+        if not 1 <= V <= Vw:
+            raise ValueError(f"num_classes: expected an integer in [1, {Vw}] (weight.shape[0] = {Vw}: the classes "
+                             f"and then padding rows); got {V}")
     B.check_dtype("targets", targets, INTS)
     B.check_shape("targets", targets, (N,), " ([N], N = x.shape[0])")
     B.check_contiguous("targets", targets)
@@ -139,13 +153,13 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
     if error is not None:
         B.check_dtype("error", error, (np.int32,))
         B.check_shape("error", error, ())
-    return N, H, V, ig, eps, accumulate, compute_grad, chunk_rows
+    return N, H, V, Vw, ig, eps, accumulate, compute_grad, chunk_rows
 
 
 @B.interop
 def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          grad_weight=None, accumulate=False, compute_grad=True, chunk_rows=None, dloss=1.0,
-                         grad_input=None, error=None):
+                         grad_input=None, error=None, num_classes=None):
     """Cross-entropy of ``x @ weight.T`` against ``targets``, with the gradients, without materialising the logits.
 
     With logits z = x W^T (rounded once to x's dtype, as a GEMM into a bf16 buffer would), per row i with target
@@ -177,6 +191,10 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             scale or 1 / accumulation steps); scales the gradients only.
         grad_input: optional ``[N, H]`` buffer (x's dtype, C-contiguous) for dx.
         error: optional 0-d int32 device error word.
+        num_classes: V, when ``weight`` holds V class rows followed by padding rows (``weight.shape[0] >= V``;
+            e.g. GPT-2's 50257 classes in a [50304, H] buffer): the GEMMs run over every row (16-byte aligned
+            dimensions), the padding logits never enter the loss, their gradient is 0 (whatever the padding rows
+            hold), ``dweight`` is ``[V, H]``. Default ``weight.shape[0]``.
 
     Returns:
         ``(loss, dx, dweight)``: loss a 0-d float32 array ("mean"/"sum") or float32 ``[N]`` ("none"); dx
@@ -190,13 +208,14 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
     """
     xp = B.array_module(x=x, weight=weight, targets=targets, grad_weight=grad_weight, grad_input=grad_input,
                         error=error)
-    N, H, V, ig, eps, accumulate, compute_grad, chunk_rows = _validate(
+    N, H, V, Vw, ig, eps, accumulate, compute_grad, chunk_rows = _validate(
         x, weight, targets, ignore_index, reduction, label_smoothing, grad_weight, accumulate, compute_grad,
-        chunk_rows, grad_input, error)
+        chunk_rows, grad_input, error, num_classes)
     dscalar, darr = _check_dloss(xp, dloss)
-    C = min(chunk_rows, N) if chunk_rows is not None else chunk_rows_for(N, V, x.itemsize)
+    C = min(chunk_rows, N) if chunk_rows is not None else chunk_rows_for(N, Vw, x.itemsize)
     if xp is np:
-        return _reference(x, weight, targets, N, V, ig, eps, reduction, darr if darr is not None else dscalar,
+        # The padding rows take no part in the math (their logits are not read, their dlogits are 0).
+        return _reference(x, weight[:V], targets, N, V, ig, eps, reduction, darr if darr is not None else dscalar,
                           grad_weight, accumulate, compute_grad, C, grad_input)
 
     err = error if error is not None else _ce.cross_entropy_error()
@@ -217,7 +236,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         # Rows padded to a multiple of 64 elements (GPT-2: 50257 -> 50304): the three GEMMs that read or write
         # the workspace get 16-byte-aligned rows (cuBLAS' fast kernels; 50257 bf16 rows would force its align1
         # kernels), and the CE kernel reads it with that row stride. Never more than 63 extra columns.
-        ws = empty_padded((C, V), x.dtype, xp=xp)
+        ws = empty_padded((C, Vw), x.dtype, xp=xp)
         ldz = ws.strides[0] // ws.itemsize
         tag = f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[targets.dtype]}"
         k = get_function(_ce.FAMILY, f"ce_{'fused' if compute_grad else 'fwd'}_{tag}")
@@ -226,9 +245,10 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         for i, c0 in enumerate(range(0, N, C)):
             c1 = min(N, c0 + C)
             r = c1 - c0
-            z = ws[:r]  # the workspace's first r rows (row stride ldz)
+            zw = ws[:r]  # the workspace's first r rows (row stride ldz), all Vw columns
+            z = zw[:, :V] if Vw > V else zw  # the class columns: what the loss and the dW GEMM see
             xc, tc, lr = x[c0:c1], targets[c0:c1], loss_rows[c0:c1]
-            matmul(xc, weight, trans_b=True, out=z)
+            matmul(xc, weight, trans_b=True, out=zw)
             grid = (_ce._grid(k, r, threads),)
             if not compute_grad:
                 k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ldz),
@@ -237,7 +257,9 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
             k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
                                       np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True)))
-            matmul(z, weight, out=dx[c0:c1])
+            if Vw > V:
+                zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
+            matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros
             matmul(z, xc, trans_a=True, out=dw, beta=1.0 if (accumulate or i) else 0.0)
     if reduction == "none":
         loss = loss_rows
