@@ -48,7 +48,7 @@ def free_port(host="127.0.0.1"):
 
 def _parser():
     p = argparse.ArgumentParser(
-        prog="python -m cukernels.run",
+        prog="python -m cukernels.run", allow_abbrev=False,
         description="Start N processes per host with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set "
                     "(as torchrun); stop them all when one fails.")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
@@ -68,6 +68,22 @@ def _parser():
     p.add_argument("target", metavar="script.py", help="the script (or module with -m) every rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
+
+
+def _launcher_part(p, argv):
+    """``argv`` with a ``--`` inserted after the script's name, so that argparse never reads the script's own
+    options as the launcher's (``bench_train.py --nproc 2`` once matched ``--nproc-per-node`` by abbreviation)."""
+    takes_value = {s for a in p._actions if a.nargs is None and a.option_strings for s in a.option_strings}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return argv
+        if a.startswith("-") and a != "-":
+            i += 1 if ("=" in a or a not in takes_value) else 2
+            continue
+        return argv[:i + 1] + ["--"] + argv[i + 1:]  # argv[i] is the script
+    return argv
 
 
 def _check(p, ns):
@@ -243,7 +259,7 @@ def launch(ns):
 
 def main(argv=None):
     p = _parser()
-    ns = p.parse_args(argv)
+    ns = p.parse_args(_launcher_part(p, sys.argv[1:] if argv is None else list(argv)))
     _check(p, ns)
     return launch(ns)
 

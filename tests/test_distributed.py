@@ -256,6 +256,21 @@ def test_launcher_bad_arguments():
     assert p.returncode == 2 and "no such script" in p.stderr
 
 
+def test_launcher_leaves_the_scripts_own_options_alone():
+    """Everything after the script's name is the script's: ``bench_train.py --nproc 2`` once matched the
+    launcher's ``--nproc-per-node`` by abbreviation (session 4, on the H200), and ``--grace`` after the script
+    is the script's ``--grace``."""
+    from cukernels import run
+    p = run._parser()
+    for argv, want in ((["--nproc-per-node", "2", "--quiet-others", "x.py", "--nproc", "2", "--configs", "a"],
+                        (2, 5.0, False, "x.py", ["--nproc", "2", "--configs", "a"])),
+                       (["x.py"], (1, 5.0, False, "x.py", [])),
+                       (["--grace=3", "-m", "mod", "--grace", "1"], (1, 3.0, True, "mod", ["--grace", "1"])),
+                       (["--grace", "3", "x.py", "--", "a"], (1, 3.0, False, "x.py", ["--", "a"]))):
+        ns = p.parse_args(run._launcher_part(p, argv))
+        assert (ns.nproc_per_node, ns.grace, ns.module, ns.target, ns.args) == want, argv
+
+
 # ---------------------------------------------------------------- CPU: FakeGroup / SingleGroup collectives
 def _inputs(rank, n, dtype, seed=0):
     rng = np.random.default_rng(seed * 1000 + rank)

@@ -65,13 +65,19 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def assert_rows_close(got, want, rtol=1e-5, what=""):
-    """Same rows (steps, kinds, lr) with losses and grad norms within ``rtol``."""
+def assert_rows_close(got, want, rtol=1e-5, what="", norm_rtol=None):
+    """Same rows (steps, kinds, lr) with losses within ``rtol`` and grad norms within ``norm_rtol`` (default
+    ``rtol``). On failure the message lists the largest relative difference of each quantity over all rows."""
     assert [(r["step"], r["kind"]) for r in got] == [(r["step"], r["kind"]) for r in want], what
+    tol = {"loss": rtol, "lr": rtol, "grad_norm": rtol if norm_rtol is None else norm_rtol}
+    worst = {k: max((abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(got, want) if k in b and b[k]), default=0.0)
+             for k in tol}
     for a, b in zip(got, want):
         for k in ("loss", "grad_norm", "lr"):
             if k in b:
-                assert abs(a[k] - b[k]) <= rtol * abs(b[k]), f"{what} step {b['step']} {b['kind']} {k}: {a[k]} vs {b[k]}"
+                assert abs(a[k] - b[k]) <= tol[k] * abs(b[k]), \
+                    f"{what} step {b['step']} {b['kind']} {k}: {a[k]} vs {b[k]} (largest relative differences {worst})"
+    print(f"{what}: largest relative differences {worst}")
 
 
 # ---------------------------------------------------------------- N ranks == one process
@@ -358,11 +364,15 @@ def gpu_run(out, overrides, nproc, stop_after=None):
 @needs_two
 def test_gpu_two_ranks_equal_one_gpu_fp32(tmp_path):
     """fp32 (no autocast, fp32 on the wire): 2 GPUs x batch 8 vs 1 GPU x batch 8 x 2 micro-batches, the same
-    1024-token global batch: relative 1e-5 over 20 steps (the 2-rank sum of two halves is exact; the norm within
-    a few ulp)."""
+    1024-token global batch: losses within relative 1e-5 over 20 steps. The two sums of the half-batch gradients
+    round differently (one GPU: the second micro-batch's GEMM accumulates into the first's fp32 gradient; two:
+    NCCL adds the two ranks' gradients), a few ulps per element; Adam divides by sqrt(v), so on elements whose
+    gradient is near zero those ulps become visible update differences, and the gradient norm, a sum over every
+    element, drifts faster than the loss: measured on the H200 (session 4) 4.4e-5 at step 9 while every loss was
+    within 1e-5. The norm is held to 2e-4."""
     ref = gpu_run(tmp_path / "one", [], 1)
     two = gpu_run(tmp_path / "two", [], 2)
-    assert_rows_close(two, ref, rtol=1e-5, what="fp32 2 GPUs vs 1")
+    assert_rows_close(two, ref, rtol=1e-5, norm_rtol=2e-4, what="fp32 2 GPUs vs 1")
 
 
 @pytest.mark.gpu
@@ -370,13 +380,14 @@ def test_gpu_two_ranks_equal_one_gpu_fp32(tmp_path):
 def test_gpu_two_ranks_track_one_gpu_bf16(tmp_path):
     """bf16 autocast, bf16 on the wire: the reduced gradient is rounded to bf16 (8 bits of mantissa) before Adam,
     the one-GPU gradient is not; Adam normalises the update, so the losses track within bf16 noise: a relative
-    2e-2 per step (an estimate to check against the first run; the losses fall from ~5.5 to ~2.5)."""
+    2e-2 per step (the losses fall from ~5.5 to ~2.5). The gradient norm is the more sensitive quantity: measured
+    on the H200 (session 4) 4.3 % apart at step 9 while the losses stayed within 2e-2; it is held to 1e-1."""
     extra = ["autocast=bf16", "zero.wire=bf16"]
     ref = gpu_run(tmp_path / "one", extra, 1)
     two = gpu_run(tmp_path / "two", extra, 2)
     assert_rows_close([r for r in two if r["kind"] == "val"], [r for r in ref if r["kind"] == "val"], rtol=2e-2)
     tr, tw = [r for r in ref if r["kind"] == "train"], [r for r in two if r["kind"] == "train"]
-    assert_rows_close(tw, tr, rtol=2e-2, what="bf16 2 GPUs vs 1")
+    assert_rows_close(tw, tr, rtol=2e-2, norm_rtol=1e-1, what="bf16 2 GPUs vs 1")
     assert tw[-1]["loss"] < tw[0]["loss"] - 1.0
 
 
