@@ -26,6 +26,9 @@
 //   the op moves ~1.5 instead of 2 bytes of traffic per element.
 // - The key mask (one byte per key for bool, 4 or 2 bytes for additive) is loaded with the row (8-, 4- or
 //   16-byte loads when aligned); it is [batch, k_len], shared by heads x q_len rows, so it comes from L2.
+// - "wide" kernels (no key mask; plain softmax and unmasked / causal attention rows) take the rows past that:
+//   the row stays in registers as raw 16-byte packs (64 bf16 or 32 fp32 values a thread in 32 registers) and
+//   z is recomputed in each pass; bf16 up to 65536 columns, fp32 up to 32768 (element path 16384).
 // - "loop" kernels take rows too long for registers: pass 1 keeps a running (max, sum) per thread (online
 //   softmax: sum *= exp(old max - new max) when a pack raises the max) and merges threads; pass 2 re-reads
 //   the row (mostly from L2: 512 threads x 132 SMs x one row in flight) and writes y. Three passes worth
@@ -163,6 +166,90 @@ __device__ __forceinline__ void sm_fwd_reg(const T* __restrict__ x, const void* 
         Pack<T, E> o;
 #pragma unroll
         for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(z[k][i] * inv);
+        store_pack<T, E>(yr + u * E, o);
+      }
+    }
+  }
+}
+
+// Wide rows (past the fp32 cache above), no key mask: the row stays on chip as its raw 16-byte packs (bf16: 8
+// values in 4 registers), not as fp32 z, and z is recomputed from the packs in each of the three passes (max,
+// sum of exp, write). VPT 8 packs a thread: bf16 64 values in 32 registers, so 512 threads hold a 32768-column
+// row and 1024 threads a 65536-column one; fp32 32 values, 1024 threads -> 32768 columns; the element path keeps
+// VPT 16 single values (1024 threads -> 16384 columns). __launch_bounds__(1024, 1) caps the kernels at 64
+// registers, so a 512-thread row gets two blocks (two rows, 128 KB of bf16) per SM: one block's loads stream
+// while the other reduces and exponentiates. x is read from DRAM exactly once (2 * C * sizeof(T) per row, as
+// in the register kernels; the loop kernel's second pass re-read 64 KB rows from an L2 that 4 blocks x 132 SMs
+// x 64 KB = 34 MB of rows in flight mostly overflowed: 1.42 TB/s at 2048 x 32768 bf16, 0.67x PyTorch). The
+// price is a second exp2f per element (MUFU ex2, 16 / clock / SM: 2 x 6.7e7 for that batch is ~32 us of the
+// SFU, spread over a ~70 us memory-bound kernel).
+template <typename T, int MASK, int VPT, bool VEC>
+__device__ __forceinline__ void sm_fwd_wide(const T* __restrict__ x, const void* __restrict__ mask,
+                                            T* __restrict__ y, long long rows, int C, int Q, long long HQ,
+                                            float scale, bool causal, bool mvec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  __shared__ float scratch[16 * 32];
+  const int units = C / E;
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {  // block-uniform: every thread reaches the barriers
+    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal);
+    const int uvalid = (g.nvalid + E - 1) / E;
+    const T* xr = x + row * C;
+    Pack<T, E> raw[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {  // all VPT loads issued before any use: VPT x 16 B in flight a thread
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
+    }
+    float mx = -CK_INF;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < uvalid) {
+        float add[E];
+        load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          const float v = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+          mx = fmaxf(mx, v);
+        }
+      }
+    }
+    mx = seg_max(mx, scratch);
+    const float ms = mx == -CK_INF ? 0.f : mx;  // all keys masked: exp2f(-inf) = 0 below, sum 0, row of zeros
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < uvalid) {
+        float add[E];
+        load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+#pragma unroll
+        for (int i = 0; i < E; ++i) {
+          const float z = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+          s += exp2f((z - ms) * CK_LOG2E);
+        }
+      }
+    }
+    s = seg_sum(s, scratch);
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    T* yr = y + row * C;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (u < units) {
+        Pack<T, E> o;
+        if (u < uvalid) {
+          float add[E];
+          load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
+#pragma unroll
+          for (int i = 0; i < E; ++i) {
+            const float z = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+            o.v[i] = from_f32<T>(exp2f((z - ms) * CK_LOG2E) * inv);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(0.f);  // causal: packs past the diagonal, never read
+        }
         store_pack<T, E>(yr + u * E, o);
       }
     }
@@ -332,6 +419,15 @@ __device__ __forceinline__ void sm_bwd_loop(const T* __restrict__ yv_, const T* 
                                      long long HQ, float scale, bool causal, bool mvec) {                      \
     sm_fwd_loop<T, MASK, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                                \
   }
+// Wide kernels, no key mask only: 16-byte packs VPT 8 (32 registers of row), element path VPT 16 (16 single
+// values), <= 64 registers (__launch_bounds__(1024, 1)). With a mask, re-loading it in passes 2 and 3 pushed
+// ptxas past 64 registers (4-150 bytes of spills, sm_80 / sm_90), so masked rows this long keep the loop kernel.
+#define SM_FWD_WIDE(T, TN, MASK, MN, VPT, VEC, VS)                                                              \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
+      sm_fwd_wide_##TN##_##MN##_##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+                                     long long HQ, float scale, bool causal, bool mvec) {                      \
+    sm_fwd_wide<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                           \
+  }
 // z is cached as VPT * E floats: at most 32 (bf16 packs of 8 up to VPT 4; fp32 packs of 4 stop at VPT 4 too,
 // because the launcher only reaches VPT 8 at 1024 threads per row, where 16 floats is the limit).
 #define SM_FWD_MASK(T, TN, MASK, MN)                                                                            \
@@ -358,6 +454,10 @@ __device__ __forceinline__ void sm_bwd_loop(const T* __restrict__ yv_, const T* 
   }
 
 SM_FWD_MASK(float, f32, 0, none)
+SM_FWD_WIDE(float, f32, 0, none, 8, true, v)
+SM_FWD_WIDE(float, f32, 0, none, 16, false, s)
+SM_FWD_WIDE(bf16, bf16, 0, none, 8, true, v)
+SM_FWD_WIDE(bf16, bf16, 0, none, 16, false, s)
 SM_FWD_MASK(float, f32, 1, u8)
 SM_FWD_MASK(float, f32, 2, f32)
 SM_FWD_MASK(bf16, bf16, 0, none)

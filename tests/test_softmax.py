@@ -161,7 +161,8 @@ def test_mixing_numpy_and_cupy_is_a_type_error():
 
 # ---------------------------------------------------------------- GPU: kernel against the reference
 # 1..16: rows share a warp; 1000/1024: one warp per row; 4097: element path; 8192/16384: block per row in
-# registers; 32768, 65536: the online (running max/sum) loop kernels.
+# registers; 32768, 65536: the wide kernels (raw packs in registers; bf16 65536, fp32 32768), fp32 65536 and
+# every misaligned row past 16384: the online (running max/sum) loop kernels.
 COLS = [1, 3, 16, 127, 1000, 1024, 4097, 16384, 32768, 65536]
 
 
@@ -299,3 +300,79 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
     p_ref = ck.attn_softmax(to_host(s), key_mask=to_host(keep), causal=True, scale=0.125)
     assert_close(p, p_ref, BF)
     assert_close(ds, ck.attn_softmax_backward(to_host(p), to_host(dp), scale=0.125), BF)
+
+
+# ---------------------------------------------------------------- wide rows (sm_fwd_wide_*, issue 17)
+def test_wide_plan_thresholds():
+    """Which kernel each long row gets: the register kernels' plan is pinned elsewhere (test_rms_norm); the wide
+    kernel takes what they leave, without a mask, up to 8 packs (16-byte path) / 16 values a thread at 1024."""
+    from cukernels.ops import softmax as SM
+
+    def kind(C, isz, vec):
+        if SM._plan(C, isz, vec, backward=False) is not None:
+            return "reg"
+        w = SM._wide_plan(C, isz, vec)
+        return "loop" if w is None else f"wide{w}"
+
+    assert kind(16384, 2, True) == "reg" and kind(16392, 2, True) == "wide512"
+    assert kind(32768, 2, True) == "wide512" and kind(32776, 2, True) == "wide1024"
+    assert kind(65536, 2, True) == "wide1024" and kind(65544, 2, True) == "loop"
+    assert kind(16384, 4, True) == "reg" and kind(16388, 4, True) == "wide1024"
+    assert kind(32768, 4, True) == "wide1024" and kind(32772, 4, True) == "loop"
+    assert kind(8192, 2, False) == "reg" and kind(8193, 2, False) == "wide1024"
+    assert kind(16384, 4, False) == "wide1024" and kind(16385, 4, False) == "loop"
+    assert kind(32769, 2, False) == "loop"
+
+
+# Around every threshold of the wide kernel (see test_wide_plan_thresholds): 16-byte path bf16 512 -> 1024 threads
+# at 32768 and the loop past 65536, fp32 the loop past 32768; element path (odd C or misaligned) 8193..16384.
+WIDE_COLS = [8193, 16392, 24576, 32760, 32768, 32769, 32776, 65528, 65536, 65544]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("C", WIDE_COLS)
+@pytest.mark.parametrize("rows", [0, 1, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign):
+    x = randn(rng, (rows, C), dtype, scale=3.0)
+    if rows >= 5:
+        x[1] = -np.inf  # every key -inf: a row of zeros, never NaN
+        x[2, ::2] = -np.inf  # half the keys -inf, scattered over every thread's packs
+        x[3] = (randn(rng, (C,), np.float32, scale=1e4)).astype(dtype)  # large magnitudes: one key dominates
+        x[4, -1] = 80.0  # the max in the last element (the scalar tail of the last thread / pack)
+    y_ref = ck.softmax(x)
+    xd = device_copy(x, misalign)
+    out = poisoned(x.shape, dtype, misalign)
+    y = ck.softmax(xd, out=out)
+    assert y is out
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(y, y_ref, dtype, rtol=rt, atol=at / C ** 0.5, what="y")
+    yh = to_host(y).astype(np.float64)
+    assert np.isfinite(yh).all()
+    if rows >= 5:
+        assert (yh[1] == 0).all(), "an all -inf row must be zeros"
+        assert (yh[2, ::2] == 0).all()
+        np.testing.assert_allclose(yh[[0, 2, 3, 4]].sum(-1), 1.0, rtol=2e-2 if dtype == BF else 1e-4)
+    again = ck.softmax(xd, out=poisoned(x.shape, dtype, misalign))
+    assert np.array_equal(to_host(again).view(np.uint8), to_host(y).view(np.uint8)), "rerun not bit-identical"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("K", [16392, 32768, 65536])
+def test_gpu_wide_causal_and_in_place(rng, dtype, K):
+    """Unmasked attention rows take the wide kernel too: causal rows skip the masked tail (written as zeros,
+    never read), and out=scores works in place (each thread reads its packs before any write)."""
+    shape = (1, 2, 3, K)
+    s = randn(rng, shape, dtype, scale=2.0)
+    p_ref = ck.attn_softmax(s, causal=True, scale=0.7)
+    sd = device_copy(s)
+    p = ck.attn_softmax(sd, causal=True, scale=0.7, out=sd)
+    assert p is sd
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(p, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="causal probs in place")
+    x = randn(rng, (3, K), dtype)
+    xd = device_copy(x)
+    ck.softmax(xd, out=xd)
+    assert_close(xd, ck.softmax(x), dtype, rtol=rt, atol=at / K ** 0.5, what="softmax in place")

@@ -30,16 +30,41 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
                       max_elems=None if backward else _fwd_max_elems)
 
 
+# Wide kernels (sm_fwd_wide_*, no key mask): packs a thread, 16-byte path / element path (softmax.cu).
+WIDE_VPT = {True: 8, False: 16}
+
+
+def _wide_plan(C: int, itemsize: int, vec: bool):
+    """Threads per row of the wide forward kernel (one row a block, the row kept as raw packs in registers), or
+    None when the row is too long for it too (the loop kernel takes it).
+
+    512 threads while they cover the row (two 512-thread rows per SM at <= 64 registers), else 1024. With 16-byte
+    packs that is bf16 up to 65536 columns (32768 at 512 threads) and fp32 up to 32768; the element path up to
+    16384. Only asked when :func:`_plan` returned None.
+    """
+    E = 16 // itemsize if vec else 1
+    units = C // E
+    vpt = WIDE_VPT[vec]
+    for tpr in (512, 1024):
+        if units <= tpr * vpt:
+            return tpr
+    return None
+
+
 def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
     vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
     mvec = bool(mvec and vec)
     plan = _plan(C, x.itemsize, vec, backward=False)
     tag = f"{B.DTYPE_TAG[x.dtype]}_{_MASK_TAG[None if mask is None else mask.dtype]}"
     vs = "v" if vec else "s"
+    wide = _wide_plan(C, x.itemsize, vec) if plan is None and mask is None else None
     if plan is not None:
         tpr, vpt, rpb = plan
         k = get_function(FAMILY, f"sm_fwd_{tag}_{vpt}{vs}")
         grid, block = (rows + rpb - 1) // rpb, (tpr, rpb, 1)
+    elif wide is not None:
+        k = get_function(FAMILY, f"sm_fwd_wide_{tag}_{vs}")
+        grid, block = rows, (wide, 1, 1)
     else:
         k = get_function(FAMILY, f"sm_fwd_loop_{tag}_{vs}")
         grid, block = rows, (512, 1, 1)
