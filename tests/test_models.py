@@ -187,3 +187,175 @@ def test_padded_batch_matches_transformers(tmp_path, rng, path):
         # rounding); a wrong mask or wrong positions would be O(1) relative, far outside this.
         scale = np.abs(t).max()
         assert np.abs(g - t).max() < 0.06 * scale and np.abs(g - t).mean() < 0.01 * scale, (b, np.abs(g - t).max())
+
+
+# ------------------------------------------------------------------ issue 17: the fused head + loss
+from cukernels.functional.loss_ops import LinearCrossEntropyF  # noqa: E402
+from cukernels.functional.kernel_ops import CrossEntropyF  # noqa: E402
+
+HEAD_MODELS = ["llama-untied", "llama-tied", "gpt2-tied", "gpt2-untied"]
+
+
+def _head_model(which, xp=np, seed=0, V=None):
+    """Tiny models whose vocabulary is not a multiple of 64 (on CuPy the fused path pads the head weight)."""
+    family, tie = which.split("-")
+    if family == "llama":
+        c = _config(tie_word_embeddings=tie == "tied", vocab_size=V or 53)
+        return ck.Llama(c, xp=xp, seed=seed)
+    c = ck.GPT2Config(vocab_size=V or 67, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2, tie_word_embeddings=tie == "tied")
+    return ck.GPT2(c, xp=xp, seed=seed)
+
+
+def _batch(rng, model, B=3, T=9, ignore_frac=0.25):
+    V = model.config.vocab_size
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    tgt = rng.integers(0, V, (B, T)).astype(np.int32)
+    tgt[rng.random((B, T)) < ignore_frac] = -100
+    tgt[0, 0] = -100  # always some ignored targets
+    return ids, tgt
+
+
+def _loss_and_grads(model, ids, tgt, fused_head, scale=None, expect=None):
+    """One forward + backward; returns (loss, {name: grad copy}). ``expect``: the Function the loss must come from."""
+    model.fused_head_loss = fused_head
+    loss = model(ids, tgt)
+    if expect is not None:
+        assert loss._node[0] is expect, f"the loss came from {loss._node[0].__name__}, expected {expect.__name__}"
+    (loss if scale is None else loss * scale).backward()
+    grads = {n: np.array(p.grad, dtype=np.float64) for n, p in model.named_parameters() if p.grad is not None}
+    return float(np.asarray(loss.data)), grads
+
+
+def _assert_grads_equal(got, ref, rtol=1e-5, atol=1e-6, what=""):
+    assert set(got) == set(ref), f"{what}: gradients of {sorted(set(got) ^ set(ref))} only on one side"
+    for n in ref:
+        np.testing.assert_allclose(got[n], ref[n], rtol=rtol, atol=atol * max(1.0, np.abs(ref[n]).max()),
+                                   err_msg=f"{what}: {n}")
+
+
+@pytest.mark.parametrize("which", HEAD_MODELS)
+def test_fused_head_loss_equals_logits_path(rng, which):
+    """NumPy models, no optimizer (.grad None at first): loss and every gradient, the tied table's included
+    (head dW from the forward + the embedding's rows from the backward), equal the logits + cross-entropy path."""
+    ids, tgt = _batch(rng, _head_model(which))
+    ref = _loss_and_grads(_head_model(which), ids, tgt, False, expect=CrossEntropyF)
+    got = _loss_and_grads(_head_model(which), ids, tgt, True, expect=LinearCrossEntropyF)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    _assert_grads_equal(got[1], ref[1], what=which)
+
+
+@pytest.mark.parametrize("which", HEAD_MODELS)
+def test_fused_head_loss_with_lazy_zero_and_accumulation(rng, which):
+    """AdamW's flat gradient views with garbage in them and zero_grad(lazy=True): the head's dW written during the
+    forward overwrites (beta = 0) and clears grad_stale, so a tied embedding then adds; a second micro-batch adds
+    to both (accumulate = True)."""
+    (ids1, tgt1), (ids2, tgt2) = _batch(rng, _head_model(which)), _batch(rng, _head_model(which))
+    ref_model = _head_model(which)
+    _, r1 = _loss_and_grads(ref_model, ids1, tgt1, False)
+    _, r12 = _loss_and_grads(ref_model, ids2, tgt2, False)  # .grad accumulates: micro-batch 1 + 2
+    m = _head_model(which)
+    opt = ck.optim.AdamW(m.parameters(), lr=0.0, shadow_dtype=None)
+    for p in m.parameters():
+        p.grad[...] = 7.0  # stale values a lazy zero must never add
+    opt.zero_grad(lazy=True)
+    _, g1 = _loss_and_grads(m, ids1, tgt1, True, expect=LinearCrossEntropyF)
+    _assert_grads_equal(g1, r1, what=f"{which} first micro-batch")
+    _, g12 = _loss_and_grads(m, ids2, tgt2, True, expect=LinearCrossEntropyF)
+    _assert_grads_equal(g12, r12, what=f"{which} accumulated")
+
+
+@pytest.mark.parametrize("which", ["llama-tied", "gpt2-untied"])
+def test_fused_head_loss_scaled_backward(rng, which):
+    """loss * s: dx and dW scaled when dW is the buffer's first write of the step (or a fresh array); on top of an
+    earlier gradient dW cannot be rescaled: RuntimeError naming the fix."""
+    ids, tgt = _batch(rng, _head_model(which))
+    _, ref = _loss_and_grads(_head_model(which), ids, tgt, False, scale=0.25)
+    _, got = _loss_and_grads(_head_model(which), ids, tgt, True, scale=0.25)  # fresh dW, returned scaled
+    _assert_grads_equal(got, ref, what="fresh dW")
+    m = _head_model(which)
+    opt = ck.optim.AdamW(m.parameters(), lr=0.0, shadow_dtype=None)
+    opt.zero_grad(lazy=True)
+    _, got = _loss_and_grads(m, ids, tgt, True, scale=0.25)  # dW overwrote .grad: rescaled in place
+    _assert_grads_equal(got, ref, what="lazily zeroed .grad")
+    m.fused_head_loss = True
+    with pytest.raises(RuntimeError, match="unscaled loss"):
+        (m(ids, tgt) * 0.25).backward()  # .grad already holds a gradient: dW was added to it
+
+
+@pytest.mark.parametrize("which", ["llama-untied", "gpt2-tied"])
+def test_fused_head_loss_eval_and_return_logits(rng, which):
+    """Under no_grad the fused path computes the loss only (no gradient written anywhere); return_logits=True
+    takes the logits path and returns (loss, logits) with the logits of model(ids)."""
+    m = _head_model(which)
+    ids, tgt = _batch(rng, m)
+    m.fused_head_loss = False
+    with ck.no_grad():
+        ref = float(np.asarray(m(ids, tgt).data))
+    m.fused_head_loss = True
+    with ck.no_grad():
+        got = m(ids, tgt)
+    np.testing.assert_allclose(float(np.asarray(got.data)), ref, rtol=1e-6)
+    assert all(p.grad is None for p in m.parameters())
+    loss, logits = m(ids, tgt, return_logits=True)
+    np.testing.assert_allclose(float(np.asarray(loss.data)), ref, rtol=1e-6)
+    np.testing.assert_allclose(logits.data, _logits(m, ids), rtol=1e-6, atol=1e-6)
+    assert loss._node[0] is CrossEntropyF
+
+
+def test_fused_head_loss_not_used_when_unfused_or_disabled(rng):
+    m = _head_model("llama-untied")
+    ids, tgt = _batch(rng, m)
+    m.set_fused(False)
+    assert m(ids, tgt)._node[0] is not LinearCrossEntropyF  # the composite path
+    m.set_fused(True)
+    m.lm_head.fused = False  # the head Linear composite (per-use cast on the tape): logits path
+    assert m(ids, tgt)._node[0] is CrossEntropyF
+    m.lm_head.fused = True
+    assert m(ids, tgt)._node[0] is LinearCrossEntropyF
+
+
+def _grad_rel_err(got, ref):
+    worst = 0.0
+    for n in ref:
+        d = np.linalg.norm(got[n] - ref[n]) / max(np.linalg.norm(ref[n]), 1e-30)
+        worst = max(worst, d)
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", HEAD_MODELS + ["llama-untied-v128"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_gpu_fused_head_loss_equals_logits_path(rng, which, precision):
+    """CuPy, AdamW flat buffers, lazy zero: loss and every gradient of the fused head + loss equal the logits path
+    (vocabularies 53 / 67: the padded-weight path with num_classes; 128: unpadded). bf16 autocast reads the
+    shadows; the two paths differ only in GEMM summation order, which bf16 activations carry back through the
+    layers (tolerance on each gradient's relative L2 error)."""
+    import cupy as cp
+
+    V = 128 if which.endswith("v128") else None
+    which = which.replace("-v128", "")
+    ids, tgt = _batch(rng, _head_model(which, V=V), B=4, T=16)
+    out = {}
+    for fused_head in (False, True):
+        m = _head_model(which, xp=cp, V=V)
+        bf16 = precision != "fp32"
+        opt = ck.optim.AdamW(m.parameters(), lr=0.0, shadow_dtype=ck.bfloat16 if bf16 else None)
+        if bf16:
+            ck.amp.attach_shadows(m.parameters(), opt)
+        for p in m.parameters():
+            p.grad.fill(np.nan)  # stale: a lazily zeroed step must overwrite, never read them
+        opt.zero_grad(lazy=True)
+        m.fused_head_loss = fused_head
+        with ck.autocast(ck.bfloat16, enabled=bf16):
+            loss = m(cp.asarray(ids), cp.asarray(tgt))
+        assert loss._node[0] is (LinearCrossEntropyF if fused_head else CrossEntropyF)
+        loss.backward()
+        opt.flush_stale()
+        out[fused_head] = (float(loss.data), {n: cp.asnumpy(p.grad).astype(np.float64)
+                                              for n, p in m.named_parameters()})
+    (lr, gr), (lf, gf) = out[False], out[True]
+    assert all(np.isfinite(g).all() for g in gf.values())
+    np.testing.assert_allclose(lf, lr, rtol=1e-5 if precision == "fp32" else 2e-3)
+    err = _grad_rel_err(gf, gr)
+    assert err < (1e-4 if precision == "fp32" else 3e-2), f"worst relative L2 gradient error {err:.2e}"

@@ -18,9 +18,10 @@ import numpy as np
 from .. import _backend as B
 from .. import functional as F
 from ..autograd import Tensor, no_grad
+from ..functional import loss_ops
 from ..io import hf_folder
 from ..io.checkpoint import CheckpointError, check_compatible
-from ..nn import Attention, KVCache, Module, StaticKVCache, init_context, project
+from ..nn import Attention, KVCache, Module, StaticKVCache, autocast_input, init_context, project, weight_for_gemm
 
 REGISTRY: dict = {}
 
@@ -101,8 +102,15 @@ class CausalLM(Module):
     [B, cached + T]) removes padded keys; ``position_ids`` [B, T] (or [T]) default to 0..T-1 after what the cache
     holds. Returns the logits [B, T, V] (with ``kv_cache``: only the last position's, [B, 1, V]), or with
     ``targets`` [B, T] the mean token cross-entropy over targets != ignore_index as a 0-d fp32 device Tensor (the
-    logits are not kept: the fused loss writes dlogits over them). Padded positions should carry ignore_index
-    targets; their logits are finite but meaningless.
+    logits are not kept: the fused loss writes dlogits over them), or ``(loss, logits)`` with
+    ``return_logits=True``. Padded positions should carry ignore_index targets; their logits are finite but
+    meaningless.
+
+    Loss path: a fused model (``fused`` on the model and on the head) with ``fused_head_loss`` (default True)
+    computes the head and the loss together (``ck.linear_cross_entropy`` through
+    ``functional.loss_ops.LinearCrossEntropyF``: no [B*T, V] logits; the head weight's gradient is written
+    into its ``.grad`` during the forward, so back-propagate such a loss, unscaled, or compute it under
+    ``no_grad()``); otherwise the head's logits and then the fused cross-entropy in place.
 
     ids may be anything integer a user holds: a list, NumPy or CuPy, int64 or int32, a slice ``batch[:, :-1]``,
     a 1-D sequence (taken as a batch of one): the model makes the one small contiguous int32 copy itself, on its
@@ -111,6 +119,7 @@ class CausalLM(Module):
 
     model_type = ""
     config_class = None
+    fused_head_loss = True  # forward(ids, targets): the head and the loss in one chunked op (see above)
     hf_head = "lm_head.weight"
     hf_ignored_suffixes: tuple = ()
 
@@ -219,15 +228,15 @@ class CausalLM(Module):
 
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, ids, targets=None, *, attention_mask=None, position_ids=None, kv_cache=None,
-                ignore_index=-100):
+                ignore_index=-100, return_logits=False):
         ids, targets, attention_mask, position_ids = self._prepare(ids, targets, attention_mask, position_ids,
                                                                     kv_cache)
         if kv_cache is not None:
             with no_grad():
                 return self._run(ids, None, attention_mask, position_ids, kv_cache, ignore_index)
-        return self._run(ids, targets, attention_mask, position_ids, None, ignore_index)
+        return self._run(ids, targets, attention_mask, position_ids, None, ignore_index, return_logits)
 
-    def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index):
+    def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index, return_logits=False):
         xp = self.xp
         Bsz, T = ids.shape
         p0 = kv_cache.pos if isinstance(kv_cache, KVCache) else 0
@@ -241,11 +250,29 @@ class CausalLM(Module):
             kv_cache.length[...] = T  # (the prefill runs eagerly: a host write)
         if kv_cache is not None:  # only the last position's logits are needed to sample
             x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))
-        logits = self.head(self.final_norm(x))
+        x = self.final_norm(x)
+        if targets is not None and not return_logits:
+            loss = self.head_loss(x, targets, ignore_index)
+            if loss is not None:
+                return loss
+        logits = self.head(x)
         if targets is None:
             return logits
-        return F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
-                               fused=self.fused, inplace=True)
+        loss = F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
+                               fused=self.fused, inplace=not return_logits)
+        return (loss, logits) if return_logits else loss
+
+    def head_loss(self, x, targets, ignore_index):
+        """The head and the mean loss in one op (LinearCrossEntropyF) when the model and its head are fused, the
+        head has no bias and the operands suit the op; else None (the caller takes the logits path)."""
+        mod, w, b = self.output_weight()
+        if not (self.fused_head_loss and self.fused and mod.fused):
+            return None
+        x = autocast_input(x)
+        wt, wl = weight_for_gemm(mod, w)
+        if not loss_ops.linear_cross_entropy_ok(x, wt, wl, b):
+            return None
+        return loss_ops.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index)
 
     def head(self, x):
         """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""
