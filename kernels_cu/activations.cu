@@ -32,7 +32,9 @@
 // and is rounded with cvt.rn.bf16x2 (Chunk), which with __launch_bounds__(256, 2) keeps every kernel at
 // <= 96 registers (ptxas, sm_90): >= 2 blocks of 256 threads per SM, so >= 512 threads x 4 units x 16 B x
 // operands (~100 KB for swiglu backward) are in flight per SM, ~3x what Little's law asks at 4.2 TB/s.
-// grid = SMs x resident blocks (launcher), grid-stride beyond.
+// grid = SMs x resident blocks (launcher), grid-stride beyond. GELU (forward and backward, both forms) runs
+// the same loop software-pipelined (run_flat_pipe below: 2U slots, the next step's loads in flight during this
+// step's math; ptxas sm_90 bf16: forward 72 registers -> 3 blocks of 256 a SM, backward 119 -> 2).
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -165,6 +167,56 @@ struct GeluBwd {
 
 constexpr int ACT_U = 4;
 
+// GELU's flat loop, software-pipelined: run_flat (common/pointwise.cuh) loads a thread's U units, waits for
+// them, computes and stores, so a warp has no load in flight while it computes. GELU forward is the one
+// activation whose math is heavy next to its bytes (bf16: 4 B and two MUFU ops (ex2, rcp) + ~15 other
+// instructions an element; 2 x 1.34e8 MUFU for 16384 x 8192 is ~64 us of the SFU at 16 / clock / SM beside a
+// 128 us memory floor), and it stalled at 3.55 TB/s (0.97x PyTorch, NOTES run 6) while bf16 add, with the same
+// loop and no math, reached 3.96. Here the op holds 2U slots: the U units of the next grid-stride step are
+// loaded into one half before the U units of this step (the other half) are computed and stored, so every
+// thread keeps U x 16 B per operand in flight through its math. Out may alias an input: the prefetched units
+// are other elements than the ones being stored (the next step), and each element is still read and written
+// by one thread, read first. The main loop is unrolled twice so the slot halves are compile-time indices.
+template <int S, int U, class Op>
+__device__ __forceinline__ void pipe_load(Op& op, long long base, long long nu, int E) {
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const long long j = base + (long long)k * blockDim.x;
+    if (j < nu) op.load(S + k, 0, j * E);
+  }
+}
+template <int S, int U, class Op>
+__device__ __forceinline__ void pipe_store(Op& op, long long base, long long nu, int E) {
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const long long j = base + (long long)k * blockDim.x;
+    if (j < nu) op.store(S + k, 0, j * E);
+  }
+}
+template <int E, int U, class Op, class Tail>
+__device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
+  const long long nu = n / E;
+  const long long step = (long long)gridDim.x * blockDim.x * U;
+  long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x;
+  pipe_load<0, U>(op, base, nu, E);
+  while (base < nu) {
+    pipe_load<U, U>(op, base + step, nu, E);  // next step into slots U..2U-1, in flight during the math below
+    pipe_store<0, U>(op, base, nu, E);
+    base += step;
+    if (base >= nu) break;
+    pipe_load<0, U>(op, base + step, nu, E);
+    pipe_store<U, U>(op, base, nu, E);
+    base += step;
+  }
+  if (blockIdx.x == 0) {  // the last n % E elements, as in run_flat
+    const long long c = nu * E + threadIdx.x;
+    if (c < n) {
+      tail.load(0, 0, c);
+      tail.store(0, 0, c);
+    }
+  }
+}
+
 // Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
 // accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
 // gelu_*: tanh form, gelu_erf_*: exact form.
@@ -197,30 +249,30 @@ constexpr int ACT_U = 4;
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(256, 2) gelu_fwd_##TN##_##VS(const T* x, T* y, long long n) {   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
-    GeluFwd<T, E, VEC, ACT_U> op{x, y};                                                                     \
+    GeluFwd<T, E, VEC, 2 * ACT_U> op{x, y};                                                                 \
     GeluFwd<T, 1, false, 1> tail{x, y};                                                                     \
-    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+    run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
       gelu_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
-    GeluBwd<T, E, VEC, ACT_U> op{x, dy, dx};                                                                \
+    GeluBwd<T, E, VEC, 2 * ACT_U> op{x, dy, dx};                                                            \
     GeluBwd<T, 1, false, 1> tail{x, dy, dx};                                                                \
-    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+    run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
       gelu_erf_fwd_##TN##_##VS(const T* x, T* y, long long n) {                                             \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
-    GeluFwd<T, E, VEC, ACT_U, true> op{x, y};                                                               \
+    GeluFwd<T, E, VEC, 2 * ACT_U, true> op{x, y};                                                           \
     GeluFwd<T, 1, false, 1, true> tail{x, y};                                                               \
-    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+    run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
       gelu_erf_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                               \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
-    GeluBwd<T, E, VEC, ACT_U, true> op{x, dy, dx};                                                          \
+    GeluBwd<T, E, VEC, 2 * ACT_U, true> op{x, dy, dx};                                                      \
     GeluBwd<T, 1, false, 1, true> tail{x, dy, dx};                                                          \
-    run_flat<E, ACT_U>(op, tail, n);                                                                        \
+    run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }
 
 ACT_KERNELS(float, f32, true, v)

@@ -267,6 +267,45 @@ def test_gpu_large_grid_stride_and_in_place(rng, dtype):
     assert_close(xd, ck.gelu(g, approximate="none"), dtype)
 
 
+def _gelu_step_elems(kname, dtype, vec):
+    """Elements one grid-stride step of a full-wave GELU kernel covers (the launcher's grid: one wave)."""
+    from cukernels import _backend as B
+    from cukernels._loader import get_function
+    from cukernels.ops._launch import THREADS, UNROLL, wave
+
+    k = get_function("activations", f"{kname}_{B.DTYPE_TAG[np.dtype(dtype)]}_{'v' if vec else 's'}")
+    E = 16 // np.dtype(dtype).itemsize if vec else 1
+    return wave(k, THREADS) * THREADS * UNROLL * E, E
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_gelu_pipelined_steps(rng, form, dtype, misalign):
+    """GELU's software-pipelined loop (run_flat_pipe: step k+1 loaded while step k is computed, the slot halves
+    swapping every step): an even number of full steps, an odd number with a partial last step and a scalar
+    tail, and one unit short of three steps; forward and backward, out= poisoned, then in place."""
+    fname = "gelu_erf" if form == "none" else "gelu"
+    S, E = _gelu_step_elems(f"{fname}_fwd", dtype, not misalign)
+    Sb, _ = _gelu_step_elems(f"{fname}_bwd", dtype, not misalign)
+    sizes = [2 * S, 2 * S + E + 3, 3 * Sb - 1] if form == "tanh" else [2 * S + E + 3]
+    for n in sizes:
+        x, dy = randn(rng, (n,), dtype, 3.0), randn(rng, (n,), dtype)
+        xd, dyd = device_copy(x, misalign), device_copy(dy, misalign)
+        y_ref, dx_ref = ck.gelu(x, approximate=form), ck.gelu_backward(x, dy, approximate=form)
+        o = poisoned((n,), dtype, misalign)
+        assert ck.gelu(xd, approximate=form, out=o) is o
+        assert_close(o, y_ref, dtype, what=f"gelu {form} n={n}")
+        o = poisoned((n,), dtype, misalign)
+        assert ck.gelu_backward(xd, dyd, approximate=form, out=o) is o
+        assert_close(o, dx_ref, dtype, what=f"gelu dx {form} n={n}")
+        assert ck.gelu_backward(xd, dyd, approximate=form, out=dyd) is dyd  # in place over dy
+        assert_close(dyd, dx_ref, dtype, what=f"gelu dx in place {form} n={n}")
+        assert ck.gelu(xd, approximate=form, out=xd) is xd
+        assert_close(xd, y_ref, dtype, what=f"gelu in place {form} n={n}")
+
+
 @pytest.mark.gpu
 def test_gpu_mixing_numpy_and_cupy_is_a_type_error():
     import cupy as cp

@@ -5,8 +5,9 @@ import numpy as np
 import cukernels as ck
 from bench_ops import Case
 
-# [4, 32, 1024, 1024] scores as rows first; then the column sweep (1, 128, 1000, 4096, 32768) at ~2^26 elements.
-SOFTMAX_SHAPES = [(131072, 1024), (1 << 22, 1), (1 << 19, 128), (65536, 1000), (16384, 4096), (2048, 32768)]
+# [4, 32, 1024, 1024] scores as rows first; then the column sweep (1, 128, 1000, 4096, 32768, 65536) at ~2^26
+# elements (32768 bf16: the wide kernel at 512 threads a row, 65536 bf16 at 1024; fp32 65536: the loop kernel).
+SOFTMAX_SHAPES = [(131072, 1024), (1 << 22, 1), (1 << 19, 128), (65536, 1000), (16384, 4096), (2048, 32768), (1024, 65536)]
 ATTN_SHAPE = (4, 32, 1024, 1024)
 SCALE = 0.125
 
