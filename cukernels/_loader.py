@@ -18,6 +18,20 @@ from pathlib import Path
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(?!__launch_bounds__)(\w+)\s*\(')
 OPTIONS = ("--std=c++17",)
+# Families that only compile for an architecture-specific target (wgmma, setmaxnreg: sm_90a). CuPy appends its
+# own -arch=sm_XX after the user's options; NVRTC given both -arch=sm_90a and -arch=sm_90 (either order) compiles
+# for sm_90a (checked with NVRTC 12.9), so the extra option is all the runtime path needs.
+ARCH = {"attention_sm90": "sm_90a"}
+
+
+def options(family: str) -> tuple[str, ...]:
+    """NVRTC options for a family: OPTIONS, plus -arch=<target> for the families in ARCH."""
+    return OPTIONS + ((f"-arch={ARCH[family]}",) if family in ARCH else ())
+
+
+def archs(family: str) -> tuple[str, ...]:
+    """The architectures a family is compiled for in tests/test_compile.py."""
+    return (ARCH[family],) if family in ARCH else ("sm_80", "sm_90")
 
 
 class KernelCompileError(RuntimeError):
@@ -85,7 +99,7 @@ def get_module(family: str):
             mod = _modules.get(key)
             if mod is None:
                 src = load_source(family)
-                mod = cupy.RawModule(code=src, options=OPTIONS)
+                mod = cupy.RawModule(code=src, options=options(family))
                 try:
                     mod.compile()
                 except cupy.cuda.compiler.CompileException as e:  # carries the NVRTC log

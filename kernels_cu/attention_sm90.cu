@@ -1,0 +1,363 @@
+// Flash attention forward on Hopper's warpgroup MMA (sm_90a only): bf16 in / bf16 out, fp32 softmax and
+// accumulation; the same math, masks, GQA mapping and lse format as attention.cu's attn_fwd (whose backward
+// consumes this lse unchanged).
+//
+// Why: attention.cu's mma.sync forward runs B8 x H32/8 x T1024 x D64 causal in 0.192 ms on an H200, PyTorch's
+// SDPA (cuDNN / FA3 class, wgmma) in 0.114 ms. mma.sync m16n8k16 issues 4 KFLOP per warp instruction and needs
+// every B fragment re-read from shared memory through ldmatrix by every warp; wgmma m64n128k16 issues 262 KFLOP
+// per warpgroup instruction with both smem operands read by the tensor core itself (no ldmatrix, no fragment
+// registers for K and V), which is what lets Hopper reach its 989 dense bf16 TFLOP/s.
+//
+// Design (one CTA = 128 query rows of one (batch, head); 384 threads = 3 warpgroups):
+//   * warpgroup 0 is the producer: it copies the Q tile once and then the K/V tiles of the key loop into a
+//     STAGES-deep ring in shared memory with cp.async (16-byte chunks, zero-filled past the sequence end, written
+//     at the 128-byte-swizzled positions wgmma's descriptors expect), and signals each stage's "full" mbarrier
+//     with cp.async.mbarrier.arrive.noinc (the arrive fires when the thread's copies have landed). No TMA: a
+//     CUtensorMap would have to be encoded on the host by cuTensorMapEncodeTiled, which CuPy does not expose, and
+//     cp.async handles strided [B, T, heads, D] views and the ragged tail rows the same way attention.cu does.
+//     The producer gives registers back (setmaxnreg.dec to 40); the consumers take them (setmaxnreg.inc).
+//   * warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both operands in
+//     shared memory (Q and K K-major, 128-byte swizzle), online softmax in registers (exp2 with scale * log2(e)
+//     folded in: common/mma.cuh's online_softmax_step, whose per-thread row layout is also wgmma's accumulator
+//     layout), P rounded to bf16 in registers as the A operand of O += P V (wgmma m64n{D}k16, A from registers,
+//     B = V from shared memory, MN-major: V is stored [key][d] with d contiguous, the transpose bit set). Then
+//     the stage's "empty" mbarrier is arrived on so the producer may refill it.
+//   * Shared tiles: rows of 64 bf16 = 128 bytes; a D = 128 tile is two such column blocks one after the other.
+//     16-byte chunk c of row r lives at byte r * 128 + ((c ^ (r & 7)) << 4) of its column block (Swizzle<3,4,3>
+//     on the address: bits 4-6 ^= bits 7-9), 8-row groups 1024 bytes apart, every tile 1024-byte aligned.
+//     The NumPy model of this layout, of the descriptors and of the fragment ownership is in
+//     tests/test_attention_sm90.py (CPU), checked before any GPU run.
+//   * Causal: key tiles past the CTA's last visible key are never loaded; a consumer whose 64 rows see none of a
+//     tile's keys skips its math (it still releases the stage); only tiles crossing the diagonal (or Tk) are
+//     masked. CTAs are scheduled heaviest first.
+#include "common/vec.cuh"
+#include "common/mma.cuh"
+
+namespace {
+
+constexpr int WG = 128;             // threads per warpgroup
+constexpr int NTHREADS = 3 * WG;    // producer + 2 consumers
+constexpr int BM = 128;             // query rows per CTA (64 per consumer warpgroup)
+constexpr float LOG2E = 1.4426950408889634f;
+
+// ------------------------------------------------------------------------------------------ mbarrier
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned ok = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar) : "memory");
+}
+// Arrive on `bar` once all cp.async copies this thread issued so far have landed; noinc: the arrival counts
+// against the count the barrier was initialised with (one per producer thread).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------ wgmma
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving reads / writes of accumulator registers across the asynchronous wgmma window.
+template <int N> __device__ __forceinline__ void fence_regs(float (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(a[i][e])::"memory");
+}
+// Generic-proxy writes (cp.async) -> async-proxy reads (wgmma operands) of shared memory.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix descriptor"; cute GmmaDescriptor):
+// bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset
+// >> 4, 49-51 base offset (0: every tile is 1024-byte aligned), 62-63 layout (1 = 128-byte swizzle).
+//   K-major (Q, K):  8 rows 128 bytes apart, 8-row groups SBO = 1024 bytes apart; LBO unused (1). A k16 step
+//                    starts 32 bytes further into the row (the swizzle is applied to the final address).
+//   MN-major (V):    64 contiguous N elements per 128-byte row, N blocks of 64 LBO bytes apart (the next column
+//                    block), k rows 128 bytes apart in groups of 8, SBO = 1024 bytes between groups.
+__device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// ---- generated (m64nNk16 bf16 -> f32 wrappers; d[n/8][e] is accumulator register 4 * (n/8) + e)
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], unsigned long long da, unsigned long long db,
+                                             int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[16][4], unsigned long long da, unsigned long long db,
+                                             int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0; "
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const unsigned (&a)[4], unsigned long long db) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+// ---- end generated
+
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db,
+                                         int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma_ss: N = 64 or 128");
+  if constexpr (N == 64) wgmma_ss_n64(d, da, db, accumulate);
+  else wgmma_ss_n128(d, da, db, accumulate);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const unsigned (&a)[4], unsigned long long db) {
+  static_assert(N == 64 || N == 128, "wgmma_rs: N = 64 or 128");
+  if constexpr (N == 64) wgmma_rs_n64(d, a, db);
+  else wgmma_rs_n128(d, a, db);
+}
+
+// ------------------------------------------------------------------------------------------ tiles
+// Byte offset of 16-byte chunk c (0 .. D/8 - 1) of row r in a swizzled [ROWS x D] bf16 tile: column block
+// c / 8 (ROWS * 128 bytes each), row r * 128, chunk (c % 8) ^ (r % 8).
+template <int ROWS> __device__ __forceinline__ unsigned swz(int r, int c) {
+  return (unsigned)((c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Producer (one warpgroup): rows [r0, r0 + ROWS) of a [T, ld] slab into the swizzled tile at dst; rows >= T are
+// zero-filled. Thread t copies chunk t % CH of rows t / CH + RPI * i: each warp reads whole 128-byte rows per
+// pass (4 rows at D = 64, 2 at D = 128; 8 consecutive threads write one swizzled 128-byte row: no bank
+// conflict), and since RPI (16 at D = 64, 8 at D = 128) is a multiple of 8, the swizzled chunk position is the same in
+// every pass: one address computed once, then fixed increments (the producer runs on 40 registers).
+template <int D, int ROWS>
+__device__ __forceinline__ void load_swz(unsigned char* dst, const bf16* src, long long ld, int r0, int T, int tid) {
+  constexpr int CH = D / 8, RPI = WG / CH;
+  static_assert(RPI % 8 == 0 && ROWS % RPI == 0, "passes must keep the row's swizzle phase");
+  const int r = tid / CH, c = tid % CH;
+  unsigned char* d = dst + swz<ROWS>(r, c);
+  const bf16* s = src + (long long)(r0 + r) * ld + c * 8;
+#pragma unroll 4
+  for (int i = 0; i < ROWS / RPI; ++i) {
+    const bool ok = r0 + r + i * RPI < T;
+    cp_async16(d + i * RPI * 128, ok ? s + i * RPI * ld : src, ok);
+  }
+}
+
+// -inf for the scores of a warp's [16 x N] tile (rows row0 + g, + 8; columns col0 + 8 nt + 2 c + {0, 1}) that
+// lie past Tk or above the causal diagonal (key > query + off).
+template <int N>
+__device__ __forceinline__ void mask_tile(float (&s)[N / 8][4], int row0, int col0, int Tk, int off, bool causal,
+                                          int lane) {
+  const int g = lane >> 2, c2 = (lane & 3) * 2;
+#pragma unroll
+  for (int nt = 0; nt < N / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
+      if (c >= Tk || (causal && c > r + off)) s[nt][e] = -CK_INF;
+    }
+  }
+}
+
+struct Strides {
+  long long b, t, h;
+};
+
+// Registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 (the SM's register file at one
+// CTA per SM; 384 threads launch with 168 each).
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
+
+template <int D, int BN, int STAGES> struct Smem {
+  static constexpr int Q = BM * D * 2;       // Q tile bytes
+  static constexpr int KV = BN * D * 2;      // one K (or V) stage
+  static constexpr int BARS = 8 * (1 + 2 * STAGES);
+  static constexpr int BYTES = Q + 2 * STAGES * KV + BARS + 1024;  // + 1024: the base is aligned up at run time
+};
+
+}  // namespace
+
+// ================================================================================================ forward
+// Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory Smem<D, BN, STAGES>::BYTES.
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                              const bf16* __restrict__ v, bf16* __restrict__ o,
+                                              float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
+                                              int Tk, int H, int Hkv, float scale, bool causal) {
+  using SM = Smem<D, BN, STAGES>;
+  static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle rows / wgmma N steps");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle is a function of address bits 7-9, so every tile must start on a 1024-byte boundary.
+  unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* Qs = base;
+  unsigned char* Ks = base + SM::Q;            // [STAGES][BN x D]
+  unsigned char* Vs = Ks + STAGES * SM::KV;    // [STAGES][BN x D]
+  const unsigned qbar = smem_addr(Vs + STAGES * SM::KV);
+  const unsigned full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
+
+  const int tid = threadIdx.x, wg = tid / WG;
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // heaviest causal tiles first
+  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
+  const int q0 = mb * BM;
+  const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
+  int kend = Tk;
+  if (causal) kend = min(Tk, q0 + BM + off);
+  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+
+  if (tid == 0) {
+    mbar_init(qbar, WG);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, WG);       // one cp.async arrive per producer thread
+      mbar_init(empty0 + 8 * s, 2 * WG);  // one arrive per consumer thread
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    const bf16* kp = k + b * sk.b + j * sk.h;
+    const bf16* vp = v + b * sv.b + j * sv.h;
+    load_swz<D, BM>(Qs, q + b * sq.b + h * sq.h, sq.t, q0, Tq, tid);
+    cp_async_arrive(qbar);
+    for (int jb = 0; jb < nkb; ++jb) {
+      const int st = jb % STAGES;
+      // Stage st was last used by tile jb - STAGES; its consumers' release completed phase jb / STAGES - 1.
+      // (The first STAGES waits ask for parity 1, the phase "before" a fresh barrier's: they pass at once.)
+      mbar_wait(empty0 + 8 * st, ((jb / STAGES) & 1) ^ 1);
+      load_swz<D, BN>(Ks + st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
+      load_swz<D, BN>(Vs + st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
+      cp_async_arrive(full0 + 8 * st);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+
+  // ---------------------------------------------------------------------------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
+  const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
+  const float sl2 = scale * LOG2E;
+  const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128;  // this warpgroup's 64 rows in each column block
+
+  float acc[D / 8][4];
+  zero(acc);
+  float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
+  mbar_wait(qbar, 0);
+
+  for (int jb = 0; jb < nkb; ++jb) {
+    const int st = jb % STAGES, n0 = jb * BN;
+    mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
+    // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release it.
+    if (causal && n0 > rbase + 63 + off) {
+      mbar_arrive(empty0 + 8 * st);
+      continue;
+    }
+    fence_proxy_async();
+    const unsigned kaddr = smem_addr(Ks + st * SM::KV), vaddr = smem_addr(Vs + st * SM::KV);
+
+    // S = Q K^T: D / 16 k-steps; step kk reads 32 bytes at column block kk / 4, byte (kk % 4) * 32 of each row.
+    float s[BN / 8][4];
+    zero(s);
+    fence_regs(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const unsigned long long da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
+      const unsigned long long db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+      wgmma_ss<BN>(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+    online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
+
+    // P (bf16) as wgmma's register A operand: k-step kk = keys 16 kk .. 16 kk + 15 = accumulator columns of
+    // n-blocks 2 kk and 2 kk + 1 (the m16n8k16 A-fragment order: (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)).
+    unsigned pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    // O += P V: V MN-major (transposed B), k-step kk = key rows 16 kk .. (2048 bytes each), LBO = the next
+    // 64-wide column block of d (D = 128), SBO = 1024 between 8-key groups.
+    fence_regs(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D>(acc, pa[kk], make_desc(vaddr + kk * 2048, BN * 128, 1024));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  // o [B, Tq, H, D] contiguous; lse [B, H, Tq] in natural-log units (attention.cu's format). A row that saw no
+  // key (Tq > Tk under the causal alignment) gets o = 0 and lse = -inf.
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  const int r0 = row0 + g, r1 = r0 + 8, c2 = (lane & 3) * 2;
+  bf16* op = o + ((long long)b * Tq * H + h) * D;
+  const long long ld = (long long)H * D;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    if (r0 < Tq)
+      *reinterpret_cast<unsigned*>(op + r0 * ld + nt * 8 + c2) = pack_bf16(acc[nt][0] * inv0, acc[nt][1] * inv0);
+    if (r1 < Tq)
+      *reinterpret_cast<unsigned*>(op + r1 * ld + nt * 8 + c2) = pack_bf16(acc[nt][2] * inv1, acc[nt][3] * inv1);
+  }
+  if ((lane & 3) == 0) {
+    float* lp = lse + ((long long)b * H + h) * Tq;
+    if (r0 < Tq) lp[r0] = l0 > 0.f ? (m0 + __log2f(l0)) / LOG2E : -CK_INF;
+    if (r1 < Tq) lp[r1] = l1 > 0.f ? (m1 + __log2f(l1)) / LOG2E : -CK_INF;
+  }
+}
+
+// ================================================================================================ entry points
+// attn_sm90_fwd_d{64,128}: same arguments as attention.cu's attn_fwd_d{D} (strides in elements: batch, token,
+// head; the last axis contiguous). Launch: 384 threads, grid (ceil(Tq / 128), H, B), dynamic shared memory
+// Smem<D, BN, STAGES>::BYTES (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
+#define CK_ATTN90_FWD(D, BN, STAGES)                                                                          \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D(                                \
+      const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
+      long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
+      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+    attn_fwd_sm90<D, BN, STAGES>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                    \
+                                 Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal);                          \
+  }
+// D = 64: 128-key tiles, 3 stages: 16 KB Q + 3 x 32 KB K/V = 112 KB (one CTA per SM: 384 threads x 168
+// registers is the whole register file). D = 128: 128-key tiles, 2 stages: 32 KB + 2 x 64 KB = 160 KB.
+CK_ATTN90_FWD(64, 128, 3)
+CK_ATTN90_FWD(128, 128, 2)

@@ -1,0 +1,403 @@
+"""ck.flash_attention_sm90 (kernels_cu/attention_sm90.cu, wgmma on sm_90a).
+
+CPU: a NumPy model of the kernel's index math, checked before any GPU run: the producer's swizzled shared-memory
+placement (cp.async chunks), the wgmma shared-memory descriptors as the PTX ISA's canonical 128-byte-swizzle
+layouts read them (K-major Q / K, MN-major V), the accumulator fragment (thread t, register i) -> (row, col) of
+m64nNk16 and the register A fragment the P tile is packed into. A simulated CTA runs S = Q K^T and O += P V
+through those descriptors on bytes placed by the producer model and must reproduce the matrix products.
+Plus the NumPy reference path and validation. GPU (sm_90 only): the kernel against the NumPy reference and
+against ck.flash_attention (mma.sync), lse, strided views, poisoned outputs, reruns bit-identical, large scores,
+and the existing backward fed with this forward's o / lse.
+"""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cukernels as ck
+from cukernels.ops import attention_sm90 as A90
+from helpers import cp, to_host
+
+BF16 = ck.bfloat16
+CU = Path(__file__).resolve().parent.parent / "kernels_cu" / "attention_sm90.cu"
+
+# ------------------------------------------------------------------------------------------------ model
+# Every function below mirrors one piece of attention_sm90.cu (named in its docstring), except hw_addr and the
+# fragment layouts acc_pos / a_pos, which are the hardware's side (PTX ISA: "Matrix Descriptor", "Shared Memory
+# Matrix Layout" with 128-byte swizzling, "Register Fragments" of wgmma .m64nNk16 for .f32 / .bf16).
+WG = 128
+BM = 128
+
+
+def swz(rows, r, c):
+    """Kernel swz<ROWS>(r, c): byte offset of 16-byte chunk c of row r in a swizzled [rows x D] tile."""
+    return (c >> 3) * (rows * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4)
+
+
+def producer_chunks(D, rows, tid):
+    """Kernel load_swz<D, ROWS>: the (row, chunk, byte offset) triples producer thread tid copies, in order."""
+    ch = D // 8
+    rpi = WG // ch
+    r, c = tid // ch, tid % ch
+    d = swz(rows, r, c)
+    return [(r + rpi * i, c, d + i * rpi * 128) for i in range(rows // rpi)]
+
+
+def place(smem, base, tile, rows):
+    """Write tile ([rows, D] uint16 bf16 bits) into the byte array smem at base, as the producer's cp.asyncs do."""
+    D = tile.shape[1]
+    for tid in range(WG):
+        for r, c, off in producer_chunks(D, rows, tid):
+            smem[base + off:base + off + 16] = tile[r, 8 * c:8 * c + 8].view(np.uint8)
+
+
+def make_desc(addr, lbo, sbo):
+    """Kernel make_desc: 128-byte-swizzle matrix descriptor."""
+    return ((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16) | (((sbo >> 4) & 0x3FFF) << 32) | (1 << 62)
+
+
+def hw_addr(desc, mn, k, major):
+    """Shared byte address the tensor core reads for element (mn, k) of a wgmma operand (k < 16) described by
+    desc: the canonical SW128 layouts (cute's make_gmma_desc comments, in bytes; T = 16 bytes):
+    K-major ((8, m), (T, 2)) : ((128 B, SBO), (2 B, 16 B)) -- rows of 128 bytes, 8-row groups SBO apart;
+    MN-major ((64, n), (8, k)) : ((2 B, LBO), (128 B, SBO)) -- 64 contiguous elements, blocks of 64 LBO apart.
+    Swizzle<3,4,3> on the final address: bits 4-6 ^= bits 7-9."""
+    start = (desc & 0x3FFF) << 4
+    lbo = ((desc >> 16) & 0x3FFF) << 4
+    sbo = ((desc >> 32) & 0x3FFF) << 4
+    assert desc >> 62 == 1, "128-byte swizzle"
+    assert (desc >> 49) & 7 == 0, "base offset 0"
+    if major == "K":
+        a = start + (mn % 8) * 128 + (mn // 8) * sbo + 2 * k
+    else:
+        a = start + (mn % 64) * 2 + (mn // 64) * lbo + (k % 8) * 128 + (k // 8) * sbo
+    return a ^ (((a >> 7) & 7) << 4)
+
+
+def read_bf16(smem, addr):
+    return float(np.frombuffer(bytes(smem[addr:addr + 2]), dtype=BF16)[0])
+
+
+def wgmma_ss(d, smem, da, db):
+    """d[64, N] += A B^T, A = 64 x 16 and B = N x 16, both K-major in shared memory."""
+    N = d.shape[1]
+    a = np.array([[read_bf16(smem, hw_addr(da, m, k, "K")) for k in range(16)] for m in range(64)])
+    b = np.array([[read_bf16(smem, hw_addr(db, n, k, "K")) for k in range(16)] for n in range(N)])
+    d += a @ b.T
+
+
+def wgmma_rs(d, a, smem, db):
+    """d[64, N] += A B, A = 64 x 16 (registers, given as a matrix), B = 16 x N MN-major (transpose bit set)."""
+    N = d.shape[1]
+    b = np.array([[read_bf16(smem, hw_addr(db, n, k, "MN")) for n in range(N)] for k in range(16)])
+    d += a @ b
+
+
+def acc_pos(t, i):
+    """m64nNk16 f32 accumulator: thread t (0..127) of the warpgroup, register i -> (row, column)."""
+    w, lane = divmod(t, 32)
+    g, c = divmod(lane, 4)
+    return 16 * w + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * c + (i % 2)
+
+
+def a_pos(t, j, half):
+    """m64k16 bf16 register A fragment: thread t, 32-bit register j (0..3), half (0 = low) -> (row, column)."""
+    w, lane = divmod(t, 32)
+    g, c = divmod(lane, 4)
+    return 16 * w + g + 8 * (j % 2), 8 * (j // 2) + 2 * c + half
+
+
+def kernel_pack(kk, j, half):
+    """Kernel: pa[kk][j] = pack_bf16(s[nt][e], s[nt][e + 1]) (low half first) -> the (nt, e) of each half."""
+    return 2 * kk + j // 2, 2 * (j % 2) + half
+
+
+# ------------------------------------------------------------------------------------------------ model tests
+@pytest.mark.parametrize("D,rows", [(64, 128), (64, 64), (128, 128), (128, 64)])
+def test_producer_covers_each_chunk_once_without_bank_conflicts(D, rows):
+    seen = {}
+    for tid in range(WG):
+        for r, c, off in producer_chunks(D, rows, tid):
+            assert off == swz(rows, r, c)
+            assert (r, c) not in seen
+            seen[(r, c)] = off
+    assert len(seen) == rows * D // 8
+    assert sorted(seen.values()) == list(range(0, rows * D * 2, 16))  # a permutation of the tile's chunks
+    # Each pass: 8 consecutive threads (one 128-byte shared wavefront) write 8 distinct 16-byte bank groups.
+    for i in range(rows // (WG // (D // 8))):
+        for t0 in range(0, WG, 8):
+            offs = [producer_chunks(D, rows, t)[i][2] for t in range(t0, t0 + 8)]
+            assert len({(o % 128) // 16 for o in offs}) == 8
+
+
+def test_accumulator_and_a_fragments_are_bijections():
+    for N in (64, 128):
+        pos = {acc_pos(t, i) for t in range(WG) for i in range(N // 2)}
+        assert pos == {(r, c) for r in range(64) for c in range(N)}
+    apos = {a_pos(t, j, h) for t in range(WG) for j in range(4) for h in range(2)}
+    assert apos == {(r, c) for r in range(64) for c in range(16)}
+
+
+def test_rows_live_in_one_quad():
+    """The online softmax reduces a row over lanes xor 1, 2 (common/mma.cuh): all of a row's accumulator
+    elements must sit in the 4 lanes of one quad, two rows (g, g + 8) per thread."""
+    owners = {}
+    for t in range(WG):
+        for i in range(64):
+            owners.setdefault(acc_pos(t, i)[0], set()).add(t)
+    for r, ts in owners.items():
+        assert len(ts) == 4 and len({t // 4 for t in ts}) == 1, r
+    for t in range(WG):
+        assert {acc_pos(t, i)[0] for i in range(64)} == {acc_pos(t, 0)[0], acc_pos(t, 0)[0] + 8}
+
+
+@pytest.mark.parametrize("BN", [64, 128])
+def test_p_packing_matches_register_a_fragment(BN):
+    """pa[kk] built from the S accumulators holds exactly P[:, 16 kk : 16 kk + 16] in the A-fragment order."""
+    for t in range(WG):
+        for kk in range(BN // 16):
+            for j in range(4):
+                for h in range(2):
+                    nt, e = kernel_pack(kk, j, h)
+                    r, c = acc_pos(t, 4 * nt + e)
+                    ra, ca = a_pos(t, j, h)
+                    assert (r, c) == (ra, 16 * kk + ca)
+
+
+def _bf16_bits(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32).astype(BF16)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_simulated_cta_reproduces_the_products(rng, D):
+    """One CTA's shared memory (1024-aligned base, Q then the K and V stages as in the kernel), filled by the
+    producer model; each consumer warpgroup's descriptors (kernel formulas) through the hardware's reading must
+    give S = Q_wg K^T and P V exactly (fp64 sums of bf16 values)."""
+    BN, STAGES = A90.CONFIG[D]
+    st = STAGES - 1  # the last stage: its offsets exercise the stage arithmetic
+    QB, KV = BM * D * 2, BN * D * 2
+    base = 0x400  # a 1024-aligned shared address other than 0
+    smem = np.zeros(base + QB + 2 * STAGES * KV, np.uint8)
+    q, kt, vt = _bf16_bits(rng, (BM, D)), _bf16_bits(rng, (BN, D)), _bf16_bits(rng, (BN, D))
+    place(smem, base, q.view(np.uint16), BM)
+    kaddr = base + QB + st * KV
+    vaddr = base + QB + STAGES * KV + st * KV
+    place(smem, kaddr, kt.view(np.uint16), BN)
+    place(smem, vaddr, vt.view(np.uint16), BN)
+    qf, kf, vf = (x.astype(np.float64) for x in (q, kt, vt))
+    for cw in range(2):
+        qaddr = base + cw * 64 * 128
+        s = np.zeros((64, BN))
+        for kk in range(D // 16):
+            da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024)
+            db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024)
+            wgmma_ss(s, smem, da, db)
+        np.testing.assert_allclose(s, qf[64 * cw:64 * cw + 64] @ kf.T, rtol=1e-12, atol=1e-9)
+        # P: any bf16 matrix placed in the S registers, packed as the kernel packs it.
+        p = _bf16_bits(rng, (64, BN)).astype(np.float64)
+        regs = {(t, i): p[acc_pos(t, i)] for t in range(WG) for i in range(BN // 2)}
+        o = np.zeros((64, D))
+        for kk in range(BN // 16):
+            a = np.zeros((64, 16))
+            for t in range(WG):
+                for j in range(4):
+                    for h in range(2):
+                        nt, e = kernel_pack(kk, j, h)
+                        a[a_pos(t, j, h)] = regs[(t, 4 * nt + e)]
+            wgmma_rs(o, a, smem, make_desc(vaddr + kk * 2048, BN * 128, 1024))
+        np.testing.assert_allclose(o, p @ vf, rtol=1e-12, atol=1e-9)
+
+
+def test_descriptor_fields_fit():
+    """Shared addresses (< 228 KB + the 1024 alignment slack) and LBO / SBO fit their 14-bit (>> 4) fields."""
+    for D in A90.HEAD_DIMS:
+        nbytes = A90.smem_bytes(D)
+        assert nbytes <= 227 * 1024  # the per-block opt-in limit on sm_90
+        assert nbytes + 1024 < (1 << 18)
+        BN, _ = A90.CONFIG[D]
+        assert (BN * 128) >> 4 < (1 << 14)
+        d = make_desc(0x3FFF0, BN * 128, 1024)
+        assert (d & 0x3FFF) << 4 == 0x3FFF0 and ((d >> 16) & 0x3FFF) << 4 == BN * 128
+
+
+def test_config_mirrors_the_kernel_instantiations():
+    src = CU.read_text()
+    inst = {int(d): (int(bn), int(st)) for d, bn, st in re.findall(r"^CK_ATTN90_FWD\((\d+), (\d+), (\d+)\)", src,
+                                                                    re.M)}
+    assert inst == A90.CONFIG
+    m = re.search(r"BYTES = Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src)
+    assert m, "Smem<>::BYTES changed: update attention_sm90.smem_bytes"
+    assert re.search(r"constexpr int BM = 128;", src) and A90.BM == 128
+    regs = dict(re.findall(r"constexpr int (PRODUCER_REGS|CONSUMER_REGS) = (\d+);", src))
+    assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
+
+
+# ------------------------------------------------------------------------------------------------ reference / API
+def qkv(rng, Bsz, Tq, Tk, H, Hkv, D, scale=1.0):
+    f = lambda *s: (rng.standard_normal(s) * scale).astype(np.float32).astype(BF16)  # noqa: E731
+    return f(Bsz, Tq, H, D), f(Bsz, Tk, Hkv, D), f(Bsz, Tk, Hkv, D)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_is_flash_attentions(rng, causal):
+    q, k, v = qkv(rng, 2, 9, 13, 4, 2, 64)
+    o, lse = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+    o2, lse2 = A90.flash_attention_sm90(q, k, v, causal=causal, return_lse=True)
+    np.testing.assert_array_equal(o.view(np.uint16), o2.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse2)
+
+
+def test_validation():
+    q, k, v = qkv(np.random.default_rng(0), 1, 4, 4, 2, 1, 32)
+    with pytest.raises(ValueError, match="q: head_dim must be one of \\(64, 128\\)"):
+        A90.flash_attention_sm90(q, k, v)
+    q, k, v = qkv(np.random.default_rng(0), 1, 4, 4, 2, 1, 64)
+    with pytest.raises(TypeError, match="q"):
+        A90.flash_attention_sm90(q.astype(np.float32), k, v)
+    with pytest.raises(ValueError, match="kv_heads"):
+        A90.flash_attention_sm90(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
+    with pytest.raises(TypeError, match="causal"):
+        A90.flash_attention_sm90(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="scale"):
+        A90.flash_attention_sm90(q, k, v, scale=-1.0)
+
+
+# ------------------------------------------------------------------------------------------------ GPU (sm_90)
+def _sm90():
+    return ck.gpu_available() and A90.supported()
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100 / H200)")
+
+
+def close(got, ref, tol, what):
+    got, ref = to_host(got).astype(np.float64), np.asarray(to_host(ref), dtype=np.float64)
+    assert got.shape == ref.shape, what
+    assert np.isfinite(got).all(), f"{what}: non-finite output (unwritten?)"
+    err = np.abs(got - ref).max() if got.size else 0.0
+    lim = tol * max(1.0, np.abs(ref).max() if ref.size else 0.0)
+    assert err <= lim, f"{what}: max error {err:.4g} > {lim:.4g}"
+
+
+def lse_equal(got, ref, what="lse"):
+    g, r = to_host(got), to_host(ref)
+    np.testing.assert_array_equal(np.isinf(g), np.isinf(r), err_msg=what)
+    fin = np.isfinite(r)
+    np.testing.assert_allclose(g[fin], r[fin], rtol=1e-4, atol=1e-4, err_msg=what)
+
+
+GPU_GRID = [(Bsz, T, H, Hkv, D, causal) for Bsz in (1, 2) for T in (1, 17, 128, 1000, 1024)
+            for H, Hkv in ((4, 4), (32, 8)) for D in (64, 128) for causal in (True, False)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "B%dT%dH%d/%dD%d%s" % (*c[:5], "c" if c[5] else "f"))
+def test_gpu_matches_reference_and_mma_sync(rng, case):
+    Bsz, T, H, Hkv, D, causal = case
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    Q, K, V = cp().asarray(q), cp().asarray(k), cp().asarray(v)
+    out = cp().full(q.shape, np.nan, dtype=BF16)  # poisoned: every element must be written
+    o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, out=out, return_lse=True)
+    assert o is out
+    # The mma.sync kernels: same bf16 P rounding, fp32 accumulation in another order (a few bf16 ulps).
+    mo, ml = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)
+    close(o, mo, 1.6e-2, "o vs flash_attention")
+    lse_equal(lse, ml, "lse vs flash_attention")
+    if Bsz * H * T * T <= 2 * 32 * 1000 * 1000 // 4:  # the NumPy reference on the smaller half of the grid
+        ro, rl = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+        close(o, ro, 2e-2, "o vs reference")
+        lse_equal(lse, rl, "lse vs reference")
+
+
+CROSS = [(1, 7, 12, 2, 2, 64, True), (1, 12, 5, 2, 1, 64, True), (1, 300, 130, 4, 2, 128, True),
+         (2, 130, 700, 8, 2, 64, True), (1, 257, 1000, 4, 1, 128, False), (2, 1, 513, 4, 4, 64, True)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", CROSS)
+def test_gpu_seq_q_differs_from_seq_k(rng, case):
+    """Causal alignment at the end (Tq < Tk), rows that see no key (Tq > Tk: o = 0, lse = -inf)."""
+    Bsz, Tq, Tk, H, Hkv, D, causal = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    ro, rl = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+    o, lse = A90.flash_attention_sm90(*(cp().asarray(x) for x in (q, k, v)), causal=causal, return_lse=True)
+    close(o, ro, 2e-2, "o")
+    lse_equal(lse, rl)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_strided_views_and_backward_consumes_lse(rng, D):
+    """q, k, v as slices of one fused [B, T, H + 2 Hkv, D] projection; the existing backward run from this
+    forward's o / lse equals the one run from flash_attention's."""
+    Bsz, T, H, Hkv = 2, 333, 8, 2
+    qkv_ = rng.standard_normal((Bsz, T, H + 2 * Hkv, D)).astype(np.float32).astype(BF16)
+    G = cp().asarray(qkv_)
+    q, k, v = G[:, :, :H], G[:, :, H:H + Hkv], G[:, :, H + Hkv:]
+    ro, rl = ck.flash_attention(qkv_[:, :, :H], qkv_[:, :, H:H + Hkv], qkv_[:, :, H + Hkv:], return_lse=True)
+    o, lse = A90.flash_attention_sm90(q, k, v, return_lse=True)
+    close(o, ro, 2e-2, "o")
+    lse_equal(lse, rl)
+    do = cp().asarray(qkv(rng, Bsz, T, T, H, Hkv, D)[0])
+    mo, ml = ck.flash_attention(q, k, v, return_lse=True)
+    a = ck.flash_attention_backward(do, q, k, v, o, lse)
+    b = ck.flash_attention_backward(do, q, k, v, mo, ml)
+    for x, y, n in zip(a, b, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_large_scores_and_determinism(rng):
+    """Scores of +-1e3 (q, k scaled by 40): no overflow in the online softmax; reruns bit-identical."""
+    Bsz, T, H, Hkv, D = 2, 1000, 4, 2, 64
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    q, k = (q.astype(np.float32) * 40).astype(BF16), (k.astype(np.float32) * 40).astype(BF16)
+    ro, rl = ck.flash_attention(q, k, v, return_lse=True)
+    Q, K, V = (cp().asarray(x) for x in (q, k, v))
+    o1, l1 = A90.flash_attention_sm90(Q, K, V, return_lse=True)
+    o2, l2 = A90.flash_attention_sm90(Q, K, V, return_lse=True)
+    close(o1, ro, 2e-2, "o")
+    lse_equal(l1, rl)
+    np.testing.assert_array_equal(to_host(o1).view(np.uint16), to_host(o2).view(np.uint16))
+    np.testing.assert_array_equal(to_host(l1), to_host(l2))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_scale_and_empty_shapes(rng):
+    q, k, v = qkv(rng, 1, 200, 200, 4, 2, 128)
+    ro = ck.flash_attention(q, k, v, scale=0.3)
+    o = A90.flash_attention_sm90(*(cp().asarray(x) for x in (q, k, v)), scale=0.3)
+    close(o, ro, 2e-2, "o scale=0.3")
+    z = cp().zeros((2, 0, 4, 64), dtype=BF16)
+    kz = cp().zeros((2, 5, 2, 64), dtype=BF16)
+    o, lse = A90.flash_attention_sm90(z, kz, kz, return_lse=True)
+    assert o.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    # seq_k = 0: every row sees no key.
+    qz = cp().asarray(qkv(rng, 1, 3, 3, 2, 1, 64)[0])
+    o, lse = A90.flash_attention_sm90(qz, cp().zeros((1, 0, 1, 64), dtype=BF16), cp().zeros((1, 0, 1, 64), dtype=BF16),
+                                      causal=False, return_lse=True)
+    assert (to_host(o).astype(np.float32) == 0).all() and np.isneginf(to_host(lse)).all()
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_misaligned_view_is_refused(rng):
+    q, k, v = (cp().asarray(x) for x in qkv(rng, 1, 8, 8, 2, 1, 64))
+    buf = cp().zeros(q.size + 1, dtype=BF16)
+    with pytest.raises(ValueError, match="q: the kernels read 16-byte chunks"):
+        A90.flash_attention_sm90(buf[1:].reshape(q.shape), k, v)
+
+
+@pytest.mark.gpu
+def test_gpu_other_architectures_are_refused(rng):
+    if A90.supported():
+        pytest.skip("this device is sm_90")
+    q, k, v = (cp().asarray(x) for x in qkv(rng, 1, 8, 8, 2, 1, 64))
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        A90.flash_attention_sm90(q, k, v)
