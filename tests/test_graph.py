@@ -45,3 +45,32 @@ def test_captured_step_replays_a_counter():
     for _ in range(5):
         out = s()
     assert float(out) == 5.0 and s.graph is not None
+
+
+@pytest.mark.gpu
+def test_captured_graph_keeps_node_priorities_and_a_side_stream():
+    """The step is instantiated through the driver with per-node priorities (cukernels.graph.instantiate): work
+    forked onto a high-priority side stream inside the captured function is replayed, joined back, in order."""
+    import cupy as cp
+
+    import cukernels as ck
+
+    x = cp.zeros((1000,), dtype=cp.float32)
+    y = cp.zeros((1000,), dtype=cp.float32)
+    _, greatest = cp.cuda.runtime.deviceGetStreamPriorityRange()
+    side = cp.cuda.Stream(non_blocking=True, priority=greatest)
+
+    def fn():
+        x[...] += 1.0
+        side.wait_event(cp.cuda.get_current_stream().record())
+        with side:
+            y[...] += x  # y_k = sum of x_1..x_k = k (k + 1) / 2
+        cp.cuda.get_current_stream().wait_event(side.record())
+        return y
+
+    s = ck.graph.CapturedStep(fn, warmup=1)
+    for _ in range(6):
+        out = s()
+    s.synchronize()
+    assert isinstance(s.graph, ck.graph._PriorityGraph), type(s.graph)
+    assert bool((out == 21.0).all())
