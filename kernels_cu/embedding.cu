@@ -23,6 +23,9 @@
 //   summation order is fixed by the data, so results are bit-identical run to run (and, in fp32, equal to
 //   NumPy's np.add.at, which also adds in position order). The warp at a run's first position owns the run;
 //   warps at other positions of the run exit at once.
+//   Dense gradient without accumulate (emb_bwd_dense): run starts per table row by a binary search over the
+//   sorted ids, then every table row written exactly once by its owner (zeros where no position refers to it):
+//   no memset, no second write of the touched rows. accumulate (and the sparse rows) keep emb_bwd_reduce.
 //   Known cost: a very long run (one id repeated thousands of times) is summed by one warp per column chunk
 //   serially; a two-stage split of long runs would fix it (see benchmarks/NOTES.md).
 // - Sparse rows (SparseRowGrad): the same sort + reduce adds into a persistent gradient buffer that is all
@@ -294,6 +297,84 @@ __device__ __forceinline__ void emb_bwd_reduce(const int* __restrict__ sk, const
   }
 }
 
+// ---------------------------------------------------------------- dense backward: one writer per table row
+// start[v] = first sorted position whose id is >= v (lower bound), v = 0 .. V, so row v's positions are
+// sv[start[v] .. start[v + 1]). One thread per v, a binary search over the sorted ids (17 dependent loads
+// for n = 65536, from L2: the keys are 4n bytes): V + 1 = 128257 threads are half a wave, ~5-10 us whatever
+// the ids are (a scan over the sorted keys writing the gaps would make one thread write all V entries when
+// every id is equal).
+__device__ __forceinline__ void run_starts(const int* __restrict__ sk, int n, long long V,
+                                               int* __restrict__ start) {
+  for (long long v = (long long)blockIdx.x * blockDim.x + threadIdx.x; v <= V; v += (long long)gridDim.x * blockDim.x) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+      const int mid = (int)(((unsigned)lo + (unsigned)hi) >> 1);
+      if ((long long)sk[mid] < v) lo = mid + 1;
+      else hi = mid;
+    }
+    start[v] = lo;
+  }
+}
+
+// out[v, :] = sum of the dout rows of v's positions, for EVERY row v: rows nobody references are written as
+// zeros here, so the V x D table is written exactly once (V D s + n D s + ~12 n bytes) instead of a memset of
+// all V rows plus a second write of the u touched rows (u ~ 0.4 V for n = 65536 uniform ids over 128256:
+// 210 MB of 1.0 GB at D = 2048 bf16). Block (TPR, RPB) as the forward: a row over TPR threads with U = 4
+// packs each, rows of fewer than 256 threads sharing a block; per row the chain is start (L2) -> position
+// (L2) -> dout row (DRAM) -> store. Latency-bound by design unless enough rows are in flight: one position a
+// step (UNR = 1: a second position costs one more DRAM latency, but only ~0.28 extra positions per touched
+// row at n = 65536, V = 128256) keeps the bf16 kernel at 74 registers under __launch_bounds__(256, 3)
+// (UNR = 2: 98 registers, 2 blocks a SM), so 768 threads x 4 packs x 16 B = 48 KB of rows are in progress
+// per SM: at a ~2 us chain that is ~24 GB/s of writes + ~12 of reads per SM, ~4.7 TB/s over 132 SMs.
+// Sums are fp32 in position order (the sort is stable), the same order and the same additions from 0 as
+// emb_bwd_reduce: the two kernels agree bit for bit.
+template <typename T, typename O, bool VEC>
+__device__ __forceinline__ void emb_bwd_dense(const int* __restrict__ start, const int* __restrict__ sv,
+                                              const T* __restrict__ dout, O* __restrict__ out, long long V, int D,
+                                              bool o_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  constexpr int U = 4, UNR = 1;
+  const int units = D / E;
+  for (long long v = (long long)blockIdx.x * blockDim.y + threadIdx.y; v < V; v += (long long)gridDim.x * blockDim.y) {
+    const int s0 = start[v], s1 = start[v + 1];
+    O* orow = out + v * D;
+    for (int u0 = threadIdx.x; u0 < units; u0 += U * blockDim.x) {
+      float acc[U][E];
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[k][e] = 0.f;
+      for (int j = s0; j < s1; j += UNR) {
+        int p[UNR];
+#pragma unroll
+        for (int q = 0; q < UNR; ++q) p[q] = j + q < s1 ? sv[j + q] : -1;
+        Pack<T, E> w[UNR][U];
+#pragma unroll
+        for (int q = 0; q < UNR; ++q)
+#pragma unroll
+          for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * blockDim.x;
+            if (p[q] >= 0 && u < units) w[q][k] = load_pack<T, E>(dout + (long long)p[q] * D + (long long)u * E);
+          }
+#pragma unroll
+        for (int q = 0; q < UNR; ++q)  // position order for every element
+#pragma unroll
+          for (int k = 0; k < U; ++k) {
+            const int u = u0 + k * blockDim.x;
+            if (p[q] >= 0 && u < units)
+#pragma unroll
+              for (int e = 0; e < E; ++e) acc[k][e] += to_f32(w[q][k].v[e]);
+          }
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int u = u0 + k * blockDim.x;
+        if (u < units) store_f32<E>(orow + (long long)u * E, acc[k], o_vec);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- sparse rows: zero the listed rows, next generation
 // Block (TPR, RPB), fixed grid striding over rows[0 : *count].
 template <typename O, bool VEC>
@@ -358,6 +439,23 @@ EMB_BWD_ALL(float, float, f32, f32)
 EMB_BWD_ALL(float, bf16, f32, bf16)
 EMB_BWD_ALL(bf16, float, bf16, f32)
 EMB_BWD_ALL(bf16, bf16, bf16, bf16)
+
+extern "C" __global__ void __launch_bounds__(256) emb_run_starts(const int* sk, int n, long long V, int* start) {
+  run_starts(sk, n, V, start);
+}
+#define EMB_DENSE(T, O, TN, ON, VEC, VS)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                                         \
+      emb_bwd_dense_##TN##_##ON##_##VS(const int* start, const int* sv, const T* dout, O* out, long long V,     \
+                                       int D, bool o_vec) {                                                    \
+    emb_bwd_dense<T, O, VEC>(start, sv, dout, out, V, D, o_vec);                                               \
+  }
+#define EMB_DENSE_ALL(T, O, TN, ON)                                                                             \
+  EMB_DENSE(T, O, TN, ON, true, v)                                                                              \
+  EMB_DENSE(T, O, TN, ON, false, s)
+EMB_DENSE_ALL(float, float, f32, f32)
+EMB_DENSE_ALL(float, bf16, f32, bf16)
+EMB_DENSE_ALL(bf16, float, bf16, f32)
+EMB_DENSE_ALL(bf16, bf16, bf16, bf16)
 
 #define EMB_ZERO(O, ON, VEC, VS)                                                                                \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \

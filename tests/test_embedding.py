@@ -241,6 +241,56 @@ def test_gpu_backward_deterministic_with_heavy_repeats(rng):
     np.testing.assert_allclose(g1, f64_backward(ids, to_host(dout), V), rtol=1e-4, atol=1e-2)
 
 
+def _owner_case(rng, case):
+    """(V, D, ids) for the row-owner dense backward (emb_run_starts + emb_bwd_dense)."""
+    if case == "uniform":
+        V, D = 5000, 200
+        ids = rng.integers(0, V, (3000,))
+    elif case == "one_id":  # one run of every position; every other row (before and after it) is zeros
+        V, D = 300, 64
+        ids = np.full(4000, V // 2)
+    elif case == "edges":  # the first and last rows, long gaps of untouched rows between
+        V, D = 1000, 136
+        ids = rng.choice(np.array([0, V - 1, 1, 517]), 50)
+    else:  # "wide_row": rows longer than one pass of TPR x 4 packs (the per-thread chunk loop runs 2-3 times)
+        V, D = 40, 33008
+        ids = rng.integers(0, V // 2, (20,)) * 2
+    return V, D, ids.astype(np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["uniform", "one_id", "edges", "wide_row"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("odtype", DTYPES, ids=["out_f32", "out_bf16"])
+def test_gpu_dense_backward_row_owner(rng, case, dtype, odtype):
+    """The dense backward writes every table row itself (no memset): untouched rows of a NaN-poisoned out come
+    back as zeros, and each row equals what the accumulate path (emb_bwd_reduce, adding into zeros) gives, bit
+    for bit: both sum a row's positions in position order from 0 in fp32."""
+    import cupy as cp
+
+    V, D, ids = _owner_case(rng, case)
+    dout = randn(rng, (ids.size, D), dtype)
+    idd, dod = device_copy(ids), device_copy(dout)
+    dense = ck.embedding_backward(idd, dod, V, out=poisoned((V, D), odtype))
+    acc = ck.embedding_backward(idd, dod, V, out=cp.zeros((V, D), dtype=odtype), accumulate=True)
+    assert np.array_equal(to_host(dense).view(np.uint8), to_host(acc).view(np.uint8)), "dense != accumulate"
+    ref = ck.embedding_backward(ids, dout, V, out=np.zeros((V, D), odtype))
+    assert_close(dense, ref, odtype, rtol=max(TOL[np.dtype(odtype)][0], 1e-5), what=case)
+    untouched = np.setdiff1d(np.arange(V), ids)
+    assert not to_host(dense)[untouched].astype(np.float32).any(), "an untouched row is not zero"
+    again = ck.embedding_backward(idd, dod, V, out=poisoned((V, D), odtype))
+    assert np.array_equal(to_host(again).view(np.uint8), to_host(dense).view(np.uint8)), "rerun not bit-identical"
+
+
+@pytest.mark.gpu
+def test_gpu_dense_backward_no_positions_is_zeros():
+    import cupy as cp
+
+    out = poisoned((7, 5), np.float32)
+    g = ck.embedding_backward(cp.zeros((0,), cp.int32), cp.zeros((0, 5), cp.float32), 7, out=out)
+    assert g is out and not to_host(g).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["grad_f32", "grad_bf16"])
 def test_gpu_sparse_rows_match_dense(rng, dtype):

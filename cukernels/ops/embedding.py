@@ -148,6 +148,23 @@ def _reduce_rows(sk, sv, dout2, out, n, D, accumulate, record=None):
       (sk, sv, dout2, out, np.int32(n), np.int32(D), np.bool_(accumulate), np.bool_(o_vec), st, gen, rows, cnt))
 
 
+def _dense_rows(sk, sv, dout2, out, n, V, D):
+    """Launch emb_run_starts + emb_bwd_dense_*: out[v] = sum of v's dout rows for every v < V (zeros where no
+    position has id v): the table is written once, no memset first."""
+    import cupy
+
+    start = cupy.empty(V + 1, dtype=np.int32)
+    rs = get_function(FAMILY, "emb_run_starts")
+    rs((min((V + 256) // 256, B.sm_count() * 8),), (256, 1, 1), (sk, np.int32(n), np.int64(V), start))
+    E = 16 // dout2.itemsize
+    vec = D % E == 0 and B.aligned16(dout2)
+    o_vec = (D * out.itemsize) % 16 == 0 and B.aligned16(out)
+    tpr, rpb = _row_plan(D // E if vec else D)
+    k = get_function(FAMILY, f"emb_bwd_dense_{B.DTYPE_TAG[dout2.dtype]}_{B.DTYPE_TAG[out.dtype]}_{'v' if vec else 's'}")
+    k((min((V + rpb - 1) // rpb, 2**31 - 1),), (tpr, rpb, 1),
+      (start, sv, dout2, out, np.int64(V), np.int32(D), np.bool_(o_vec)))
+
+
 def _check_bwd(ids, dout):
     _check_ids(ids)
     B.check_dtype("dout", dout, B.FLOATS)
@@ -164,8 +181,10 @@ def embedding_backward(ids, dout, vocab_size, *, out=None, accumulate=False, err
     """Gradient of :func:`embedding` with respect to the table (dense, deterministic).
 
     ``dtable[v, :] = sum over positions p with ids[p] == v of dout[p, :]``, summed in fp32 in position order
-    (rows never referenced are 0). Positions are sorted by id on the device (stable radix sort) and each id's
-    rows are summed by one warp per column chunk: no float atomics, bit-identical from run to run.
+    (rows never referenced are 0). Positions are sorted by id on the device (stable radix sort); without
+    ``accumulate`` every table row is then written once by the threads that own it (its positions' rows summed,
+    or zeros), with ``accumulate`` each id's rows are added by one warp per column chunk: no float atomics,
+    bit-identical from run to run, and the same sums either way.
 
     Args:
         ids: the forward's ids (int32/int64, any shape).
@@ -202,12 +221,15 @@ def embedding_backward(ids, dout, vocab_size, *, out=None, accumulate=False, err
         np.add.at(acc, ids.reshape(-1), dout.reshape(n, D).astype(np.float32))
         res[...] = acc.astype(res.dtype)
         return res
-    if not accumulate:
-        B.zero_(res)
     if n == 0 or D == 0:
+        if not accumulate:
+            B.zero_(res)
         return res
     sk, sv = _sort_by_id(ids.reshape(-1), V, err)
-    _reduce_rows(sk, sv, dout.reshape(n, D), res, n, D, accumulate)
+    if accumulate:
+        _reduce_rows(sk, sv, dout.reshape(n, D), res, n, D, True)
+    else:  # every row written once by its owner, zeros included (no memset of the V x D table first)
+        _dense_rows(sk, sv, dout.reshape(n, D), res, n, V, D)
     return res
 
 
