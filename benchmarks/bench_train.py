@@ -13,7 +13,9 @@ Model: vocab 128256, 16 layers, hidden 2048, 32 heads, 8 KV heads, FFN 8192, unt
 parameters). Tokens: ``--data synthetic`` (default; uniform random ids and targets) or ``--data shakespeare``
 (tinyshakespeare byte tokens); a fresh batch is copied into the step's input buffers before every step.
 Prints ms/step (median of steady-state steps), tok/s, model TFLOP/s ((6 N + 12 L H D T) per token,
-N = parameters in matmuls) and peak memory, and with ``--ablation`` the seed report's ablation table at
+N = parameters in matmuls) and peak memory with its breakdown measured from CuPy's allocator (see
+:class:`MemoryBudget`; also in ``--json`` under ``rows[i].memory``), and with ``--ablation`` the seed report's
+ablation table at
 B4xT64: the unfused baseline, then each optimisation switched on, with its gain. ``--vs-torch`` runs the same
 model (Hugging Face ``transformers.LlamaForCausalLM`` when importable) through PyTorch in the same process:
 eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` as asked.
@@ -50,11 +52,13 @@ ZERO_BUCKET = 1 << 25
 GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
              ("fused kernels (LayerNorm, attn_softmax, GELU, embedding, CE), scores materialised",
               ["adam", "shadow", "graph", "fused"]),
-             ("fused kernels + flash attention", ["adam", "shadow", "graph", "fused", "flash"])]
+             ("fused kernels + flash attention", ["adam", "shadow", "graph", "fused", "flash"]),
+             ("+ fused LM head + loss (ck.linear_cross_entropy, no [N, V] logits)",
+              ["adam", "shadow", "graph", "fused", "flash", "fused_head"])]
 
 # Ablation rows in the seed report's order; each row switches one more optimisation on.
 FEATURES = ["shadow", "adam", "memset", "rmsnorm", "sparse_emb", "fused_ce", "fused_rest", "flash", "lazy_zero",
-            "graph"]
+            "graph", "fused_head"]
 ROW_NAMES = {
     None: "unfused baseline (composite ops, per-use weight casts)",
     "shadow": "+ bf16 shadow weights (no per-use casts)",
@@ -67,6 +71,7 @@ ROW_NAMES = {
     "flash": "+ flash attention (no [B, H, T, T] scores)",
     "lazy_zero": "+ first backward write overwrites (GEMM beta=0), no zeroing",
     "graph": "+ CUDA graph of the whole step",
+    "fused_head": "+ fused LM head + loss (no [N, V] logits)",
 }
 
 
@@ -103,6 +108,101 @@ def make_batches(kind, B, T, accum, vocab_size, seed=0):
         return nxt
     raise ValueError(f"data: expected 'synthetic' or 'shakespeare'; got {kind!r}")
 
+GiB = 2**30
+
+
+class MemoryBudget:
+    """Where one configuration's device memory goes, read from CuPy's allocator at fixed points (issue 17).
+
+    Snapshots (``used_bytes`` / ``total_bytes`` of the default pool, of the step's private graph pool, and the
+    device's used bytes from ``cudaMemGetInfo``): after the model is built, after the optimizer (before and after
+    ``free_all_blocks``), after the first (eager) step, after the capture. CuPy's pools never give memory back by
+    themselves, so a pool's ``total_bytes`` is its high-water mark: the default pool's before the release is the
+    build transient (the model's own parameters and the optimizer's flat copies at once), the graph pool's is
+    the step's peak. The table splits the steady footprint into:
+
+    - weights (fp32 master), gradients, bf16 shadows: the parameters' ``data`` / ``grad`` / ``shadow`` arrays (plus
+      a sparse-row gradient's row list and stamps);
+    - optimizer moments: the default pool's used bytes after the optimizer minus the three above (AdamW: exactly
+      exp_avg + exp_avg_sq + 256-byte alignment padding);
+    - freed blocks the default pool held after the optimizer was built (what ``free_all_blocks`` gave back; no
+      longer part of the footprint) and what it still holds free afterwards;
+    - activations + workspaces: the graph pool's peak minus what stays allocated in it between steps;
+    - graph pool, held between steps: the step's outputs, caches made during the warm-up (padded head weights,
+      the bias-gradient ones row, rope tables, ...);
+    - cuBLAS workspace (``ck.matmul``'s handle, one per device, made by ``main`` in the default pool: a part of the
+      moments row, which is the default pool's remainder);
+    - outside the pools: device used minus both pools (CUDA context, kernel modules, cuBLAS handles, the graph's
+      own memory; other processes on the GPU would land here too).
+    """
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.pool = cp.get_default_memory_pool()
+        self.snaps = {}
+
+    def snap(self, name, graph_pool=None):
+        self.cp.cuda.Device().synchronize()
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        d = dict(default_used=self.pool.used_bytes(), default_total=self.pool.total_bytes(), device_used=total - free)
+        if graph_pool is not None:
+            d.update(graph_used=graph_pool.used_bytes(), graph_total=graph_pool.total_bytes())
+        self.snaps[name] = d
+        return d
+
+    @staticmethod
+    def tensors(params):
+        """Bytes of the parameters' weights, gradients (dense + sparse-row bookkeeping) and shadows."""
+        w = sum(p.data.nbytes for p in params)
+        g = sum(p.grad.nbytes for p in params if p.grad is not None)
+        for p in params:
+            sg = getattr(p, "sparse_grad", None)
+            if sg is not None:
+                g += sg.rows.nbytes + sg.stamps.nbytes + (0 if p.grad is not None and sg.grad is p.grad
+                                                           else sg.grad.nbytes)
+        sh = sum(p.shadow.nbytes for p in params if getattr(p, "shadow", None) is not None)
+        return w, g, sh
+
+    def table(self, params):
+        """``[(row, bytes)]`` of the breakdown (see the class docstring) and the totals."""
+        from cukernels import blas
+
+        s = self.snaps
+        w, g, sh = self.tensors(params)
+        opt = s["optimizer (released)"]
+        moments = opt["default_used"] - w - g - sh
+        cap = s.get("after capture") or s["first step"]
+        first = s["first step"]
+        act = cap["graph_total"] - cap["graph_used"]
+        rows = [("weights (fp32 master)", w), ("gradients", g),
+                ("optimizer moments (+ other optimizer state)", moments), ("bf16 shadows", sh),
+                ("freed blocks the default pool held (released after the optimizer)",
+                 s["optimizer"]["default_total"] - opt["default_total"]),
+                ("freed blocks still in the default pool", opt["default_total"] - opt["default_used"]),
+                ("activations + workspaces (graph pool peak - held)", act),
+                ("graph pool, held between steps", cap["graph_used"]),
+                ("  (in the default pool) cuBLAS workspace of ck.matmul", blas.WORKSPACE_BYTES * len(blas._handles)),
+                ("outside the pools (context, modules, handles, graph)",
+                 cap["device_used"] - cap["default_total"] - cap["graph_total"])]
+        extra = dict(
+            build_transient=s["optimizer"]["default_total"],  # model params + flat buffers + init temporaries
+            first_step_graph_pool=first["graph_total"], capture_graph_pool=cap["graph_total"],
+            steady=cap["default_total"] + cap["graph_total"], device_used=cap["device_used"])
+        return rows, extra
+
+    @staticmethod
+    def report(rows, extra, label):
+        """Print the table; return it as a JSON-ready dict."""
+        print(f"  memory, {label} (GiB; from CuPy's pools):")
+        for name, b in rows:
+            print(f"    {name:<58} {b / GiB:8.3f}")
+        print(f"    {'= pools total (the peak of the row)':<58} {extra['steady'] / GiB:8.3f}")
+        print(f"    {'build transient (default pool before the release)':<58} {extra['build_transient'] / GiB:8.3f}")
+        print(f"    {'graph pool after the 1st eager step / after capture':<58} "
+              f"{extra['first_step_graph_pool'] / GiB:8.3f} / {extra['capture_graph_pool'] / GiB:.3f}")
+        print(f"    {'device used (cudaMemGetInfo)':<58} {extra['device_used'] / GiB:8.3f}", flush=True)
+        return dict(rows={n.strip(): b for n, b in rows}, **extra)
+
 
 class OurStep:
     """One cukernels training step with features switched on or off (see FEATURES)."""
@@ -115,6 +215,7 @@ class OurStep:
         from cukernels.optim import CompositeAdamW
 
         self.cp, self.ck = cp, ck
+        self.mem = MemoryBudget(cp)
         mcfg = dict(mcfg or (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B))
         self.mcfg, self.B, self.T, self.accum = mcfg, B, T, accum
         f = set(feats)
@@ -143,6 +244,10 @@ class OurStep:
                 m.fused = "fused_rest" in f
             if isinstance(m, Attention):
                 m.flash = "flash" in f
+        # The head and the loss in one chunked op (ck.linear_cross_entropy) only from its own ablation row on:
+        # the rows before it keep their session-2 meaning (logits, then the fused cross-entropy in place).
+        model.fused_head_loss = "fused_head" in f
+        self.mem.snap("model")
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
         group = DIST["group"]
@@ -168,6 +273,14 @@ class OurStep:
                                  no_decay=no_decay, shadow_dtype=ck.bfloat16 if "shadow" in f else None)
         if "shadow" in f:
             ck.amp.attach_shadows(params, opt)
+        self.mem.snap("optimizer")
+        # The optimizer copied every parameter into its flat buffers and repointed p.data: the model's own arrays
+        # (5.99 GB at the 1B shape) and the init temporaries are free blocks of the default pool now, which CuPy
+        # keeps, and the step allocates only from its graph's private pool, so nothing would ever reuse them
+        # (issue 17: most of the unexplained ~6 GiB at B4xT64). Hand them back to the device.
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()
+        self.mem.snap("optimizer (released)")
         self.model, self.opt, self.feats = model, opt, f
         self.ids = cp.zeros((accum, B, T), dtype=cp.int32)
         self.tgt = cp.zeros((accum, B, T), dtype=cp.int32)
@@ -231,6 +344,10 @@ class OurStep:
             loss, _ = self.step()
             self.step.synchronize()
             dt = time.perf_counter() - t0
+            if i == 0:
+                self.mem.snap("first step", self.step.pool)
+            elif self.step.graph is not None and "after capture" not in self.mem.snaps:
+                self.mem.snap("after capture", self.step.pool)
             if i >= warm:
                 times.append(dt * 1e3)
                 losses.append(float(loss))
@@ -243,13 +360,16 @@ def peak_gib():
     return cp.get_default_memory_pool().total_bytes() / 2**30
 
 
-def run_ours(B, T, feats, steps, accum=1, data="synthetic"):
+def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None):
+    """(ms/step, losses, peak GiB, parameters); with ``budget`` the memory breakdown ``(rows, extra)`` of
+    :meth:`MemoryBudget.table` is left in ``run_ours.last_budget``."""
     import cupy as cp
 
     s = OurStep(B, T, feats, accum=accum)
     ms, losses = s.run(steps, data=data)
     mem = peak_gib() + s.step.pool.total_bytes() / 2**30
     n = s.nparams
+    run_ours.last_budget = s.mem.table(s.params) if budget else None  # numbers only: no reference kept
     del s
     gc.collect()
     cp.get_default_memory_pool().free_all_blocks()
@@ -351,6 +471,12 @@ def main(argv=None):
     import cupy as cp
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    # ck.matmul's cuBLAS handle and its 32 MiB workspace, made now in the default pool: made inside the first
+    # configuration's warm-up they would come from that step's private graph pool, which is dropped with it
+    # while the handle (one per device, for the process) keeps using the workspace.
+    import cukernels as ck
+
+    ck.matmul(cp.ones((1, 1), cp.float32), cp.ones((1, 1), cp.float32))
     mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
     what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
     opt_name = f"ZeroAdamW on {world} GPUs (bf16 reduce-scatter, B x T per GPU)" if world > 1 else "AdamW"
@@ -360,7 +486,7 @@ def main(argv=None):
         B, T = CONFIGS[c]
         try:
             ms, losses, mem, n = run_ours(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps,
-                                          data=args.data)
+                                          data=args.data, budget=True)
         except Exception:
             traceback.print_exc()
             continue
@@ -370,7 +496,9 @@ def main(argv=None):
         print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
               f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}",
               flush=True)
-        out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses))
+        budget = MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T}")
+        out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses,
+                                memory=budget))
         for mode in [m for m in args.vs_torch.split(",") if m]:
             try:
                 r, impl = run_torch(B, T, mode, args.steps, data=args.data)
