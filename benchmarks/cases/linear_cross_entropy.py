@@ -105,4 +105,32 @@ def cases(ctx):
         out.append(Case("linear_cross_entropy eval", shape, "bf16", 2 * N * V * s + n * V * H * s,
                         "2NVs + nVHs", ours_eval, unfused_eval, tf, note="compute_grad=False (loss only)",
                         extra=dict(nsets=1), flops=flops))
+        if V % 64:
+            # The model's layout for a vocabulary that is no multiple of 64 (GPT-2): W in a zero-padded [Vp, H]
+            # buffer, num_classes=V, so the logits GEMM's N and the dx GEMM's K are Vp (cuBLAS keeps its align1
+            # kernels for an odd V there, whatever the leading dimension). Composite: the GPT-2 Linear(pad_rows)
+            # + in-place cross-entropy path on the full [N, Vp] logits.
+            Vp = -(-V // 64) * 64
+            wp = cp.zeros((Vp, H), dtype=w.dtype)
+            wp[:V] = w
+
+            def ours_p(i, x=x, wp=wp, t=t, gw=gw, V=V):
+                return linear_cross_entropy(x, wp, t, grad_weight=gw, num_classes=V)
+
+            def unfused_p(i, x=x, wp=wp, t=t, gw=gw, V=V):
+                z = ck.matmul(x, wp, trans_b=True)  # [N, Vp]: padding logits exactly 0, never written by CE
+                loss, _ = ck.cross_entropy_fused(z[:, :V], t, out=z[:, :V])
+                dx = ck.matmul(z, wp)
+                ck.matmul(z[:, :V], x, trans_a=True, out=gw)
+                return loss, dx, gw
+
+            ours_p(0), unfused_p(0)
+            memp = dict(ours=_peak_cupy(cp, ours_p), unfused=_peak_cupy(cp, unfused_p))
+            notep = (f"W padded to {Vp} rows, num_classes={V}; peak extra GB: ours {memp['ours'] / GB:.2f}, "
+                     f"unfused {memp['unfused'] / GB:.2f}")
+            print(f"  linear_cross_entropy {N}x{H}x{V} padded W: {notep}", flush=True)
+            nb = 4 * N * Vp * s + 2 * n * Vp * H * s + (2 * n - 1) * 4 * V * H + 4 * N * H * s
+            out.append(Case("linear_cross_entropy fwd+bwd, W padded", shape, "bf16", nb,
+                            "4NVps + 2nVpHs + (2n-1)4VH + 4NHs", ours_p, unfused_p, tfb, note=notep,
+                            extra=dict(nsets=1, mem=memp, chunk_rows=C, padded_rows=Vp), flops=3 * flops))
     return out
