@@ -1,0 +1,74 @@
+"""Benchmark cases for ck.flash_attention_sm90 (kernels_cu/attention_sm90.cu: wgmma forward, sm_90 GPUs only).
+
+Compute-bound: TFLOP/s count the model FLOPs (4 B H Tq Tk D forward, halved under the causal mask; fwd+bwd 3.5x
+forward). The "x cupy" column is the mma.sync forward (ck.flash_attention, attention.cu) on the same inputs, the
+"x torch" column PyTorch's scaled_dot_product_attention (cuDNN / flash backend) on the same [B, T, H, D] views,
+timed in the same run. "fwd+bwd" is this forward followed by ck.flash_attention_backward (mma.sync, fed this
+forward's o / lse) against SDPA's forward + autograd backward. No rows on other GPUs.
+"""
+import math
+
+import cukernels as ck
+from bench_ops import Case
+
+# (B, T, H, Hkv, D, causal): the issue-17 targets (LLaMA-3.2-1B training shape, a long sequence), 128-wide heads,
+# and the full (non-causal) mask.
+SHAPES = [(8, 1024, 32, 8, 64, True), (2, 4096, 32, 8, 64, True), (8, 1024, 16, 16, 128, True),
+          (8, 1024, 32, 8, 64, False)]
+
+
+def cases(ctx):
+    from cukernels.ops import attention_sm90 as A90
+
+    if not A90.supported():
+        return []
+    cp, torch = ctx.cp, ctx.torch
+    out = []
+    for Bsz, T, H, Hkv, D, causal in (SHAPES[:2] if ctx.quick else SHAPES):
+        r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
+        per_set = (2 * Bsz * T * H * D + 2 * Bsz * T * Hkv * D) * 2
+        k_ = min(ctx.nsets(per_set), 3)
+        qs = [r(Bsz, T, H, D) for _ in range(k_)]
+        ks = [r(Bsz, T, Hkv, D) for _ in range(k_)]
+        vs = [r(Bsz, T, Hkv, D) for _ in range(k_)]
+        dos = [r(Bsz, T, H, D) for _ in range(k_)]
+        f_fwd = 4.0 * Bsz * H * T * T * D * (0.5 if causal else 1.0)
+
+        def ours(i, qs=qs, ks=ks, vs=vs, causal=causal):
+            return A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+
+        def mma_sync(i, qs=qs, ks=ks, vs=vs, causal=causal):
+            return ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+
+        def ours_fb(i, qs=qs, ks=ks, vs=vs, dos=dos, causal=causal):
+            o, lse = A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+            return ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], o, lse, causal=causal)
+
+        def mma_fb(i, qs=qs, ks=ks, vs=vs, dos=dos, causal=causal):
+            o, lse = ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+            return ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], o, lse, causal=causal)
+
+        tf = tfb = None
+        if torch is not None:
+            import torch.nn.functional as Fn
+
+            tq = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in qs]
+            tk = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in ks]
+            tv = [ctx.t(x).transpose(1, 2).requires_grad_(True) for x in vs]
+            tdo = [ctx.t(x).transpose(1, 2) for x in dos]
+
+            def tf(i, tq=tq, tk=tk, tv=tv, causal=causal):
+                with torch.no_grad():
+                    return Fn.scaled_dot_product_attention(tq[i], tk[i], tv[i], is_causal=causal, enable_gqa=True)
+
+            def tfb(i, tq=tq, tk=tk, tv=tv, tdo=tdo, causal=causal):
+                o = Fn.scaled_dot_product_attention(tq[i], tk[i], tv[i], is_causal=causal, enable_gqa=True)
+                return torch.autograd.grad(o, (tq[i], tk[i], tv[i]), tdo[i])
+
+        shape = f"{Bsz}x{T}x{H}/{Hkv}x{D}" + ("" if causal else " full")
+        out.append(Case("flash_attention_sm90 fwd", shape, "bf16", per_set, "q,k,v,o once", ours, mma_sync, tf,
+                        note="x cupy = mma.sync fwd", extra=dict(nsets=k_, scale=1 / math.sqrt(D)), flops=f_fwd))
+        out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd (wgmma) + bwd (mma.sync)",
+                        ours_fb, mma_fb, tfb, note="x cupy = mma.sync fwd+bwd", extra=dict(nsets=k_),
+                        flops=3.5 * f_fwd))
+    return out
