@@ -702,8 +702,9 @@ class ZeroAdamW:
             # frees up, instead of after every queued block of the GEMM or Adam kernel running beside it (default
             # priority: the 2-GPU B8xT1024 step lost ~10 ms, the overlapped collectives ran as if serial).
             # Captured graphs keep it per node (cukernels.graph instantiates with node priorities).
-            _, greatest = self.xp.cuda.runtime.deviceGetStreamPriorityRange()
-            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=greatest)
+            # (CuPy has no cudaDeviceGetStreamPriorityRange; CUDA clamps a priority outside the device's range
+            # to the nearest end, so -100 is the greatest, -5 on Hopper.)
+            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=-100)
         return self._comm
 
     def _fork(self):
