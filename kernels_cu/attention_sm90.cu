@@ -22,6 +22,11 @@
 //     layout), P rounded to bf16 in registers as the A operand of O += P V (wgmma m64n{D}k16, A from registers,
 //     B = V from shared memory, MN-major: V is stored [key][d] with d contiguous, the transpose bit set). Then
 //     the stage's "empty" mbarrier is arrived on so the producer may refill it.
+//   * Consumer schedule (attn_sm90_fwd_d{D}, FlashAttention-3's): per tile, one "GEMM block" issues S for tile
+//     j + 1 and P V for tile j back to back; the softmax of tile j + 1 runs while P V is still on the tensor
+//     cores; two named barriers make the consumer warpgroups take turns issuing GEMM blocks (ping-pong), so one
+//     warpgroup's exp2s overlap the other's wgmmas. attn_sm90_fwd_d{D}_serial: S, softmax, P V one after the
+//     other (the fallback, same tiles and shared memory).
 //   * Shared tiles: rows of 64 bf16 = 128 bytes; a D = 128 tile is two such column blocks one after the other.
 //     16-byte chunk c of row r lives at byte r * 128 + ((c ^ (r & 7)) << 4) of its column block (Swizzle<3,4,3>
 //     on the address: bits 4-6 ^= bits 7-9), 8-row groups 1024 bytes apart, every tile 1024-byte aligned.
@@ -184,6 +189,81 @@ __device__ __forceinline__ void mask_tile(float (&s)[N / 8][4], int row0, int co
   }
 }
 
+// Issue (not wait for) S = Q K^T over the D / 16 k-steps; k-step kk reads 32 bytes at column block kk / 4, byte
+// (kk % 4) * 32 of every row of the Q (this warpgroup's 64 rows) and K tiles. Both K-major, SBO = 1024.
+template <int D, int BN>
+__device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], unsigned qaddr, unsigned kaddr) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const unsigned long long da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
+    const unsigned long long db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
+    wgmma_ss<BN>(s, da, db, kk > 0);
+  }
+}
+// Issue O += P V: V is MN-major (the transpose bit), k-step kk = key rows 16 kk .. 16 kk + 15 (2048 bytes per
+// step), LBO = the next 64-wide column block of d (D = 128), SBO = 1024 between 8-key groups.
+template <int D, int BN>
+__device__ __forceinline__ void issue_pv(float (&acc)[D / 8][4], const unsigned (&pa)[BN / 16][4], unsigned vaddr) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D>(acc, pa[kk], make_desc(vaddr + kk * 2048, BN * 128, 1024));
+}
+// P (bf16) as wgmma's register A operand: k-step kk = keys 16 kk .. 16 kk + 15 = accumulator columns of n-blocks
+// 2 kk and 2 kk + 1, in the m16n8k16 A-fragment order (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8).
+template <int BN>
+__device__ __forceinline__ void pack_p(unsigned (&pa)[BN / 16][4], const float (&s)[BN / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+template <int N> __device__ __forceinline__ void fence_regs(unsigned (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+// online_softmax_step (common/mma.cuh) without the accumulator rescale: updates the running max / sum of the
+// thread's two rows, turns s into p, and returns the factors acc must be multiplied by (applied by the caller
+// once the P V product that is still in flight on acc has completed).
+template <int BN>
+__device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float& m0, float& m1, float& l0, float& l1,
+                                             float sl2, float& cr0, float& cr1) {
+  float mx0 = -CK_INF, mx1 = -CK_INF;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
+  const float base0 = mn0 == -CK_INF ? 0.f : mn0, base1 = mn1 == -CK_INF ? 0.f : mn1;
+  cr0 = ex2(m0 - base0);
+  cr1 = ex2(m1 - base1);
+  m0 = mn0;
+  m1 = mn1;
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    s[nt][0] = ex2(fmaf(s[nt][0], sl2, -base0));
+    s[nt][1] = ex2(fmaf(s[nt][1], sl2, -base0));
+    s[nt][2] = ex2(fmaf(s[nt][2], sl2, -base1));
+    s[nt][3] = ex2(fmaf(s[nt][3], sl2, -base1));
+    ps0 += s[nt][0] + s[nt][1];
+    ps1 += s[nt][2] + s[nt][3];
+  }
+  l0 = l0 * cr0 + ps0;
+  l1 = l1 * cr1 + ps1;
+}
+// Named barriers 1 and 2 (0 is __syncthreads): "consumer warpgroup 0 / 1 may issue its tensor-core work".
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
 struct Strides {
   long long b, t, h;
 };
@@ -204,7 +284,7 @@ template <int D, int BN, int STAGES> struct Smem {
 
 // ================================================================================================ forward
 // Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory Smem<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES>
+template <int D, int BN, int STAGES, bool PP>
 __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
@@ -270,55 +350,116 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
   mbar_wait(qbar, 0);
 
-  for (int jb = 0; jb < nkb; ++jb) {
-    const int st = jb % STAGES, n0 = jb * BN;
-    mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
-    // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release it.
-    if (causal && n0 > rbase + 63 + off) {
-      mbar_arrive(empty0 + 8 * st);
-      continue;
+  if constexpr (!PP) {
+    // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the warp
+    // schedulers happen to interleave them.
+    for (int jb = 0; jb < nkb; ++jb) {
+      const int st = jb % STAGES, n0 = jb * BN;
+      mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
+      // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release it.
+      if (causal && n0 > rbase + 63 + off) {
+        mbar_arrive(empty0 + 8 * st);
+        continue;
+      }
+      fence_proxy_async();
+      float s[BN / 8][4];
+      zero(s);
+      fence_regs(s);
+      wgmma_fence();
+      issue_s<D, BN>(s, qaddr, smem_addr(Ks + st * SM::KV));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(s);
+      if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+      online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
+      unsigned pa[BN / 16][4];
+      pack_p<BN>(pa, s);
+      fence_regs(acc);
+      wgmma_fence();
+      issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_regs(pa);
+      mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
     }
-    fence_proxy_async();
-    const unsigned kaddr = smem_addr(Ks + st * SM::KV), vaddr = smem_addr(Vs + st * SM::KV);
-
-    // S = Q K^T: D / 16 k-steps; step kk reads 32 bytes at column block kk / 4, byte (kk % 4) * 32 of each row.
+  } else if (nkb > 0) {
+    // Pipelined (FlashAttention-3's schedule): each "GEMM block" issues S for tile j + 1 and P V for tile j back
+    // to back, then the softmax of tile j + 1 runs while P V (tile j) is still on the tensor cores (wait_group 1:
+    // S, committed first, is done). Ping-pong: named barrier 1 + cw lets warpgroup cw issue its GEMM block, after
+    // which it lets the other one go, so one warpgroup's exponentials overlap the other's GEMMs (at D = 64 the
+    // 16 K exp2 of a 128 x 128 tile take ~1000 cycles of the SM's MUFU, about as long as its 4.2 MFLOP of wgmma).
+    // Block count per warpgroup: 1 (S of tile 0) + nkb; every sync on a barrier is matched by exactly one arrive
+    // of the other warpgroup (warpgroup 1 opens with one, and skips its very last), so none is left pending.
+    // Both warpgroups run every tile (no per-warpgroup causal skip here: it would unbalance the barriers; the
+    // -inf rows of a fully masked tile leave the softmax state unchanged).
+    const int mine = 1 + cw, other = 2 - cw;
+    if (cw == 1) named_arrive(other);
     float s[BN / 8][4];
+    unsigned pa[BN / 16][4];
+    mbar_wait(full0, 0);
+    fence_proxy_async();
+    named_sync(mine);
     zero(s);
     fence_regs(s);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const unsigned long long da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
-      const unsigned long long db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-      wgmma_ss<BN>(s, da, db, kk > 0);
-    }
+    issue_s<D, BN>(s, qaddr, smem_addr(Ks));
     wgmma_commit();
+    named_arrive(other);
     wgmma_wait<0>();
     fence_regs(s);
-
-    if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
-    online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
-
-    // P (bf16) as wgmma's register A operand: k-step kk = keys 16 kk .. 16 kk + 15 = accumulator columns of
-    // n-blocks 2 kk and 2 kk + 1 (the m16n8k16 A-fragment order: (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8)).
-    unsigned pa[BN / 16][4];
+    if (BN > Tk || (causal && BN - 1 > row0 + off)) mask_tile<BN>(s, row0, 0, Tk, off, causal, lane);
+    float cr0, cr1;
+    softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);  // acc is still 0: no rescale needed
+    pack_p<BN>(pa, s);
+    // Blocks 1 .. nkb - 1: S of tile jb + 1 and P V of tile jb. Straight-line wgmma issue (no branch between
+    // the issues and their waits: ptxas serialises every wgmma of a function whose pipeline it cannot follow
+    // through a divergent path).
+    for (int jb = 0; jb + 1 < nkb; ++jb) {
+      const int st = jb % STAGES, st1 = (jb + 1) % STAGES, n1 = (jb + 1) * BN;
+      mbar_wait(full0 + 8 * st1, ((jb + 1) / STAGES) & 1);
+      fence_proxy_async();
+      named_sync(mine);
+      zero(s);
+      fence_regs(s);
+      fence_regs(acc);
+      fence_regs(pa);
+      wgmma_fence();
+      issue_s<D, BN>(s, qaddr, smem_addr(Ks + st1 * SM::KV));
+      wgmma_commit();
+      issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
+      wgmma_commit();
+      named_arrive(other);
+      wgmma_wait<1>();  // S of tile jb + 1 is done; P V of tile jb may still run
+      fence_regs(s);
+      if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n1, Tk, off, causal, lane);
+      softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_regs(pa);
+      mbar_arrive(empty0 + 8 * st);  // V of tile jb read (its K was read before the previous block ended)
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int nt = 0; nt < D / 8; ++nt) {
+        acc[nt][0] *= cr0;
+        acc[nt][1] *= cr0;
+        acc[nt][2] *= cr1;
+        acc[nt][3] *= cr1;
+      }
+      pack_p<BN>(pa, s);
     }
-    // O += P V: V MN-major (transposed B), k-step kk = key rows 16 kk .. (2048 bytes each), LBO = the next
-    // 64-wide column block of d (D = 128), SBO = 1024 between 8-key groups.
+    // Last block: P V of tile nkb - 1 (warpgroup 1 does not open another block of warpgroup 0's).
+    const int st = (nkb - 1) % STAGES;
+    named_sync(mine);
     fence_regs(acc);
+    fence_regs(pa);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D>(acc, pa[kk], make_desc(vaddr + kk * 2048, BN * 128, 1024));
+    issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
     wgmma_commit();
+    if (cw == 0) named_arrive(other);
     wgmma_wait<0>();
     fence_regs(acc);
-    mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
+    fence_regs(pa);
+    mbar_arrive(empty0 + 8 * st);
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -349,14 +490,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
 // attn_sm90_fwd_d{64,128}: same arguments as attention.cu's attn_fwd_d{D} (strides in elements: batch, token,
 // head; the last axis contiguous). Launch: 384 threads, grid (ceil(Tq / 128), H, B), dynamic shared memory
 // Smem<D, BN, STAGES>::BYTES (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
-#define CK_ATTN90_FWD(D, BN, STAGES)                                                                          \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D(                                \
+#define CK_ATTN90_FWD_1(D, BN, STAGES, PP, SUF)                                                                \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D##SUF(                           \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
-    attn_fwd_sm90<D, BN, STAGES>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                    \
-                                 Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal);                          \
+    attn_fwd_sm90<D, BN, STAGES, PP>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
+                                     Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal);                      \
   }
+// attn_sm90_fwd_d{D}: the pipelined ping-pong consumers (production); attn_sm90_fwd_d{D}_serial: the serial
+// consumer loop (same tiles, same shared memory; kept as the fallback and the reference point of the benchmark).
+#define CK_ATTN90_FWD(D, BN, STAGES)            \
+  CK_ATTN90_FWD_1(D, BN, STAGES, true, )        \
+  CK_ATTN90_FWD_1(D, BN, STAGES, false, _serial)
 // D = 64: 128-key tiles, 3 stages: 16 KB Q + 3 x 32 KB K/V = 112 KB (one CTA per SM: 384 threads x 168
 // registers is the whole register file). D = 128: 128-key tiles, 2 stages: 32 KB + 2 x 64 KB = 160 KB.
 CK_ATTN90_FWD(64, 128, 3)

@@ -233,6 +233,51 @@ def test_config_mirrors_the_kernel_instantiations():
     assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
 
 
+def pingpong_events(cw, nkb):
+    """Kernel (PP consumers): the named-barrier operations of consumer warpgroup cw, in program order:
+    ('s', id) = bar.sync, ('a', id) = bar.arrive; mine = 1 + cw, other = 2 - cw."""
+    if nkb == 0:
+        return []
+    mine, other = 1 + cw, 2 - cw
+    ev = [("a", other)] if cw == 1 else []
+    ev += [("s", mine), ("a", other)]            # prologue block: S of tile 0
+    for _ in range(nkb - 1):                     # blocks: S of tile jb + 1, P V of tile jb
+        ev += [("s", mine), ("a", other)]
+    ev += [("s", mine)] + ([("a", other)] if cw == 0 else [])  # last block: P V of tile nkb - 1
+    return ev
+
+
+@pytest.mark.parametrize("nkb", range(6))
+def test_pingpong_barriers_alternate_and_balance(nkb):
+    """Simulate bar.sync / bar.arrive (256 threads = both warpgroups) over the two consumers' event lists: no
+    deadlock, the GEMM blocks strictly alternate (warpgroup 0 first), and no barrier is left with arrivals."""
+    ev = [pingpong_events(0, nkb), pingpong_events(1, nkb)]
+    pos, waiting, pending, order = [0, 0], [None, None], {1: 0, 2: 0}, []
+    while pos[0] < len(ev[0]) or pos[1] < len(ev[1]) or any(w is not None for w in waiting):
+        progressed = False
+        for w in (0, 1):
+            if waiting[w] is not None:
+                continue
+            if pos[w] < len(ev[w]):
+                kind, bid = ev[w][pos[w]]
+                pos[w] += 1
+                progressed = True
+                if kind == "a":
+                    pending[bid] += 1
+                else:
+                    waiting[w] = bid
+        for w in (0, 1):  # a sync completes when the other warpgroup's arrival is there (128 + 128 threads)
+            bid = waiting[w]
+            if bid is not None and pending[bid] > 0:
+                pending[bid] -= 1
+                waiting[w] = None
+                order.append(w)
+                progressed = True
+        assert progressed, f"deadlock at {pos}, waiting {waiting}"
+    assert pending == {1: 0, 2: 0}
+    assert order == [0, 1] * (nkb + 1 if nkb else 0)
+
+
 # ------------------------------------------------------------------------------------------------ reference / API
 def qkv(rng, Bsz, Tq, Tk, H, Hkv, D, scale=1.0):
     f = lambda *s: (rng.standard_normal(s) * scale).astype(np.float32).astype(BF16)  # noqa: E731
@@ -271,6 +316,13 @@ def _sm90():
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100 / H200)")
 
 
+@pytest.fixture(params=A90.VARIANTS, ids=lambda v: v.strip("_") or "pingpong")
+def variant(request, monkeypatch):
+    """Every GPU test runs both kernel variants (the pipelined ping-pong one and the serial one)."""
+    monkeypatch.setattr(A90, "VARIANT", request.param)
+    return request.param
+
+
 def close(got, ref, tol, what):
     got, ref = to_host(got).astype(np.float64), np.asarray(to_host(ref), dtype=np.float64)
     assert got.shape == ref.shape, what
@@ -294,7 +346,7 @@ GPU_GRID = [(Bsz, T, H, Hkv, D, causal) for Bsz in (1, 2) for T in (1, 17, 128, 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "B%dT%dH%d/%dD%d%s" % (*c[:5], "c" if c[5] else "f"))
-def test_gpu_matches_reference_and_mma_sync(rng, case):
+def test_gpu_matches_reference_and_mma_sync(rng, variant, case):
     Bsz, T, H, Hkv, D, causal = case
     q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
     Q, K, V = cp().asarray(q), cp().asarray(k), cp().asarray(v)
@@ -318,7 +370,7 @@ CROSS = [(1, 7, 12, 2, 2, 64, True), (1, 12, 5, 2, 1, 64, True), (1, 300, 130, 4
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", CROSS)
-def test_gpu_seq_q_differs_from_seq_k(rng, case):
+def test_gpu_seq_q_differs_from_seq_k(rng, variant, case):
     """Causal alignment at the end (Tq < Tk), rows that see no key (Tq > Tk: o = 0, lse = -inf)."""
     Bsz, Tq, Tk, H, Hkv, D, causal = case
     q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
@@ -331,7 +383,7 @@ def test_gpu_seq_q_differs_from_seq_k(rng, case):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_strided_views_and_backward_consumes_lse(rng, D):
+def test_gpu_strided_views_and_backward_consumes_lse(rng, variant, D):
     """q, k, v as slices of one fused [B, T, H + 2 Hkv, D] projection; the existing backward run from this
     forward's o / lse equals the one run from flash_attention's."""
     Bsz, T, H, Hkv = 2, 333, 8, 2
@@ -352,7 +404,7 @@ def test_gpu_strided_views_and_backward_consumes_lse(rng, D):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_large_scores_and_determinism(rng):
+def test_gpu_large_scores_and_determinism(rng, variant):
     """Scores of +-1e3 (q, k scaled by 40): no overflow in the online softmax; reruns bit-identical."""
     Bsz, T, H, Hkv, D = 2, 1000, 4, 2, 64
     q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
@@ -369,7 +421,7 @@ def test_gpu_large_scores_and_determinism(rng):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_scale_and_empty_shapes(rng):
+def test_gpu_scale_and_empty_shapes(rng, variant):
     q, k, v = qkv(rng, 1, 200, 200, 4, 2, 128)
     ro = ck.flash_attention(q, k, v, scale=0.3)
     o = A90.flash_attention_sm90(*(cp().asarray(x) for x in (q, k, v)), scale=0.3)

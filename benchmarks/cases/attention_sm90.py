@@ -68,6 +68,15 @@ def cases(ctx):
         shape = f"{Bsz}x{T}x{H}/{Hkv}x{D}" + ("" if causal else " full")
         out.append(Case("flash_attention_sm90 fwd", shape, "bf16", per_set, "q,k,v,o once", ours, mma_sync, tf,
                         note="x cupy = mma.sync fwd", extra=dict(nsets=k_, scale=1 / math.sqrt(D)), flops=f_fwd))
+        def serial(i, qs=qs, ks=ks, vs=vs, causal=causal):
+            A90.VARIANT, prev = "_serial", A90.VARIANT
+            try:
+                return A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+            finally:
+                A90.VARIANT = prev
+
+        out.append(Case("flash_attention_sm90 fwd serial", shape, "bf16", per_set, "q,k,v,o once", serial,
+                        mma_sync, tf, note="the _serial consumer loop", extra=dict(nsets=k_), flops=f_fwd))
         out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd (wgmma) + bwd (mma.sync)",
                         ours_fb, mma_fb, tfb, note="x cupy = mma.sync fwd+bwd", extra=dict(nsets=k_),
                         flops=3.5 * f_fwd))

@@ -22,6 +22,11 @@ BM = 128       # query rows per CTA (64 per consumer warpgroup)
 # head_dim -> (key tile, pipeline stages); must match the CK_ATTN90_FWD lines of attention_sm90.cu.
 CONFIG = {64: (128, 3), 128: (128, 2)}
 HEAD_DIMS = tuple(CONFIG)
+# Kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j issued
+# together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
+# "_serial" = one tile at a time per warpgroup (same tiles and shared memory). Both are tested.
+VARIANTS = ("", "_serial")
+VARIANT = ""
 
 
 def smem_bytes(D: int) -> int:
@@ -51,10 +56,10 @@ def supported() -> bool:
 _configured: set = set()
 
 
-def _kernel(D):
-    k = get_function(FAMILY, f"attn_sm90_fwd_d{D}")
+def _kernel(D, variant):
+    k = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}")
     smem = smem_bytes(D)
-    key = (D, id(k))
+    key = (D, variant, id(k))
     if key not in _configured:  # a host-side attribute, set once before any capture
         k.max_dynamic_shared_size_bytes = smem
         _configured.add(key)
@@ -108,7 +113,7 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
-    kern, smem = _kernel(D)
+    kern, smem = _kernel(D, VARIANT)
     kern((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
           np.bool_(causal)), shared_mem=smem)
