@@ -41,16 +41,20 @@ def _libcuda():
 
 
 class _PriorityGraph:
-    """A captured CuPy graph instantiated with per-node priorities (driver API); ``launch`` / ``upload`` as
-    CuPy's ``Graph``. The CuPy object is kept: it owns the ``CUgraph`` and destroys it."""
+    """A captured graph instantiated through the driver with per-node priorities; ``launch`` / ``upload`` as
+    CuPy's ``Graph``. Owns the executable graph only (the ``CUgraph`` is destroyed once instantiated)."""
 
     def __init__(self, graph, lib):
-        self._graph, self._lib = graph, lib
-        self._exec = ctypes.c_void_p()
-        r = lib.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), ctypes.c_void_p(graph.graph),
-                                            ctypes.c_ulonglong(_USE_NODE_PRIORITY))
-        if r != 0:
-            raise RuntimeError(f"cuGraphInstantiateWithFlags failed (CUresult {r})")
+        self._lib, self._exec = lib, ctypes.c_void_p()
+        try:
+            r = lib.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), graph,
+                                                ctypes.c_ulonglong(_USE_NODE_PRIORITY))
+            if r != 0:  # (a driver without the flag: the plain instantiation, launch-stream priority)
+                r = lib.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), graph, ctypes.c_ulonglong(0))
+            if r != 0:
+                raise RuntimeError(f"cuGraphInstantiateWithFlags failed (CUresult {r})")
+        finally:
+            lib.cuGraphDestroy(graph)
 
     def _call(self, fn, stream):
         r = fn(self._exec, ctypes.c_void_p(stream.ptr))
@@ -64,21 +68,22 @@ class _PriorityGraph:
         self._call(self._lib.cuGraphUpload, stream)
 
     def __del__(self):
-        if getattr(self, "_exec", None) and self._exec.value and self._lib is not None:
+        if getattr(self, "_exec", None) and self._exec.value:
             self._lib.cuGraphExecDestroy(self._exec)
 
 
-def instantiate(graph):
-    """``graph`` (CuPy's, from ``end_capture``) with per-node stream priorities honoured, or ``graph`` itself
-    where the driver entry point or the graph handle is not available (it then runs at the launch stream's
-    priority: correct, only less overlap)."""
+def end_capture(stream):
+    """End ``stream``'s capture; the graph instantiated with per-node stream priorities (driver API), or CuPy's
+    own ``Graph`` where libcuda cannot be loaded (then every node runs at the launch stream's priority: correct,
+    less overlap). CuPy's ``end_capture`` instantiates at once with no flags, so the driver ends the capture."""
     lib = _libcuda()
-    if lib is None or not getattr(graph, "graph", 0) or getattr(graph, "graphExec", 0):
-        return graph
-    try:
-        return _PriorityGraph(graph, lib)
-    except (RuntimeError, AttributeError):
-        return graph
+    if lib is None:
+        return stream.end_capture()
+    g = ctypes.c_void_p()
+    r = lib.cuStreamEndCapture(ctypes.c_void_p(stream.ptr), ctypes.byref(g))
+    if r != 0:
+        raise RuntimeError(f"cuStreamEndCapture failed (CUresult {r})")
+    return _PriorityGraph(g, lib)
 
 
 class CapturedStep:
@@ -132,11 +137,11 @@ class CapturedStep:
                         out = self.fn()
                     except BaseException:
                         try:
-                            self.stream.end_capture()
+                            end_capture(self.stream)
                         except Exception:
                             pass
                         raise
-                    self.graph = instantiate(self.stream.end_capture())
+                    self.graph = end_capture(self.stream)
                     self.graph.upload(self.stream)
                     self.out = out
                     self.calls += 1
