@@ -3,8 +3,12 @@
 //   forward   r = 1 / sqrt(mean(x^2) + eps)          (one fp32 per row, saved for backward)
 //             y = x * r * w
 //   backward  g = dy * w
-//             dx = r * (g - x * r^2 * mean(g * x))
+//             dx = r * (g - x * r^2 * mean(g * x))   (+ dh: add_rms_norm, below)
 //             dw = sum over rows of dy * x * r
+//
+//   add_rms_norm (issue 17): h = x + res (fp32 sum, rounded once to T), y = rmsnorm(h); writes h and y in one
+//   pass (reads x, res: 4 * C * s per row instead of the two-launch 6 * C * s). Its backward is the backward
+//   above on h with the residual stream's gradient dh added into dx in the same pass ("add" kernels).
 //
 // Design (numbers for 8192 x 2048 on an H200, copy ceiling ~4.2 TB/s):
 // - "reg" kernels keep the row in registers between the reduction and the write, so x (and dy) are read
@@ -14,6 +18,8 @@
 //   of fewer than 256 threads share a block (TPR x RPB = 256).
 // - Backward holds x, dy and the dw accumulator (VPT x 16 floats) live at once, so its blocks are capped at
 //   256 threads (__launch_bounds__(256)). No kernel spills (tests/test_compile.py checks ptxas).
+//   On the 16-byte path with VPT <= 4 the launcher takes rms_bwd_pipe instead (cp.async double buffering,
+//   packs re-read from shared memory, 512-thread blocks for VPT <= 2): see the comment above that kernel.
 // - VEC=true: 16-byte loads/stores, needs C % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the
 //   launcher checks); VEC=false: element accesses, any C, any alignment (misaligned views).
 // - Rows too long for registers (forward: fp32 C > 16384, bf16 C > 32768, unaligned C > 4096; backward:
@@ -25,6 +31,19 @@
 //   partials in a fixed order. The launcher sizes the grid to one wave, ~2 blocks/SM x 132 SMs, so the
 //   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048.
 #include "common/vec.cuh"
+
+// cp.async (sm_80+) for the pipelined backward. Unlike common/mma.cuh's helpers these carry a "memory" clobber:
+// rms_bwd_pipe reads a stage right after the wait with no __syncthreads in between (each thread reads only
+// what it copied), so the compiler must not move those shared-memory loads above the wait, nor a stage's
+// last reads below the copies that refill it.
+__device__ __forceinline__ void rn_cp_async16(void* dst, const void* src) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+}
+__device__ __forceinline__ void rn_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void rn_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 // Loads this thread's packs of row `row` (nothing when the row is past the end).
 template <typename T, int E, int VPT>
@@ -42,8 +61,11 @@ __device__ __forceinline__ void load_row(Pack<T, E> (&v)[VPT], const T* __restri
 // the blocks; backward: a persistent one-wave grid). The loop bound is the same for every thread of the block
 // (row_sum synchronises the block when a row spans several warps); threads whose row is past the end compute
 // on garbage and store nothing. (A one-group prefetch was tried: 5-10 % slower, NOTES.md.)
-template <typename T, typename W, int VPT, bool VEC>
-__device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
+// ADD (add_rms_norm): the normalised row is h = x + res, summed in fp32 and rounded once to T; h is stored
+// and the rounded h is what gets normalised, so the backward (which reads h) sees exactly the forward's input.
+template <typename T, typename W, int VPT, bool VEC, bool ADD>
+__device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const T* __restrict__ res,
+                                            const W* __restrict__ w, T* __restrict__ y, T* __restrict__ h,
                                             float* __restrict__ rstd, long long rows, int C, float eps, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
@@ -53,6 +75,14 @@ __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __
   for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += stride) {
     const long long row = base + threadIdx.y;
     load_row<T, E, VPT>(xv, x, row, rows, C, units);
+    if constexpr (ADD) {
+      Pack<T, E> rv[VPT];
+      load_row<T, E, VPT>(rv, res, row, rows, C, units);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int i = 0; i < E; ++i) xv[k].v[i] = from_f32<T>(to_f32(xv[k].v[i]) + to_f32(rv[k].v[i]));
+    }
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -79,23 +109,33 @@ __device__ __forceinline__ void rms_fwd_reg(const T* __restrict__ x, const W* __
 #pragma unroll
           for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(to_f32(xv[k].v[i]) * r * wf[i]);
           store_pack<T, E>(yr + u * E, o);
+          if constexpr (ADD) store_pack<T, E>(h + row * C + u * E, xv[k]);
         }
       }
     }
   }
 }
 
-template <typename T, typename W, bool VEC>
-__device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
+// ADD: pass 1 reads x and res, stores h and sums h^2; pass 2 re-reads h through the (non-restrict) output
+// pointer: the same thread wrote those packs in pass 1, so program order makes them visible (mostly from L2).
+template <typename T, typename W, bool VEC, bool ADD>
+__device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const T* __restrict__ res,
+                                             const W* __restrict__ w, T* __restrict__ y, T* h,
                                              float* __restrict__ rstd, long long rows, int C, float eps, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32];
   const int units = C / E;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * C;
+    const T* xr = ADD ? h + row * C : x + row * C;
     float ss = 0.f;
     for (int u = threadIdx.x; u < units; u += blockDim.x) {
-      const Pack<T, E> v = load_pack<T, E>(xr + u * E);
+      Pack<T, E> v = load_pack<T, E>(x + row * C + u * E);
+      if constexpr (ADD) {
+        const Pack<T, E> rv = load_pack<T, E>(res + row * C + u * E);
+#pragma unroll
+        for (int i = 0; i < E; ++i) v.v[i] = from_f32<T>(to_f32(v.v[i]) + to_f32(rv.v[i]));
+        store_pack<T, E>(h + row * C + u * E, v);
+      }
 #pragma unroll
       for (int i = 0; i < E; ++i) {
         const float f = to_f32(v.v[i]);
@@ -120,11 +160,13 @@ __device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const W* _
 
 // dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten. Same block-uniform loop as the
 // forward, over a persistent grid.
-template <typename T, typename W, int VPT, bool VEC>
+// ADD: dh (the gradient reaching x from the residual stream, add_rms_norm) is loaded with x and dy and added
+// into dx before the one rounding.
+template <typename T, typename W, int VPT, bool VEC, bool ADD>
 __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ w, const float* __restrict__ rstd,
-                                            T* __restrict__ dx, float* __restrict__ dw_part, long long rows, int C,
-                                            bool w_vec) {
+                                            const T* __restrict__ dh, T* __restrict__ dx,
+                                            float* __restrict__ dw_part, long long rows, int C, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
   __shared__ float combine[256 * 8];  // write_block_partial: TPR * RPB <= 256 threads, E <= 8 floats each
@@ -142,6 +184,15 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
     const bool active = row < rows;
     load_row<T, E, VPT>(xv, x, row, rows, C, units);
     load_row<T, E, VPT>(gv, dy, row, rows, C, units);
+    Pack<T, E> hv[ADD ? VPT : 1];
+    if constexpr (ADD) {
+      // Zeroed first: left uninitialised for rows past the end, ptxas kept a 16-byte stack frame (bf16 x, fp32 w).
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int i = 0; i < E; ++i) hv[k].v[i] = from_f32<T>(0.f);
+      load_row<T, E, VPT>(hv, dh, row, rows, C, units);
+    }
     const float r = active ? rstd[row] : 0.f;
     float dot = 0.f;
 #pragma unroll
@@ -166,7 +217,9 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
 #pragma unroll
         for (int i = 0; i < E; ++i) {
           const float xf = to_f32(xv[k].v[i]), gf = to_f32(gv[k].v[i]);
-          o.v[i] = from_f32<T>(r * (gf * wf[i] - xf * c));
+          float d = r * (gf * wf[i] - xf * c);
+          if constexpr (ADD) d += to_f32(hv[ADD ? k : 0].v[i]);
+          o.v[i] = from_f32<T>(d);
           acc[k][i] += gf * xf * r;
         }
         store_pack<T, E>(dx + row * C + u * E, o);
@@ -175,6 +228,136 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
   }
 
   write_block_partial<VPT, E>(acc, dw_part + (long long)blockIdx.x * C, units, combine);
+}
+
+// Backward, 16-byte path (issue 17): the same math as rms_bwd_reg, fed by a two-stage cp.async pipeline.
+// Why: rms_bwd_reg holds x and dy in registers across the row reduction, so a block cannot start the loads of
+// its next row group before the current one is written; the blocks of its one-wave grid alternate between
+// waiting on DRAM and computing, in step, and at 79 registers (bf16, VPT 2) only 3 blocks of 256 threads fit
+// an SM: 2.58 TB/s, 61 % of copy, at 8192 x 2048 bf16 (NOTES.md run 6).
+// Here each thread copies its own packs of x, dy (and dh) for row group i + 1 into shared memory with cp.async
+// while it computes group i, so every block always has a group in flight (32 KB for VPT 2 at 512 threads: 2
+// blocks per SM keep ~64 KB per SM in flight, > the ~25 KB that 4.2 TB/s x ~0.8 us latency asks per SM).
+// The packs are read back from shared memory twice (dot pass, output pass) instead of being held in
+// registers. A thread reads back only the packs it copied itself, so a stage needs no barrier
+// (cp.async.wait_group orders the thread's own copies before its reads), and the stage is refilled by the
+// thread's copy for group i + 2 only after it has consumed group i (program order).
+// Stage layout: [tensor][k][thread] 16-byte packs (consecutive threads, consecutive 16 bytes: no bank
+// conflicts). blockDim = (TPR, row slots), NTH = TPR x slots threads; persistent grid, one partial dw row per
+// block, the row slots combined in fixed order at the end (deterministic).
+template <typename T, typename W, int VPT, bool ADD>
+__device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const W* __restrict__ w, const float* __restrict__ rstd,
+                                             const T* __restrict__ dh, T* __restrict__ dx,
+                                             float* __restrict__ dw_part, long long rows, int C, bool w_vec) {
+  constexpr int E = 16 / sizeof(T);
+  constexpr int NT = ADD ? 3 : 2;  // tensors staged: x, dy (, dh)
+  extern __shared__ __align__(16) unsigned char rms_dyn_smem[];
+  __shared__ float scratch[32 * 32];
+  Pack<T, E>* const stages = reinterpret_cast<Pack<T, E>*>(rms_dyn_smem);
+  const int nth = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int units = C / E;
+  const int stage_packs = NT * VPT * nth;
+  const long long groups = (rows + blockDim.y - 1) / blockDim.y;
+  // Row groups of this block: blockIdx.x + i * gridDim.x, i < n (block-uniform: every thread meets every barrier).
+  const long long n = (long long)blockIdx.x < groups ? (groups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  float acc[VPT][E];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
+
+  // Copies this thread's packs of group i into stage i & 1 (nothing for a row past the end) and commits one
+  // cp.async group either way (wait_group counts groups). Returns the row's rstd, loaded one group ahead too.
+  auto issue = [&](long long i) -> float {
+    float r = 0.f;
+    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    if (i < n && row < rows) {
+      Pack<T, E>* st = stages + (int)(i & 1) * stage_packs + tid;
+      const long long off = row * C;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int u = threadIdx.x + k * blockDim.x;
+        if (u < units) {
+          rn_cp_async16(st + k * nth, x + off + u * E);
+          rn_cp_async16(st + (VPT + k) * nth, dy + off + u * E);
+          if constexpr (ADD) rn_cp_async16(st + (2 * VPT + k) * nth, dh + off + u * E);
+        }
+      }
+      r = rstd[row];
+    }
+    rn_cp_async_commit();
+    return r;
+  };
+
+  float r_next = issue(0);
+  for (long long i = 0; i < n; ++i) {
+    const float r = r_next;
+    r_next = issue(i + 1);
+    rn_cp_async_wait<1>();  // every group but the newest is complete: group i has landed
+    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    const bool active = row < rows;
+    const Pack<T, E>* st = stages + (int)(i & 1) * stage_packs + tid;
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (active && u < units) {
+        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
+        float wf[E];
+        load_f32<E>(w + u * E, wf, w_vec);
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot += to_f32(gv.v[e]) * wf[e] * to_f32(xv.v[e]);
+      }
+    }
+    dot = row_sum(dot, scratch);
+    const float c = dot * r * r / (float)C;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (active && u < units) {
+        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
+        float wf[E];
+        load_f32<E>(w + u * E, wf, w_vec);
+        Pack<T, E> o;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float xf = to_f32(xv.v[e]), gf = to_f32(gv.v[e]);
+          float d = r * (gf * wf[e] - xf * c);
+          if constexpr (ADD) d += to_f32(st[(2 * VPT + k) * nth].v[e]);
+          o.v[e] = from_f32<T>(d);
+          acc[k][e] += gf * xf * r;
+        }
+        store_pack<T, E>(dx + row * C + u * E, o);
+      }
+    }
+  }
+  rn_cp_async_wait<0>();
+
+  // The block's partial dw row: the row slots (threadIdx.y) summed in order through the now idle stages
+  // (E x NTH floats <= one stage). 16-byte stores: C % E == 0 on this path, so every offset is 16-byte aligned.
+  float* comb = reinterpret_cast<float*>(rms_dyn_smem);
+  float* part = dw_part + (long long)blockIdx.x * C;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < E; ++e) comb[e * nth + tid] = acc[k][e];
+    __syncthreads();
+    const int u = threadIdx.x + k * blockDim.x;
+    if (threadIdx.y == 0 && u < units) {
+      float sum[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) sum[e] = 0.f;
+      for (int j = 0; j < (int)blockDim.y; ++j)
+#pragma unroll
+        for (int e = 0; e < E; ++e) sum[e] += comb[e * nth + j * blockDim.x + threadIdx.x];
+#pragma unroll
+      for (int e = 0; e < E; e += 4)
+        *reinterpret_cast<float4*>(part + u * E + e) = make_float4(sum[e], sum[e + 1], sum[e + 2], sum[e + 3]);
+    }
+  }
 }
 
 // Long rows (the register plan does not fit): two kernels, no read-modify-write of partials (the layout of
@@ -210,9 +393,9 @@ __device__ __forceinline__ void rms_bwd_rowsums(const T* __restrict__ dy, const 
 template <typename T, typename W, bool VEC>
 __device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* __restrict__ x,
                                              const W* __restrict__ w, const float* __restrict__ rstd,
-                                             const float* __restrict__ coef, T* __restrict__ dx,
-                                             float* __restrict__ dw_part, long long rows, int C, int rows_per_group,
-                                             bool w_vec) {
+                                             const float* __restrict__ coef, const T* __restrict__ dh,
+                                             T* __restrict__ dx, float* __restrict__ dw_part, long long rows, int C,
+                                             int rows_per_group, bool w_vec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   const int units = C / E;
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
@@ -227,12 +410,16 @@ __device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* 
   for (long long row = r0; row < r1; ++row) {
     const long long off = row * C + (long long)u * E;
     const Pack<T, E> xv = load_pack<T, E>(x + off), gv = load_pack<T, E>(dy + off);
+    Pack<T, E> hv;
+    if (dh != nullptr) hv = load_pack<T, E>(dh + off);  // block-uniform branch: dh is a kernel argument
     const float r = rstd[row], c = coef[row];
     Pack<T, E> o;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       const float xf = to_f32(xv.v[i]), gf = to_f32(gv.v[i]);
-      o.v[i] = from_f32<T>(r * (gf * wf[i] - xf * c));
+      float d = r * (gf * wf[i] - xf * c);
+      if (dh != nullptr) d += to_f32(hv.v[i]);
+      o.v[i] = from_f32<T>(d);
       acc[i] += gf * xf * r;
     }
     store_pack<T, E>(dx + off, o);
@@ -242,31 +429,71 @@ __device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* 
   for (int i = 0; i < E; ++i) part[i] = acc[i];
 }
 
-// dw[c] = sum_p part[p, c], p in order (common/vec.cuh: column_sums).
+// dw[c] = sum_p part[p, c] in a fixed order. Block (32, 32), grid ceil(C / 32): a warp reads 32 consecutive
+// columns (128 B) of one partial row; warp j takes the partial rows j, j + 32, ... with up to 8 loads issued
+// before the first add (264 partials at 8192 x 2048: 8 or 9 per thread, one L2 round trip instead of the 4-5
+// of common/vec.cuh's (32, 16) x 4-deep column_sums: the finalize is ~2 us of a ~28 us backward), then a
+// fixed binary tree over the 32 warps in shared memory. Deterministic.
 template <typename W>
 __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, W* __restrict__ dw, int nparts,
                                                 int C) {
-  column_sums<W>(part, dw, nparts, C);
+  __shared__ float s[32][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < C) {
+    int p = threadIdx.y;
+    for (; p + 7 * 32 < nparts; p += 8 * 32) {
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = part[(long long)(p + j * 32) * C + c];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc += v[j];
+    }
+    for (; p < nparts; p += 32) acc += part[(long long)p * C + c];
+  }
+  s[threadIdx.y][threadIdx.x] = acc;
+#pragma unroll
+  for (int h = 16; h > 0; h >>= 1) {
+    __syncthreads();
+    if ((int)threadIdx.y < h) s[threadIdx.y][threadIdx.x] += s[threadIdx.y + h][threadIdx.x];
+  }
+  if (threadIdx.y == 0 && c < C) dw[c] = from_f32<W>(s[0][threadIdx.x]);
 }
 
 // ---- extern "C" entry points, one per instantiation (CuPy's disk cache keeps these; name_expressions are
-// reported not to be kept, cupy/cupy#9667). Names: <kernel>_<x dtype>_<w dtype>_<VPT><v|s>.
+// reported not to be kept, cupy/cupy#9667). Names: <kernel>_<x dtype>_<w dtype>_<VPT><v|s>; "add" kernels are
+// add_rms_norm's (forward: res in, h out; backward: dh in).
 #define RMS_REG(T, W, TN, WN, VPT, VEC, VS)                                                                      \
   extern "C" __global__ void __launch_bounds__(512, 1)                                                          \
       rms_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
                                       float eps, bool w_vec) {                                                 \
-    rms_fwd_reg<T, W, VPT, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                           \
+    rms_fwd_reg<T, W, VPT, VEC, false>(x, nullptr, w, y, nullptr, rstd, rows, C, eps, w_vec);                  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                          \
+      rms_addfwd_##TN##_##WN##_##VPT##VS(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,         \
+                                         long long rows, int C, float eps, bool w_vec) {                       \
+    rms_fwd_reg<T, W, VPT, VEC, true>(x, res, w, y, h, rstd, rows, C, eps, w_vec);                             \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                                            \
       rms_bwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* w, const float* rstd, T* dx,            \
                                       float* dw_part, long long rows, int C, bool w_vec) {                     \
-    rms_bwd_reg<T, W, VPT, VEC>(dy, x, w, rstd, dx, dw_part, rows, C, w_vec);                                  \
+    rms_bwd_reg<T, W, VPT, VEC, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec);                  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                                            \
+      rms_addbwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,   \
+                                         T* dx, float* dw_part, long long rows, int C, bool w_vec) {           \
+    rms_bwd_reg<T, W, VPT, VEC, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec);                        \
   }
 #define RMS_LOOP(T, W, TN, WN, VEC, VS)                                                                         \
   extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
       rms_fwd_loop_##TN##_##WN##_##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
                                       float eps, bool w_vec) {                                                 \
-    rms_fwd_loop<T, W, VEC>(x, w, y, rstd, rows, C, eps, w_vec);                                               \
+    rms_fwd_loop<T, W, VEC, false>(x, nullptr, w, y, nullptr, rstd, rows, C, eps, w_vec);                      \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
+      rms_addfwd_loop_##TN##_##WN##_##VS(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,         \
+                                         long long rows, int C, float eps, bool w_vec) {                       \
+    rms_fwd_loop<T, W, VEC, true>(x, res, w, y, h, rstd, rows, C, eps, w_vec);                                 \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(512)                                                            \
       rms_bwd_rowsums_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd, float* coef,   \
@@ -275,9 +502,22 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256)                                                            \
       rms_bwd_cols_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd,                   \
-                                      const float* coef, T* dx, float* dw_part, long long rows, int C,         \
-                                      int rows_per_group, bool w_vec) {                                        \
-    rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dx, dw_part, rows, C, rows_per_group, w_vec);                \
+                                      const float* coef, const T* dh, T* dx, float* dw_part, long long rows,   \
+                                      int C, int rows_per_group, bool w_vec) {                                 \
+    rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dh, dx, dw_part, rows, C, rows_per_group, w_vec);            \
+  }
+// Pipelined backward (16-byte path only). Bounds: VPT <= 2 runs 512-thread blocks, 2 per SM (64 registers);
+// VPT 4 runs 256-thread blocks (its 32 bf16 accumulators need more than 64 registers).
+#define RMS_PIPE(T, W, TN, WN, VPT, NTH)                                                                        \
+  extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
+      rms_bwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, T* dx,               \
+                                   float* dw_part, long long rows, int C, bool w_vec) {                        \
+    rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec);                      \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
+      rms_addbwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,      \
+                                      T* dx, float* dw_part, long long rows, int C, bool w_vec) {              \
+    rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec);                            \
   }
 #define RMS_ALL_VPT(T, W, TN, WN, VEC, VS)                                                                      \
   RMS_REG(T, W, TN, WN, 1, VEC, VS)                                                                             \
@@ -287,18 +527,19 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
   RMS_LOOP(T, W, TN, WN, VEC, VS)
 #define RMS_ALL(T, W, TN, WN)                                                                                   \
   RMS_ALL_VPT(T, W, TN, WN, true, v)                                                                            \
-  RMS_ALL_VPT(T, W, TN, WN, false, s)
+  RMS_ALL_VPT(T, W, TN, WN, false, s)                                                                           \
+  RMS_PIPE(T, W, TN, WN, 1, 512) RMS_PIPE(T, W, TN, WN, 2, 512) RMS_PIPE(T, W, TN, WN, 4, 256)
 
 RMS_ALL(float, float, f32, f32)
 RMS_ALL(float, bf16, f32, bf16)
 RMS_ALL(bf16, float, bf16, f32)
 RMS_ALL(bf16, bf16, bf16, bf16)
 
-extern "C" __global__ void __launch_bounds__(512) rms_dw_finalize_f32(const float* part, float* dw, int nparts,
-                                                                      int C) {
+extern "C" __global__ void __launch_bounds__(1024) rms_dw_finalize_f32(const float* part, float* dw, int nparts,
+                                                                       int C) {
   rms_dw_finalize<float>(part, dw, nparts, C);
 }
-extern "C" __global__ void __launch_bounds__(512) rms_dw_finalize_bf16(const float* part, bf16* dw, int nparts,
-                                                                       int C) {
+extern "C" __global__ void __launch_bounds__(1024) rms_dw_finalize_bf16(const float* part, bf16* dw, int nparts,
+                                                                        int C) {
   rms_dw_finalize<bf16>(part, dw, nparts, C);
 }

@@ -1,4 +1,5 @@
-"""RMSNorm: ``ck.rms_norm`` / ``ck.rms_norm_backward``. Kernels: ``kernels_cu/rms_norm.cu``."""
+"""RMSNorm: ``ck.rms_norm`` / ``ck.rms_norm_backward``, and the residual-add fusion ``ck.add_rms_norm`` /
+``ck.add_rms_norm_backward``. Kernels: ``kernels_cu/rms_norm.cu``."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,30 +75,115 @@ def rms_norm(x, weight, eps=1e-6, *, return_rstd=False, out=None):
         return (y, rstd) if return_rstd else y
 
     rstd = xp.empty(x.shape[:-1], dtype=np.float32) if return_rstd else None
-    if rows:
-        vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
-        w_vec = B.aligned16(weight)
-        kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 512)
-        tag, vs = _names(x, weight, vec)
-        if kind == "reg":
-            k = get_function(FAMILY, f"rms_fwd_{tag}_{vpt}{vs}")
-            block = (tpr, rpb, 1)
-            # One row group per block: measured faster than a persistent one-wave grid (NOTES.md, run 4).
-            grid = (rows + rpb - 1) // rpb
-        else:
-            k = get_function(FAMILY, f"rms_fwd_loop_{tag}_{vs}")
-            grid, block = rows, (1024, 1, 1)
-        k((min(grid, 2**31 - 1),), block,
-          (x, weight, y, rstd if rstd is not None else B.NULL, np.int64(rows), np.int32(C), np.float32(eps),
-           np.bool_(w_vec)))
+    _forward(x, None, weight, y, None, rstd, rows, C, eps)
     return (y, rstd) if return_rstd else y
 
 
+def _forward(x, res, weight, y, h, rstd, rows, C, eps):
+    """Launch the forward (``res``/``h`` None: rms_norm; else add_rms_norm, h = x + res written too)."""
+    if not rows:
+        return
+    add = res is not None
+    vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y, *((res, h) if add else ()))
+    w_vec = B.aligned16(weight)
+    kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 512)
+    tag, vs = _names(x, weight, vec)
+    pre = "rms_addfwd" if add else "rms_fwd"
+    if kind == "reg":
+        k = get_function(FAMILY, f"{pre}_{tag}_{vpt}{vs}")
+        block = (tpr, rpb, 1)
+        # One row group per block: measured faster than a persistent one-wave grid (NOTES.md, run 4).
+        grid = (rows + rpb - 1) // rpb
+    else:
+        k = get_function(FAMILY, f"{pre}_loop_{tag}_{vs}")
+        grid, block = rows, (1024, 1, 1)
+    r = rstd if rstd is not None else B.NULL
+    args = (x, res, weight, y, h, r) if add else (x, weight, y, r)
+    k((min(grid, 2**31 - 1),), block, (*args, np.int64(rows), np.int32(C), np.float32(eps), np.bool_(w_vec)))
+
+
 @B.interop
-def rms_norm_backward(dy, x, weight, rstd, *, out=None):
+def add_rms_norm(x, residual, weight, eps=1e-6, *, return_rstd=False, out=None, out_sum=None):
+    """Residual add fused with RMSNorm: ``h = x + residual``, ``y = rms_norm(h, weight, eps)``, one kernel.
+
+    The transformer block's ``h = x + r; y = norm(h) * w`` in one pass: x and residual are read once, h and y
+    written once (the two-launch form writes h and reads it back). h is summed in fp32 and rounded once to x's
+    dtype; the rounded h is what gets normalised, so :func:`add_rms_norm_backward` (which takes h) sees exactly
+    the forward's input. Bit-identical h to ``ck.add(x, residual)``.
+
+    Args:
+        x: ``(..., C)`` float32 or bfloat16, C-contiguous; any number of rows (including 0), C >= 1.
+        residual: same shape and dtype as ``x``, C-contiguous.
+        weight: ``(C,)`` float32 or bfloat16.
+        eps: added to the mean square; a finite number > 0.
+        return_rstd: also return ``rstd = 1 / sqrt(mean(h**2) + eps)``, float32, shape ``x.shape[:-1]``.
+        out: optional buffer for ``y`` (shape and dtype of ``x``).
+        out_sum: optional buffer for ``h`` (shape and dtype of ``x``).
+
+    Returns:
+        ``(y, h)``, or ``(y, h, rstd)``.
+
+    Example::
+
+        >>> y, h, rstd = ck.add_rms_norm(x, attn_out, w, 1e-5, return_rstd=True)
+        >>> dx, dw = ck.add_rms_norm_backward(dy, dh, h, w, rstd)   # dx is also d(attn_out)
+    """
+    xp = B.array_module(x=x, residual=residual, weight=weight, out=out, out_sum=out_sum)
+    C = _validate(x, weight)
+    B.check_dtype("residual", residual, (x.dtype,))
+    B.check_shape("residual", residual, x.shape, " (the shape of x)")
+    B.check_contiguous("residual", residual)
+    eps = B.check_real("eps", eps, min=0, min_open=True)
+    return_rstd = B.check_bool("return_rstd", return_rstd)
+    y = B.empty(xp, x.shape, x.dtype, out)
+    h = B.empty(xp, x.shape, x.dtype, out_sum, name="out_sum")
+    if out is not None and out_sum is not None and _same_memory(out, out_sum):
+        raise ValueError("out_sum: must not share memory with out (y and h are both written)")
+    rows = x.size // C
+    if xp is np:
+        h[...] = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
+        res = rms_norm(h, weight, eps, return_rstd=return_rstd, out=y)
+        return (res[0], h, res[1]) if return_rstd else (res, h)
+
+    rstd = xp.empty(x.shape[:-1], dtype=np.float32) if return_rstd else None
+    _forward(x, residual, weight, y, h, rstd, rows, C, eps)
+    return (y, h, rstd) if return_rstd else (y, h)
+
+
+def _same_memory(a, b):
+    if a.size == 0 or b.size == 0:
+        return False
+    if isinstance(a, np.ndarray):
+        return np.shares_memory(a, b)
+    lo_a, lo_b = a.data.ptr, b.data.ptr
+    return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+
+_configured: set = set()
+
+
+def _pipe_kernel(name, smem):
+    """A pipelined backward kernel with its dynamic shared memory limit raised (a host-side attribute, set once per
+    kernel object before any capture: CUDA refuses launches over 48 KB without it)."""
+    k = get_function(FAMILY, name)
+    key = (name, id(k))
+    if key not in _configured:
+        k.max_dynamic_shared_size_bytes = smem
+        _configured.add(key)
+    return k
+
+
+# Pipelined backward (rms_bwd_pipe): threads per block by packs per thread. VPT <= 2: 512 threads (64
+# registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers). Two cp.async stages.
+PIPE_THREADS = {1: 512, 2: 512, 4: 256}
+PIPE_STAGES = 2
+
+
+@B.interop
+def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
     """Gradients of :func:`rms_norm`.
 
-    With ``g = dy * weight``: ``dx = rstd * (g - x * rstd**2 * mean(g * x, axis=-1))`` and
+    With ``g = dy * weight``: ``dx = rstd * (g - x * rstd**2 * mean(g * x, axis=-1)) (+ dh)`` and
     ``dweight = sum(dy * x * rstd, over all rows)``. dweight is reduced in two stages (per-block partials, then
     a fixed-order sum): bit-identical from run to run.
 
@@ -105,12 +191,14 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
         dy: gradient of y, same shape and dtype as ``x``.
         x, weight: the forward inputs.
         rstd: float32, shape ``x.shape[:-1]``, from ``rms_norm(..., return_rstd=True)``.
+        dh: optional gradient reaching ``x`` by another path (the residual stream of :func:`add_rms_norm`, where
+            x is the sum h), same shape and dtype as ``x``: added into dx in the same pass (one rounding).
         out: optional buffer for ``dx``.
 
     Returns:
         ``(dx, dweight)``: dx like ``x``, dweight like ``weight``.
     """
-    xp = B.array_module(dy=dy, x=x, weight=weight, rstd=rstd, out=out)
+    xp = B.array_module(dy=dy, x=x, weight=weight, rstd=rstd, dh=dh, out=out)
     C = _validate(x, weight)
     B.check_dtype("dy", dy, (x.dtype,))
     B.check_shape("dy", dy, x.shape, " (the shape of x)")
@@ -118,30 +206,51 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
     B.check_dtype("rstd", rstd, (np.float32,))
     B.check_shape("rstd", rstd, x.shape[:-1], " (x.shape[:-1])")
     B.check_contiguous("rstd", rstd)
+    if dh is not None:
+        B.check_dtype("dh", dh, (x.dtype,))
+        B.check_shape("dh", dh, x.shape, " (the shape of x)")
+        B.check_contiguous("dh", dh)
     dx = B.empty(xp, x.shape, x.dtype, out)
     rows = x.size // C
     if xp is np:
         xf, gf = x.astype(np.float64), dy.astype(np.float64)
         r = rstd.astype(np.float64)[..., None]
         g = gf * weight.astype(np.float64)
-        dx[...] = (r * (g - xf * r * r * np.mean(g * xf, axis=-1, keepdims=True))).astype(x.dtype)
+        d = r * (g - xf * r * r * np.mean(g * xf, axis=-1, keepdims=True))
+        if dh is not None:
+            d = d + dh.astype(np.float64)
+        dx[...] = d.astype(x.dtype)
         dw = (gf * xf * r).reshape(-1, C).sum(axis=0).astype(weight.dtype)
         return dx, dw
 
     dw = xp.empty((C,), dtype=weight.dtype)
     if rows == 0:
         return dx, B.zero_(dw)
-    vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx)
+    add = dh is not None
+    vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx, *((dh,) if add else ()))
     w_vec = B.aligned16(weight)
     kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256)
     tag, vs = _names(x, weight, vec)
-    if kind == "reg":
-        k = get_function(FAMILY, f"rms_bwd_{tag}_{vpt}{vs}")
+    dh_arg = (dh,) if add else ()
+    if kind == "reg" and vec and vpt in PIPE_THREADS:
+        # cp.async pipeline (rms_norm.cu, rms_bwd_pipe): the plan's threads per row, more row slots per block.
+        nth = PIPE_THREADS[vpt]
+        smem = PIPE_STAGES * (3 if add else 2) * vpt * nth * 16
+        k = _pipe_kernel(f"{'rms_addbwdp' if add else 'rms_bwdp'}_{tag}_{vpt}", smem)
+        slots = nth // tpr
+        # A persistent grid of one wave: each block's partial dw row covers ~rows / (2 x SMs) rows.
+        nparts = min(-(-rows // slots), L.wave(k, nth, smem))
+        part = xp.empty((nparts, C), dtype=np.float32)
+        k((nparts,), (tpr, slots, 1),
+          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)), shared_mem=smem)
+    elif kind == "reg":
+        k = get_function(FAMILY, f"{'rms_addbwd' if add else 'rms_bwd'}_{tag}_{vpt}{vs}")
         block = (tpr, rpb, 1)
         # One wave of blocks: enough rows per block that the fp32 partials stay a few % of the traffic.
         nparts = min((rows + rpb - 1) // rpb, L.wave(k, tpr * rpb))
         part = xp.empty((nparts, C), dtype=np.float32)
-        k((nparts,), block, (dy, x, weight, rstd, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+        k((nparts,), block,
+          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
     else:
         # Long rows: per-row coefficients, then column-chunk blocks over row groups (rms_norm.cu).
         units = C // (16 // x.itemsize) if vec else C
@@ -157,7 +266,30 @@ def rms_norm_backward(dy, x, weight, rstd, *, out=None):
         part = xp.empty((nparts, C), dtype=np.float32)
         get_function(FAMILY, f"rms_bwd_cols_{tag}_{vs}")(
             (colblocks, nparts, 1), (256, 1, 1),
-            (dy, x, weight, rstd, coef, dx, part, np.int64(rows), np.int32(C), np.int32(rpg), np.bool_(w_vec)))
+            (dy, x, weight, rstd, coef, dh if add else B.NULL, dx, part, np.int64(rows), np.int32(C),
+             np.int32(rpg), np.bool_(w_vec)))
     fin = get_function(FAMILY, f"rms_dw_finalize_{B.DTYPE_TAG[weight.dtype]}")
-    fin(((C + 31) // 32,), (32, 16, 1), (part, dw, np.int32(nparts), np.int32(C)))
+    fin(((C + 31) // 32,), (32, 32, 1), (part, dw, np.int32(nparts), np.int32(C)))
     return dx, dw
+
+
+@B.interop
+def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None):
+    """Gradients of :func:`add_rms_norm`: the gradient reaching h is ``dh`` (from the residual stream downstream)
+    plus the RMSNorm backward of ``dy``; ``dx = dresidual =`` that sum, and ``dweight`` as in
+    :func:`rms_norm_backward`. One kernel pass (``rms_norm_backward(dy, h, weight, rstd, dh=dh)``): dh is added
+    into dx where dx is formed, instead of a separate add launch that reads and writes dx again.
+
+    Args:
+        dy: gradient of y, shape and dtype of ``h``.
+        dh: gradient of h from its other consumers, shape and dtype of ``h``; None when h has none (then this is
+            :func:`rms_norm_backward`).
+        h: the sum ``x + residual`` that the forward returned.
+        weight: the forward's weight.
+        rstd: float32, shape ``h.shape[:-1]``, from ``add_rms_norm(..., return_rstd=True)``.
+        out: optional buffer for dx.
+
+    Returns:
+        ``(dx, dweight)``: dx (the gradient of both x and residual) like ``h``, dweight like ``weight``.
+    """
+    return rms_norm_backward(dy, h, weight, rstd, dh=dh, out=out)

@@ -1,0 +1,113 @@
+"""Differentiable residual-add + norm: ``add_rms_norm(x, r, w, eps) -> (y, h)``, ``h = x + r``, ``y = rms_norm(h)``.
+
+The tape autograd (:mod:`cukernels.autograd`) gives a Function exactly one output Tensor, and runs a node only
+when a gradient reached its output. A fused op with two outputs (y and h) whose backward needs *both* incoming
+gradients (``dx = dh + rms_norm_backward(dy)`` in one kernel pass) is built from three nodes:
+
+* :class:`AddRMSNormF` (inputs x, r, w) runs the fused forward kernel and outputs a hidden *pair* Tensor. Its
+  data is h's array (any array would do: nobody outside this module sees the pair). Its backward runs once,
+  after both picks below, with whatever gradients they collected.
+* :class:`PickF` ``(pair, slot)`` outputs y (slot 0) or h (slot 1). Its backward does no arithmetic: it hands its
+  incoming gradient to the pair's shared state and returns, for the pair, a token gradient (the pair's own
+  array) -- only the first pick to run returns it, so the tape never adds anything into the pair's gradient.
+
+Because the picks are the pair's only consumers, the tape runs both of them (those that got a gradient) before
+AddRMSNormF, and runs AddRMSNormF whenever at least one of y, h got a gradient: h unused downstream (a final
+norm), y unused, or both used all come out right, and no extra pass over memory is made. Gradients of x and r
+are the same array (as :class:`~cukernels.functional.array_ops.Add` does); dweight is fp32-accumulated by the
+kernel's deterministic two-stage reduction (``ck.rms_norm_backward``).
+
+Nothing here touches the tape's internals: it uses Function.apply / ctx only.
+"""
+from __future__ import annotations
+
+from ..autograd import Function
+from ..ops.rms_norm import add_rms_norm as _add_rms, add_rms_norm_backward as _add_rms_bwd
+from .array_ops import _contig, _data, add
+from .kernel_ops import rms_norm
+
+
+class _Pair:
+    """State shared by one AddRMSNormF node and its two PickF nodes: the forward's outputs until picked, then the
+    gradients the picks collected until AddRMSNormF's backward consumes them."""
+
+    __slots__ = ("y", "h", "dy", "dh", "token_sent")
+
+    def __init__(self, y, h):
+        self.y, self.h = y, h
+        self.dy = self.dh = None
+        self.token_sent = False
+
+
+class AddRMSNormF(Function):
+    """``(y, h)`` of ck.add_rms_norm as one hidden pair Tensor; use :func:`add_rms_norm`, which picks y and h."""
+
+    @staticmethod
+    def forward(ctx, x, r, w, eps, pair_box):
+        y, h, rstd = _add_rms(x, r, w, eps, return_rstd=True)
+        pair = _Pair(y, h)
+        pair_box.append(pair)  # how apply()'s caller gets the state (apply returns only the output Tensor)
+        ctx.pair = pair
+        ctx.save_for_backward(h, w, rstd)
+        return h
+
+    @staticmethod
+    def backward(ctx, token):
+        pair = ctx.pair
+        dy, dh = pair.dy, pair.dh
+        pair.dy = pair.dh = None  # ready for another backward through a retained graph
+        pair.token_sent = False
+        h, w, rstd = ctx.saved_tensors
+        dw = None
+        if dy is not None:
+            dh = _contig(dh, h.dtype) if dh is not None else None
+            dx, dw = _add_rms_bwd(_contig(dy, h.dtype), dh, h, w, rstd)
+        else:  # only h got a gradient: it flows straight to x and r, and y contributes nothing to w
+            dx = dh
+        return dx, dx, dw, None, None
+
+
+class PickF(Function):
+    """Slot 0 (y) or 1 (h) of an AddRMSNormF pair; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, pair_data, pair, slot):
+        ctx.pair, ctx.slot = pair, slot
+        out = pair.y if slot == 0 else pair.h
+        if slot == 0:
+            pair.y = None  # the pick owns it now (the pair keeps no activation alive)
+        else:
+            pair.h = None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        pair = ctx.pair
+        if ctx.slot == 0:
+            pair.dy = g
+        else:
+            pair.dh = g
+        if pair.token_sent:
+            return None, None, None
+        pair.token_sent = True
+        return ctx.inputs[0].data, None, None  # the token: AddRMSNormF's backward ignores its value
+
+
+def add_rms_norm(x, r, w, eps=1e-6, fused=True):
+    """``h = x + r``, ``y = rms_norm(h, w, eps)``; returns ``(y, h)``.
+
+    fused: one kernel forward (ck.add_rms_norm) and one backward pass that adds h's own gradient into dx
+    (ck.add_rms_norm_backward). When x and r differ in dtype (the kernel takes one dtype; ``x + r`` promotes)
+    it is ``add`` then the RMSNorm kernel Function. False: ``add`` then ``rms_norm(..., fused=False)``, the
+    composite of plain array Functions (the reference the fused path is checked against).
+    """
+    if fused and _data(x).dtype == _data(r).dtype:
+        box = []
+        pair = AddRMSNormF.apply(x, r, w, eps, box)
+        state = box[0]
+        return PickF.apply(pair, state, 0), PickF.apply(pair, state, 1)
+    h = add(x, r)
+    return rms_norm(h, w, eps, fused=fused), h
+
+
+__all__ = ["AddRMSNormF", "PickF", "add_rms_norm"]
