@@ -31,6 +31,8 @@
 //   launcher sizes the grid to one wave (~264 blocks at 8192 x 2048): 2 x 264 x C x 4 B = 4.3 MB of
 //   partials, written and re-read through L2 (4 % of the fp32 backward's bytes, 8 % of bf16's).
 //   The loop kernel accumulates into its (memset-zeroed) partial rows instead, one block per SM.
+// - Issue 17: on the 16-byte path with >= 32 threads a row the launcher takes ln_bwd_pipe instead of
+//   ln_bwd_reg (three-stage cp.async pipeline, 512-thread blocks, one per SM: 2 x 132 partial rows).
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 
@@ -247,6 +249,151 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __
   write_block_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, combine);
 }
 
+// Backward, 16-byte path (issue 17): ln_bwd_reg's math fed by a three-stage cp.async pipeline.
+// Why: ln_bwd_reg holds x and dy in registers across the row reduction, so a block cannot load its next row
+// group before the current one is written; its one-wave grid of 128-register blocks alternates between waiting
+// on DRAM and computing, in step: 1.97 TB/s (47 % of copy) at 8192 x 2048 bf16 (NOTES.md run 4). And its
+// partials are 2 rows (dgamma, dbeta) per block of 256 threads: 2 x 264+ x C x 4 B, written and re-read.
+// Here each thread copies its own packs of x and dy for the next two row groups into shared memory with
+// cp.async while it computes the current one; packs are read back from shared memory (twice) instead of being
+// held in registers. One 512-thread block per SM (up to 128 registers: 2 x VPT x E accumulators): 132 blocks,
+// so the partials are 2 x 132 x C x 4 B (2.2 MB at C = 2048, 2 % of the bf16 backward's bytes), and 2 stages
+// in flight per SM (64 KB at VPT 2) cover 4.2 TB/s x ~0.8 us / 132 SMs ~ 25 KB with margin.
+// A thread reads back only the packs it copied itself: no barrier per stage (see rms_norm.cu, rms_bwd_pipe).
+// Stage layout: [tensor][k][thread] 16-byte packs (no bank conflicts).
+__device__ __forceinline__ void ln_cp_async16(void* dst, const void* src) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
+}
+__device__ __forceinline__ void ln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void ln_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+constexpr int LN_STAGES = 3;
+
+template <typename T, typename W, int VPT>
+__device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* __restrict__ x,
+                                            const W* __restrict__ gamma, const float* __restrict__ mean,
+                                            const float* __restrict__ rstd, T* __restrict__ dx,
+                                            float* __restrict__ part, long long rows, int C, bool w_vec) {
+  constexpr int E = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char ln_dyn_smem[];
+  __shared__ float2 scratch[16 * 32];
+  Pack<T, E>* const stages = reinterpret_cast<Pack<T, E>*>(ln_dyn_smem);
+  const int nth = blockDim.x * blockDim.y;
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int units = C / E;
+  const int stage_packs = 2 * VPT * nth;
+  const float inv_c = 1.f / (float)C;
+  const long long groups = (rows + blockDim.y - 1) / blockDim.y;
+  const long long n = (long long)blockIdx.x < groups ? (groups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  float acc_g[VPT][E], acc_b[VPT][E];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc_g[k][i] = acc_b[k][i] = 0.f;
+
+  // Copies group i into stage i % LN_STAGES (nothing past the end) and commits one cp.async group either way.
+  auto issue = [&](long long i) {
+    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    if (i < n && row < rows) {
+      Pack<T, E>* st = stages + (int)(i % LN_STAGES) * stage_packs + tid;
+      const long long off = row * C;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int u = threadIdx.x + k * blockDim.x;
+        if (u < units) {
+          ln_cp_async16(st + k * nth, x + off + u * E);
+          ln_cp_async16(st + (VPT + k) * nth, dy + off + u * E);
+        }
+      }
+    }
+    ln_cp_async_commit();
+  };
+
+#pragma unroll
+  for (int j = 0; j < LN_STAGES - 1; ++j) issue(j);
+  for (long long i = 0; i < n; ++i) {
+    issue(i + LN_STAGES - 1);
+    ln_cp_async_wait<LN_STAGES - 1>();  // all but the newest LN_STAGES - 1 groups are complete: group i landed
+    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    const bool ok = row < rows;
+    const float mu = ok ? mean[row] : 0.f, r = ok ? rstd[row] : 0.f;
+    const Pack<T, E>* st = stages + (int)(i % LN_STAGES) * stage_packs + tid;
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) {
+        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
+        float wf[E];
+        load_f32<E>(gamma + u * E, wf, w_vec);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float g = to_f32(gv.v[e]) * wf[e];
+          sg += g;
+          sgx += g * ((to_f32(xv.v[e]) - mu) * r);
+        }
+      }
+    }
+    seg_sum2(sg, sgx, scratch);
+    const float a = sg * inv_c, b = sgx * inv_c;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + k * blockDim.x;
+      if (ok && u < units) {
+        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
+        float wf[E];
+        load_f32<E>(gamma + u * E, wf, w_vec);
+        Pack<T, E> o;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float xh = (to_f32(xv.v[e]) - mu) * r, d = to_f32(gv.v[e]);
+          o.v[e] = from_f32<T>(r * (d * wf[e] - a - xh * b));
+          acc_g[k][e] += d * xh;
+          acc_b[k][e] += d;
+        }
+        store_pack<T, E>(dx + row * C + u * E, o);
+      }
+    }
+  }
+  ln_cp_async_wait<0>();
+
+  // Partial rows part[blk] (dgamma) and part[gridDim.x + blk] (dbeta): the row slots summed in threadIdx.y
+  // order through the idle stages (2 x E x NTH floats <= one stage); 16-byte stores (C % E == 0 here).
+  float* comb = reinterpret_cast<float*>(ln_dyn_smem);
+  float* pg = part + (long long)blockIdx.x * C;
+  float* pb = part + (long long)(gridDim.x + blockIdx.x) * C;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      comb[e * nth + tid] = acc_g[k][e];
+      comb[(E + e) * nth + tid] = acc_b[k][e];
+    }
+    __syncthreads();
+    const int u = threadIdx.x + k * blockDim.x;
+    if (threadIdx.y == 0 && u < units) {
+      float sgm[E], sbt[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) sgm[e] = sbt[e] = 0.f;
+      for (int j = 0; j < (int)blockDim.y; ++j)
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          sgm[e] += comb[e * nth + j * blockDim.x + threadIdx.x];
+          sbt[e] += comb[(E + e) * nth + j * blockDim.x + threadIdx.x];
+        }
+#pragma unroll
+      for (int e = 0; e < E; e += 4) {
+        *reinterpret_cast<float4*>(pg + u * E + e) = make_float4(sgm[e], sgm[e + 1], sgm[e + 2], sgm[e + 3]);
+        *reinterpret_cast<float4*>(pb + u * E + e) = make_float4(sbt[e], sbt[e + 1], sbt[e + 2], sbt[e + 3]);
+      }
+    }
+  }
+}
+
 // Long rows (the register plan does not fit): two kernels, no read-modify-write of partials.
 // 1) ln_bwd_rowsums: a block per row (block-stride) reduces a = mean(g), b = mean(g * x_hat), g = dy * gamma,
 //    into `sums` (two floats per row). Reads dy and x once.
@@ -382,7 +529,15 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
   LN_BWD(T, W, TN, WN, 1, false, s) LN_BWD(T, W, TN, WN, 2, false, s) LN_BWD(T, W, TN, WN, 4, false, s)         \
   LN_BWD(T, W, TN, WN, 8, false, s)                                                                            \
   LN_LOOP(T, W, TN, WN, false, s)
-#define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN)
+// Pipelined backward (16-byte path, VPT 1 and 2: the plan's vector cap): 512-thread blocks, one per SM.
+#define LN_PIPE(T, W, TN, WN, VPT)                                                                              \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                                         \
+      ln_bwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd, \
+                                  T* dx, float* part, long long rows, int C, bool w_vec) {                     \
+    ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                                \
+  }
+#define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN) \
+  LN_PIPE(T, W, TN, WN, 1) LN_PIPE(T, W, TN, WN, 2)
 
 LN_ALL(float, float, f32, f32)
 LN_ALL(float, bf16, f32, bf16)

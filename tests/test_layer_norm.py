@@ -225,3 +225,46 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
     dx_ref, dg_ref, _ = ck.layer_norm_backward(dyh, xh, gh, m_ref, r_ref)
     assert_close(dx, dx_ref, ck.bfloat16, rtol=0.05, atol=0.05)
     assert_close(dgc, dg_ref, np.float32, rtol=1e-4, atol=1e-4)
+
+
+# Issue 17: shapes for the cp.async pipelined backward (ln_bwd_pipe: 16-byte path, >= 32 threads a row, 1 or 2
+# packs a thread; row slots per 512-thread block 16 .. 1), with row counts that leave a block's last row group
+# partly empty and blocks with more than one trip; (999, 128) keeps the register kernel (4 threads a row at bf16).
+PIPE_SHAPES = [(999, 128), (1000, 256), (777, 512), (2049, 2048), (301, 4096), (130, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, C", PIPE_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_pipelined_backward_shapes(rng, rows, C, dtype):
+    _check(rng, rows, C, dtype, np.float32 if C % 256 else ck.bfloat16, False)
+    x, dy = device_copy(randn(rng, (rows, C), dtype)), device_copy(randn(rng, (rows, C), dtype))
+    g, b = device_copy(randn(rng, (C,), np.float32)), device_copy(randn(rng, (C,), np.float32))
+    _, m, r = ck.layer_norm(x, g, b, return_stats=True)
+    a, c = ck.layer_norm_backward(dy, x, g, m, r), ck.layer_norm_backward(dy, x, g, m, r)
+    for u, v in zip(a, c):
+        assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_backward_captures(rng):
+    """The pipelined backward (dynamic shared memory attribute set on first use, outside capture) replays from a
+    CUDA graph with the eager result bit for bit."""
+    import cupy as cp
+
+    x, dy = (device_copy(randn(rng, (512, 2048), ck.bfloat16)) for _ in range(2))
+    g, b = device_copy(randn(rng, (2048,), np.float32)), device_copy(randn(rng, (2048,), np.float32))
+    _, m, r = ck.layer_norm(x, g, b, return_stats=True)
+    dx = cp.empty_like(x)
+    eager = [a.copy() for a in ck.layer_norm_backward(dy, x, g, m, r, out=dx)]
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        res = ck.layer_norm_backward(dy, x, g, m, r, out=dx)
+        graph = s.end_capture()
+    for a in res:
+        a.fill(np.nan)
+    graph.launch(s)
+    s.synchronize()
+    for a, e in zip(res, eager):
+        assert np.array_equal(to_host(a).view(np.uint8), to_host(e).view(np.uint8))

@@ -112,6 +112,26 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     return (y, mean, rstd) if return_stats else y
 
 
+# Pipelined backward (ln_bwd_pipe): 512 threads a block, three cp.async stages. Rows of fewer than 32 threads
+# (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up to 512 row slots a block, the final
+# in-order combine of the slots' dgamma/dbeta would be a long serial loop.
+PIPE_THREADS = 512
+PIPE_STAGES = 3
+PIPE_MIN_TPR = 32
+_configured: set = set()
+
+
+def _pipe_kernel(name, smem):
+    """The pipelined kernel with its dynamic shared memory limit raised (host-side attribute, set once per kernel
+    object, before any capture; launches over 48 KB need it)."""
+    k = get_function(FAMILY, name)
+    key = (name, id(k))
+    if key not in _configured:
+        k.max_dynamic_shared_size_bytes = smem
+        _configured.add(key)
+    return k
+
+
 @B.interop
 def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     """Gradients of :func:`layer_norm`.
@@ -164,7 +184,18 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     w_vec = B.aligned16(gamma)
     plan = _plan(C, x.itemsize, vec, backward=True)
     vs = "v" if vec else "s"
-    if plan is not None:
+    if plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
+        # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, 512-thread blocks, one per
+        # SM; its partials are 2 x SMs rows instead of 2 x (one wave of 256-thread blocks).
+        tpr, vpt, _ = plan
+        smem = PIPE_STAGES * 2 * vpt * PIPE_THREADS * 16
+        k = _pipe_kernel(f"ln_bwdp_{_tag(x, gamma)}_{vpt}", smem)
+        slots = PIPE_THREADS // tpr
+        nparts = min(-(-rows // slots), L.wave(k, PIPE_THREADS, smem))
+        part = xp.empty((2 * nparts, C), dtype=np.float32)
+        k((nparts,), (tpr, slots, 1), (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C),
+                                       np.bool_(w_vec)), shared_mem=smem)
+    elif plan is not None:
         tpr, vpt, rpb = plan
         name = f"ln_bwd_{_tag(x, gamma)}_{vpt}{vs}"
         k = get_function(FAMILY, name)
