@@ -15,7 +15,7 @@
 //     with cp.async.mbarrier.arrive.noinc (the arrive fires when the thread's copies have landed). No TMA: a
 //     CUtensorMap would have to be encoded on the host by cuTensorMapEncodeTiled, which CuPy does not expose, and
 //     cp.async handles strided [B, T, heads, D] views and the ragged tail rows the same way attention.cu does.
-//     The producer gives registers back (setmaxnreg.dec to 40); the consumers take them (setmaxnreg.inc).
+//     The producer gives registers back (setmaxnreg.dec to 56); the consumers take them (setmaxnreg.inc).
 //   * warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both operands in
 //     shared memory (Q and K K-major, 128-byte swizzle), online softmax in registers (exp2 with scale * log2(e)
 //     folded in: common/mma.cuh's online_softmax_step, whose per-thread row layout is also wgmma's accumulator
@@ -97,6 +97,15 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned 
 }
 
 // ---- generated (m64nNk16 bf16 -> f32 wrappers; d[n/8][e] is accumulator register 4 * (n/8) + e)
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[4][4], unsigned long long da, unsigned long long db,
+                                             int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[8][4], unsigned long long da, unsigned long long db,
                                              int accumulate) {
   asm volatile(
@@ -136,8 +145,9 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const unsigned 
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db,
                                          int accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma_ss: N = 64 or 128");
-  if constexpr (N == 64) wgmma_ss_n64(d, da, db, accumulate);
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma_ss: N = 32, 64 or 128");
+  if constexpr (N == 32) wgmma_ss_n32(d, da, db, accumulate);
+  else if constexpr (N == 64) wgmma_ss_n64(d, da, db, accumulate);
   else wgmma_ss_n128(d, da, db, accumulate);
 }
 template <int N>
@@ -158,7 +168,7 @@ template <int ROWS> __device__ __forceinline__ unsigned swz(int r, int c) {
 // zero-filled. Thread t copies chunk t % CH of rows t / CH + RPI * i: each warp reads whole 128-byte rows per
 // pass (4 rows at D = 64, 2 at D = 128; 8 consecutive threads write one swizzled 128-byte row: no bank
 // conflict), and since RPI (16 at D = 64, 8 at D = 128) is a multiple of 8, the swizzled chunk position is the same in
-// every pass: one address computed once, then fixed increments (the producer runs on 40 registers).
+// every pass: one address computed once, then fixed increments (the producer runs on 56 registers).
 template <int D, int ROWS>
 __device__ __forceinline__ void load_swz(unsigned char* dst, const bf16* src, long long ld, int r0, int T, int tid) {
   constexpr int CH = D / 8, RPI = WG / CH;
@@ -268,10 +278,10 @@ struct Strides {
   long long b, t, h;
 };
 
-// Registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 (the SM's register file at one
+// Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64512 <= 65536 (the SM's register file at one
 // CTA per SM; 384 threads launch with 168 each).
-constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = 232;
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = 224;
 
 template <int D, int BN, int STAGES> struct Smem {
   static constexpr int Q = BM * D * 2;       // Q tile bytes
@@ -486,6 +496,340 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   }
 }
 
+// ================================================================================================ backward
+// Same split as attention.cu's backward (deterministic, no atomics): attn_sm90_bwd_dq (one CTA per 128 query rows,
+// loops over the key tiles; also writes delta = rowsum(dO * O)) then attn_sm90_bwd_dkdv (one CTA per 128 keys of
+// a K/V head, loops over the G query heads of its group and their query tiles, reading delta). P is recomputed
+// from lse in both. Same producer / consumer split, swizzled tiles and serial consumer loop as the forward.
+//   dq:   S = Q K^T, dP = dO V^T (both smem x smem, K-major), dS = P * (dP - delta), dQ += dS K (dS from
+//         registers, K MN-major: [key][d] with d contiguous is the [K x N] operand transposed).
+//   dkdv: S^T = K Q^T, dP^T = V dO^T (smem x smem), dS^T = P^T * (dP^T - delta), dV += P^T dO, dK += dS^T Q
+//         (P^T, dS^T from registers; dO, Q MN-major).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// Store a warpgroup's [64 x D] fp32 accumulator (times mul) as bf16 rows row0 + g, row0 + g + 8 (row0 = the
+// warp's first row) of a [T, ld] slab.
+template <int D>
+__device__ __forceinline__ void store_acc(bf16* dst, long long ld, int row0, int T, const float (&acc)[D / 8][4],
+                                          float mul, int lane) {
+  const int r0 = row0 + (lane >> 2), r1 = r0 + 8, c2 = (lane & 3) * 2;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    if (r0 < T)
+      *reinterpret_cast<unsigned*>(dst + r0 * ld + nt * 8 + c2) = pack_bf16(acc[nt][0] * mul, acc[nt][1] * mul);
+    if (r1 < T)
+      *reinterpret_cast<unsigned*>(dst + r1 * ld + nt * 8 + c2) = pack_bf16(acc[nt][2] * mul, acc[nt][3] * mul);
+  }
+}
+
+// lse (natural log, -inf for a query that sees no key) -> the exp2 offset: lse * log2(e), and +inf for -inf so
+// that p = 2^(s - offset) = 0 instead of 2^(+inf).
+__device__ __forceinline__ float lse_offset(float l) { return l == -CK_INF ? CK_INF : l * LOG2E; }
+
+template <int D, int BN, int STAGES> struct SmemDq {
+  static constexpr int FIX = 2 * BM * D * 2;  // Q and dO tiles
+  static constexpr int KV = BN * D * 2;
+  static constexpr int BYTES = FIX + 2 * STAGES * KV + 8 * (1 + 2 * STAGES) + 1024;
+};
+
+// Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory SmemDq<D, BN, STAGES>::BYTES.
+template <int D, int BN, int STAGES>
+__device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                 const bf16* __restrict__ v, const bf16* __restrict__ o,
+                                                 const bf16* __restrict__ dout, const float* __restrict__ lse,
+                                                 float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
+                                                 Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
+                                                 float scale, bool causal) {
+  using SM = SmemDq<D, BN, STAGES>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* Qs = base;
+  unsigned char* dOs = base + BM * D * 2;
+  unsigned char* Ks = base + SM::FIX;        // [STAGES][BN x D]
+  unsigned char* Vs = Ks + STAGES * SM::KV;  // [STAGES][BN x D]
+  const unsigned fixbar = smem_addr(Vs + STAGES * SM::KV);
+  const unsigned full0 = fixbar + 8, empty0 = fixbar + 8 + 8 * STAGES;
+
+  const int tid = threadIdx.x, wg = tid / WG;
+  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
+  const int q0 = mb * BM, off = Tk - Tq;
+  int kend = Tk;
+  if (causal) kend = min(Tk, q0 + BM + off);
+  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+
+  if (tid == 0) {
+    mbar_init(fixbar, WG);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, WG);
+      mbar_init(empty0 + 8 * s, 2 * WG);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    const bf16* kp = k + b * sk.b + j * sk.h;
+    const bf16* vp = v + b * sv.b + j * sv.h;
+    load_swz<D, BM>(Qs, q + b * sq.b + h * sq.h, sq.t, q0, Tq, tid);
+    load_swz<D, BM>(dOs, dout + b * sdo.b + h * sdo.h, sdo.t, q0, Tq, tid);
+    cp_async_arrive(fixbar);
+    for (int jb = 0; jb < nkb; ++jb) {
+      const int st = jb % STAGES;
+      mbar_wait(empty0 + 8 * st, ((jb / STAGES) & 1) ^ 1);
+      load_swz<D, BN>(Ks + st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
+      load_swz<D, BN>(Vs + st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
+      cp_async_arrive(full0 + 8 * st);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+
+  // ---------------------------------------------------------------------------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
+  const int rbase = q0 + cw * 64, row0 = rbase + warp * 16, r0 = row0 + g, r1 = r0 + 8;
+  const float sl2 = scale * LOG2E;
+  const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128, doaddr = smem_addr(dOs) + cw * 64 * 128;
+
+  // delta of rows r0, r1 = <dO_r, O_r>: the quad's 4 lanes take D / 4 columns each (16-byte loads from global,
+  // o contiguous [B, Tq, H, D]), then a quad reduction; lane 0 of the quad writes it for attn_sm90_bwd_dkdv.
+  float dl0 = 0.f, dl1 = 0.f;
+  {
+    const int c0 = (lane & 3) * (D / 4);
+    const bf16* orow = o + ((long long)b * Tq * H + h) * D + c0;
+    const bf16* drow = dout + b * sdo.b + h * sdo.h + c0;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = rr ? r1 : r0;
+      float acc_d = 0.f;
+      if (r < Tq) {
+#pragma unroll
+        for (int c = 0; c < D / 4; c += 8) {
+          const uint4 ov = *reinterpret_cast<const uint4*>(orow + (long long)r * H * D + c);
+          const uint4 dv = *reinterpret_cast<const uint4*>(drow + (long long)r * sdo.t + c);
+          const unsigned ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc_d = fmaf(__uint_as_float(ow[e] << 16), __uint_as_float(dw[e] << 16), acc_d);
+            acc_d = fmaf(__uint_as_float(ow[e] & 0xFFFF0000u), __uint_as_float(dw[e] & 0xFFFF0000u), acc_d);
+          }
+        }
+      }
+      acc_d += __shfl_xor_sync(0xffffffffu, acc_d, 1);
+      acc_d += __shfl_xor_sync(0xffffffffu, acc_d, 2);
+      if (rr) dl1 = acc_d;
+      else dl0 = acc_d;
+    }
+    if ((lane & 3) == 0) {
+      float* dp = delta + ((long long)b * H + h) * Tq;
+      if (r0 < Tq) dp[r0] = dl0;
+      if (r1 < Tq) dp[r1] = dl1;
+    }
+  }
+  const float* lp = lse + ((long long)b * H + h) * Tq;
+  const float lo0 = r0 < Tq ? lse_offset(lp[r0]) : CK_INF, lo1 = r1 < Tq ? lse_offset(lp[r1]) : CK_INF;
+
+  float acc[D / 8][4];
+  zero(acc);
+  mbar_wait(fixbar, 0);
+  for (int jb = 0; jb < nkb; ++jb) {
+    const int st = jb % STAGES, n0 = jb * BN;
+    mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
+    if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
+      mbar_arrive(empty0 + 8 * st);
+      continue;
+    }
+    fence_proxy_async();
+    const unsigned kaddr = smem_addr(Ks + st * SM::KV), vaddr = smem_addr(Vs + st * SM::KV);
+    float s[BN / 8][4], dp[BN / 8][4];
+    zero(s);
+    zero(dp);
+    fence_regs(s);
+    fence_regs(dp);
+    wgmma_fence();
+    issue_s<D, BN>(s, qaddr, kaddr);
+    issue_s<D, BN>(dp, doaddr, vaddr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+    if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {  // dS = P * (dP - delta), P = 2^(s * scale * log2(e) - lse * log2(e))
+      dp[nt][0] = ex2(fmaf(s[nt][0], sl2, -lo0)) * (dp[nt][0] - dl0);
+      dp[nt][1] = ex2(fmaf(s[nt][1], sl2, -lo0)) * (dp[nt][1] - dl0);
+      dp[nt][2] = ex2(fmaf(s[nt][2], sl2, -lo1)) * (dp[nt][2] - dl1);
+      dp[nt][3] = ex2(fmaf(s[nt][3], sl2, -lo1)) * (dp[nt][3] - dl1);
+    }
+    unsigned da[BN / 16][4];
+    pack_p<BN>(da, dp);
+    fence_regs(acc);
+    wgmma_fence();
+    issue_pv<D, BN>(acc, da, kaddr);  // dQ += dS K: K [key][d] read MN-major
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(da);
+    mbar_arrive(empty0 + 8 * st);
+  }
+  store_acc<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, row0, Tq, acc, scale, lane);
+}
+
+template <int D, int BQ, int STAGES> struct SmemDkdv {
+  static constexpr int FIX = 2 * BM * D * 2;  // K and V tiles (BM = 128 keys)
+  static constexpr int QT = BQ * D * 2;       // one Q (or dO) stage
+  static constexpr int VEC = BQ * 4;          // one lse (or delta) stage
+  static constexpr int BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (1 + 2 * STAGES) + 1024;
+};
+
+// Grid (ceil(Tk / 128), Hkv, B); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
+template <int D, int BQ, int STAGES>
+__device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                   const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                                   const float* __restrict__ lse, const float* __restrict__ delta,
+                                                   bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
+                                                   Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
+                                                   int Hkv, float scale, bool causal) {
+  using SM = SmemDkdv<D, BQ, STAGES>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  unsigned char* Ks = base;
+  unsigned char* Vs = base + BM * D * 2;
+  unsigned char* Qs = base + SM::FIX;           // [STAGES][BQ x D]
+  unsigned char* dOs = Qs + STAGES * SM::QT;    // [STAGES][BQ x D]
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * SM::QT);  // [STAGES][BQ]
+  float* Ds = Ls + STAGES * BQ;                                  // [STAGES][BQ]
+  const unsigned fixbar = smem_addr(Ds + STAGES * BQ);
+  const unsigned full0 = fixbar + 8, empty0 = fixbar + 8 + 8 * STAGES;
+
+  const int tid = threadIdx.x, wg = tid / WG;
+  const int j = blockIdx.y, b = blockIdx.z, G = H / Hkv;
+  const int k0 = blockIdx.x * BM, off = Tk - Tq;  // low key tiles see the most queries: launched first
+  // Query tiles that can see a key of this CTA: query i sees key n when n <= i + off, i.e. i >= k0 - off.
+  const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
+  const int nqb = (Tq + BQ - 1) / BQ;
+  const int nq = max(0, nqb - qstart), nit = G * nq;
+
+  if (tid == 0) {
+    mbar_init(fixbar, WG);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, WG);
+      mbar_init(empty0 + 8 * s, 2 * WG);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    load_swz<D, BM>(Ks, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
+    load_swz<D, BM>(Vs, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
+    cp_async_arrive(fixbar);
+    for (int it = 0; it < nit; ++it) {
+      const int st = it % STAGES, hq = j * G + it / nq, qb0 = (qstart + it % nq) * BQ;
+      mbar_wait(empty0 + 8 * st, ((it / STAGES) & 1) ^ 1);
+      load_swz<D, BQ>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
+      load_swz<D, BQ>(dOs + st * SM::QT, dout + b * sdo.b + hq * sdo.h, sdo.t, qb0, Tq, tid);
+      const long long vrow = ((long long)b * H + hq) * Tq;
+#pragma unroll
+      for (int i = tid; i < 2 * BQ; i += WG) {  // lse and delta of the tile's queries, 4 bytes each (any Tq)
+        const int c = i % BQ, ok = qb0 + c < Tq;
+        const float* src = (i < BQ ? lse : delta) + vrow + (ok ? qb0 + c : 0);
+        cp_async4((i < BQ ? Ls : Ds) + st * BQ + c, src, ok);
+      }
+      cp_async_arrive(full0 + 8 * st);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+
+  // ---------------------------------------------------------------------------------- consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, c2 = (lane & 3) * 2;
+  const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
+  const float sl2 = scale * LOG2E;
+  const unsigned kaddr = smem_addr(Ks) + cw * 64 * 128, vaddr = smem_addr(Vs) + cw * 64 * 128;
+
+  float dka[D / 8][4], dva[D / 8][4];
+  zero(dka);
+  zero(dva);
+  mbar_wait(fixbar, 0);
+  for (int it = 0; it < nit; ++it) {
+    const int st = it % STAGES, qb0 = (qstart + it % nq) * BQ;
+    mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
+    if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
+      mbar_arrive(empty0 + 8 * st);
+      continue;
+    }
+    fence_proxy_async();
+    const unsigned qaddr = smem_addr(Qs + st * SM::QT), doaddr = smem_addr(dOs + st * SM::QT);
+    float s[BQ / 8][4], dp[BQ / 8][4];  // S^T and dP^T: rows = keys, columns = queries
+    zero(s);
+    zero(dp);
+    fence_regs(s);
+    fence_regs(dp);
+    wgmma_fence();
+    issue_s<D, BQ>(s, kaddr, qaddr);
+    issue_s<D, BQ>(dp, vaddr, doaddr);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+    // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
+    // 2^(0 - lse) may overflow), and the causal rule key > query + off.
+    if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
+      const int g = lane >> 2;
+#pragma unroll
+      for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = row0 + g + (e >> 1) * 8, qi = qb0 + nt * 8 + c2 + (e & 1);
+          if (qi >= Tq || key >= Tk || (causal && key > qi + off)) s[nt][e] = -CK_INF;
+        }
+    }
+    const float* Lt = Ls + st * BQ;
+    const float* Dt = Ds + st * BQ;
+#pragma unroll
+    for (int nt = 0; nt < BQ / 8; ++nt) {
+      const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
+      const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
+      const float lo0 = lse_offset(lq.x), lo1 = lse_offset(lq.y);
+      const float p00 = ex2(fmaf(s[nt][0], sl2, -lo0)), p01 = ex2(fmaf(s[nt][1], sl2, -lo1));
+      const float p10 = ex2(fmaf(s[nt][2], sl2, -lo0)), p11 = ex2(fmaf(s[nt][3], sl2, -lo1));
+      s[nt][0] = p00;
+      s[nt][1] = p01;
+      s[nt][2] = p10;
+      s[nt][3] = p11;
+      dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
+      dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
+      dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
+      dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
+    }
+    unsigned pa[BQ / 16][4], da[BQ / 16][4];
+    pack_p<BQ>(pa, s);
+    pack_p<BQ>(da, dp);
+    fence_regs(dva);
+    fence_regs(dka);
+    wgmma_fence();
+    issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
+    issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dva);
+    fence_regs(dka);
+    fence_regs(pa);
+    fence_regs(da);
+    mbar_arrive(empty0 + 8 * st);
+  }
+  const long long ld = (long long)Hkv * D;
+  store_acc<D>(dk + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dka, scale, lane);
+  store_acc<D>(dv + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dva, 1.f, lane);
+}
+
 // ================================================================================================ entry points
 // attn_sm90_fwd_d{64,128}: same arguments as attention.cu's attn_fwd_d{D} (strides in elements: batch, token,
 // head; the last axis contiguous). Launch: 384 threads, grid (ceil(Tq / 128), H, B), dynamic shared memory
@@ -507,3 +851,28 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
 // registers is the whole register file). D = 128: 128-key tiles, 2 stages: 32 KB + 2 x 64 KB = 160 KB.
 CK_ATTN90_FWD(64, 128, 3)
 CK_ATTN90_FWD(128, 128, 2)
+
+// Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
+// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D}. Grids (ceil(Tq / 128), H, B) and (ceil(Tk / 128), Hkv, B), 384 threads.
+#define CK_ATTN90_BWD(D, BN, STQ, BQ, STK)                                                                     \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D(                             \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
+      float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
+      long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
+      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+    attn_bwd_dq_sm90<D, BN, STQ>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},   \
+                                 Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);     \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D(                           \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
+      bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
+      long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
+      int H, int Hkv, float scale, bool causal) {                                                              \
+    attn_bwd_dkdv_sm90<D, BQ, STK>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                     \
+                                   Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H,   \
+                                   Hkv, scale, causal);                                                        \
+  }
+// dq: 64-key tiles (S, dP: 32 registers each; dQ 32 / 64), 2 stages; dkdv: 64-query tiles at D = 64, 32 at
+// D = 128 (dK and dV accumulators are 64 + 64 registers there), 2 stages.
+CK_ATTN90_BWD(64, 64, 2, 64, 2)
+CK_ATTN90_BWD(128, 64, 2, 32, 2)

@@ -169,49 +169,54 @@ def _bf16_bits(rng, shape):
     return rng.standard_normal(shape).astype(np.float32).astype(BF16)
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_simulated_cta_reproduces_the_products(rng, D):
-    """One CTA's shared memory (1024-aligned base, Q then the K and V stages as in the kernel), filled by the
-    producer model; each consumer warpgroup's descriptors (kernel formulas) through the hardware's reading must
-    give S = Q_wg K^T and P V exactly (fp64 sums of bf16 values)."""
-    BN, STAGES = A90.CONFIG[D]
-    st = STAGES - 1  # the last stage: its offsets exercise the stage arithmetic
-    QB, KV = BM * D * 2, BN * D * 2
+# (head_dim, rows of the streamed B tile): the forward's K / V tiles (128 keys), the dq kernel's K / V tiles (64
+# keys), the dkdv kernel's Q / dO tiles (64 queries at D = 64, 32 at D = 128).
+SS_RS_SHAPES = [(64, 128), (128, 128), (64, 64), (128, 64), (128, 32)]
+
+
+@pytest.mark.parametrize("D,NB", SS_RS_SHAPES)
+def test_simulated_cta_reproduces_the_products(rng, D, NB):
+    """A CTA's shared memory (1024-aligned base: the fixed 128-row tile, then a streamed [NB x D] tile in stage 1
+    of 2), filled by the producer model; each consumer warpgroup's descriptors (the kernel's issue_s / issue_pv
+    formulas) through the hardware's reading must give the products exactly (fp64 sums of bf16 values):
+    issue_s: X_wg Y^T (fwd S = Q K^T, dq dP = dO V^T, dkdv S^T = K Q^T ...), X the 128-row tile, Y the NB-row one;
+    issue_pv: P Y with P (64 x NB) in the accumulator registers packed as the A fragment, Y read MN-major
+    (fwd O += P V, dq dQ += dS K, dkdv dV += P^T dO, dK += dS^T Q)."""
+    QB, KV = BM * D * 2, NB * D * 2
     base = 0x400  # a 1024-aligned shared address other than 0
-    smem = np.zeros(base + QB + 2 * STAGES * KV, np.uint8)
-    q, kt, vt = _bf16_bits(rng, (BM, D)), _bf16_bits(rng, (BN, D)), _bf16_bits(rng, (BN, D))
-    place(smem, base, q.view(np.uint16), BM)
-    kaddr = base + QB + st * KV
-    vaddr = base + QB + STAGES * KV + st * KV
-    place(smem, kaddr, kt.view(np.uint16), BN)
-    place(smem, vaddr, vt.view(np.uint16), BN)
-    qf, kf, vf = (x.astype(np.float64) for x in (q, kt, vt))
+    smem = np.zeros(base + QB + 2 * KV, np.uint8)
+    x, y = _bf16_bits(rng, (BM, D)), _bf16_bits(rng, (NB, D))
+    place(smem, base, x.view(np.uint16), BM)
+    yaddr = base + QB + KV
+    place(smem, yaddr, y.view(np.uint16), NB)
+    xf, yf = x.astype(np.float64), y.astype(np.float64)
     for cw in range(2):
-        qaddr = base + cw * 64 * 128
-        s = np.zeros((64, BN))
-        for kk in range(D // 16):
-            da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024)
-            db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024)
+        xaddr = base + cw * 64 * 128  # this warpgroup's 64 rows in each column block
+        s = np.zeros((64, NB))
+        for kk in range(D // 16):  # issue_s<D, NB>
+            da = make_desc(xaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024)
+            db = make_desc(yaddr + (kk >> 2) * (NB * 128) + (kk & 3) * 32, 16, 1024)
             wgmma_ss(s, smem, da, db)
-        np.testing.assert_allclose(s, qf[64 * cw:64 * cw + 64] @ kf.T, rtol=1e-12, atol=1e-9)
-        # P: any bf16 matrix placed in the S registers, packed as the kernel packs it.
-        p = _bf16_bits(rng, (64, BN)).astype(np.float64)
-        regs = {(t, i): p[acc_pos(t, i)] for t in range(WG) for i in range(BN // 2)}
+        np.testing.assert_allclose(s, xf[64 * cw:64 * cw + 64] @ yf.T, rtol=1e-12, atol=1e-9)
+        # P: any bf16 matrix placed in the S registers, packed as the kernel's pack_p packs it.
+        p = _bf16_bits(rng, (64, NB)).astype(np.float64)
+        regs = {(t, i): p[acc_pos(t, i)] for t in range(WG) for i in range(NB // 2)}
         o = np.zeros((64, D))
-        for kk in range(BN // 16):
+        for kk in range(NB // 16):  # issue_pv<D, NB>
             a = np.zeros((64, 16))
             for t in range(WG):
                 for j in range(4):
                     for h in range(2):
                         nt, e = kernel_pack(kk, j, h)
                         a[a_pos(t, j, h)] = regs[(t, 4 * nt + e)]
-            wgmma_rs(o, a, smem, make_desc(vaddr + kk * 2048, BN * 128, 1024))
-        np.testing.assert_allclose(o, p @ vf, rtol=1e-12, atol=1e-9)
+            wgmma_rs(o, a, smem, make_desc(yaddr + kk * 2048, NB * 128, 1024))
+        np.testing.assert_allclose(o, p @ yf, rtol=1e-12, atol=1e-9)
 
 
 def test_descriptor_fields_fit():
     """Shared addresses (< 228 KB + the 1024 alignment slack) and LBO / SBO fit their 14-bit (>> 4) fields."""
     for D in A90.HEAD_DIMS:
+        assert max(A90.bwd_smem_bytes("dq", D), A90.bwd_smem_bytes("dkdv", D)) <= 227 * 1024
         nbytes = A90.smem_bytes(D)
         assert nbytes <= 227 * 1024  # the per-block opt-in limit on sm_90
         assert nbytes + 1024 < (1 << 18)
@@ -226,6 +231,11 @@ def test_config_mirrors_the_kernel_instantiations():
     inst = {int(d): (int(bn), int(st)) for d, bn, st in re.findall(r"^CK_ATTN90_FWD\((\d+), (\d+), (\d+)\)", src,
                                                                     re.M)}
     assert inst == A90.CONFIG
+    bwd = {int(d): tuple(int(x) for x in rest) for d, *rest in
+           re.findall(r"^CK_ATTN90_BWD\((\d+), (\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+    assert bwd == A90.BWD_CONFIG
+    assert "BYTES = FIX + 2 * STAGES * KV + 8 * (1 + 2 * STAGES) + 1024" in src  # SmemDq: bwd_smem_bytes("dq")
+    assert "BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (1 + 2 * STAGES) + 1024" in src  # SmemDkdv
     m = re.search(r"BYTES = Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src)
     assert m, "Smem<>::BYTES changed: update attention_sm90.smem_bytes"
     assert re.search(r"constexpr int BM = 128;", src) and A90.BM == 128
@@ -306,6 +316,30 @@ def test_validation():
         A90.flash_attention_sm90(q, k, v, causal=1)
     with pytest.raises(ValueError, match="scale"):
         A90.flash_attention_sm90(q, k, v, scale=-1.0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_backward_is_flash_attention_backwards(rng, causal):
+    q, k, v = qkv(rng, 2, 9, 13, 4, 2, 128)
+    w = qkv(rng, 2, 9, 13, 4, 2, 128)[0]
+    o, lse = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+    a = A90.flash_attention_backward_sm90(w, q, k, v, o, lse, causal=causal)
+    b = ck.flash_attention_backward(w, q, k, v, o, lse, causal=causal)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+def test_backward_validation():
+    q, k, v = qkv(np.random.default_rng(0), 1, 4, 4, 2, 1, 32)
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="q: head_dim must be one of \\(64, 128\\)"):
+        A90.flash_attention_backward_sm90(o, q, k, v, o, lse)
+    q, k, v = qkv(np.random.default_rng(0), 1, 4, 4, 2, 1, 64)
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        A90.flash_attention_backward_sm90(o, q, k, v, o, lse[:, :1])
+    with pytest.raises(ValueError, match="dout"):
+        A90.flash_attention_backward_sm90(o[:, :2], q, k, v, o, lse)
 
 
 # ------------------------------------------------------------------------------------------------ GPU (sm_90)
@@ -453,3 +487,76 @@ def test_gpu_other_architectures_are_refused(rng):
     q, k, v = (cp().asarray(x) for x in qkv(rng, 1, 8, 8, 2, 1, 64))
     with pytest.raises(ValueError, match="compute capability 9.0"):
         A90.flash_attention_sm90(q, k, v)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "B%dT%dH%d/%dD%d%s" % (*c[:5], "c" if c[5] else "f"))
+def test_gpu_backward_matches_reference_and_mma_sync(rng, case):
+    """Both backwards from the same o / lse (the mma.sync forward's); the wgmma one is also rerun: bit-identical."""
+    Bsz, T, H, Hkv, D, causal = case
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    w = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
+    o, lse = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)
+    a = A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal)
+    b = ck.flash_attention_backward(W, Q, K, V, o, lse, causal=causal)
+    for x, y, n in zip(a, b, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n + " vs flash_attention_backward")
+    if Bsz * H * T * T <= 2 * 32 * 1000 * 1000 // 4:
+        ref = ck.flash_attention_backward(w, q, k, v, to_host(o), to_host(lse), causal=causal)
+        for x, y, n in zip(a, ref, ("dq", "dk", "dv")):
+            close(x, y, 3e-2, n + " vs reference")
+    a2 = A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal)
+    for x, y in zip(a, a2):
+        np.testing.assert_array_equal(to_host(x).view(np.uint16), to_host(y).view(np.uint16))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", CROSS)
+def test_gpu_backward_seq_q_differs_from_seq_k(rng, case):
+    """Tq != Tk under the causal alignment: rows that see no key (dq = 0), keys no query sees (dk = dv = 0)."""
+    Bsz, Tq, Tk, H, Hkv, D, causal = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0]
+    o, lse = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
+    ref = ck.flash_attention_backward(w, q, k, v, o, lse, causal=causal)
+    got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, o, lse)), causal=causal)
+    for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_backward_strided_views_and_wgmma_forward(rng, variant, D):
+    """Fused-QKV slices for q, k, v, dO as a transposed [B, H, T, D] buffer; the wgmma backward fed the wgmma
+    forward's o / lse against the reference."""
+    Bsz, T, H, Hkv = 2, 300, 8, 2
+    qkv_ = rng.standard_normal((Bsz, T, H + 2 * Hkv, D)).astype(np.float32).astype(BF16)
+    do = np.ascontiguousarray(rng.standard_normal((Bsz, H, T, D)).astype(np.float32).astype(BF16))
+    hq, hk, hv = qkv_[:, :, :H], qkv_[:, :, H:H + Hkv], qkv_[:, :, H + Hkv:]
+    ro, rl = ck.flash_attention(hq, hk, hv, return_lse=True)
+    ref = ck.flash_attention_backward(do.transpose(0, 2, 1, 3), hq, hk, hv, ro, rl)
+    G = cp().asarray(qkv_)
+    q, k, v = G[:, :, :H], G[:, :, H:H + Hkv], G[:, :, H + Hkv:]
+    o, lse = A90.flash_attention_sm90(q, k, v, return_lse=True)
+    got = A90.flash_attention_backward_sm90(cp().asarray(do).transpose(0, 2, 1, 3), q, k, v, o, lse)
+    for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_backward_large_scores(rng):
+    """Scores of +-1e3: P is 0 / 1 almost everywhere, dS must stay finite."""
+    Bsz, T, H, Hkv, D = 1, 700, 4, 2, 64
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    q, k = (q.astype(np.float32) * 40).astype(BF16), (k.astype(np.float32) * 40).astype(BF16)
+    w = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    ref = ck.flash_attention_backward(w, q, k, v, o, lse)
+    got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, o, lse)))
+    for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)

@@ -1,9 +1,10 @@
-"""Flash attention forward on Hopper's warpgroup MMA: ``ck.flash_attention_sm90`` (sm_90 GPUs only: H100 / H200).
-Kernels: ``kernels_cu/attention_sm90.cu`` (compiled for sm_90a: wgmma, setmaxnreg).
+"""Flash attention on Hopper's warpgroup MMA: ``ck.flash_attention_sm90`` and ``ck.flash_attention_backward_sm90``
+(sm_90 GPUs only: H100 / H200). Kernels: ``kernels_cu/attention_sm90.cu`` (compiled for sm_90a: wgmma, setmaxnreg).
 
-Same contract as :func:`cukernels.ops.attention.flash_attention` (layout, causal alignment, GQA, lse format), so
-its ``lse`` feeds :func:`cukernels.ops.attention.flash_attention_backward` unchanged. No key-padding mask here:
-``ck.flash_attention`` keeps those calls on its mma.sync kernels.
+Same contract as :func:`cukernels.ops.attention.flash_attention` / ``flash_attention_backward`` (layout, causal
+alignment, GQA, lse format): the forwards and backwards of both families can be mixed (each backward takes the
+other forward's o / lse). No key-padding mask here: ``ck.flash_attention`` keeps those calls on its mma.sync
+kernels.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .. import _backend as B
 from .._loader import get_function
 from .attention import _strides, _validate
 from .attention import flash_attention as _flash_attention
+from .attention import flash_attention_backward as _flash_attention_backward
 
 FAMILY = "attention_sm90"
 THREADS = 384  # producer warpgroup + 2 consumer warpgroups
@@ -27,6 +29,19 @@ HEAD_DIMS = tuple(CONFIG)
 # "_serial" = one tile at a time per warpgroup (same tiles and shared memory). Both are tested.
 VARIANTS = ("", "_serial")
 VARIANT = ""
+
+
+# head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv): the CK_ATTN90_BWD lines.
+BWD_CONFIG = {64: (64, 2, 64, 2), 128: (64, 2, 32, 2)}
+
+
+def bwd_smem_bytes(kind: str, D: int) -> int:
+    """Dynamic shared memory of attn_sm90_bwd_{kind}_d{D} (SmemDq / SmemDkdv in the kernel)."""
+    bn, stq, bq, stk = BWD_CONFIG[D]
+    if kind == "dq":  # Q and dO tiles, K and V stages, barriers, alignment slack
+        return 2 * BM * D * 2 + 2 * stq * bn * D * 2 + 8 * (1 + 2 * stq) + 1024
+    # K and V tiles, Q and dO stages, lse and delta stages, barriers, alignment slack
+    return 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (1 + 2 * stk) + 1024
 
 
 def smem_bytes(D: int) -> int:
@@ -56,10 +71,12 @@ def supported() -> bool:
 _configured: set = set()
 
 
-def _kernel(D, variant):
-    k = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}")
-    smem = smem_bytes(D)
-    key = (D, variant, id(k))
+def _kernel(D, variant, kind="fwd"):
+    if kind == "fwd":
+        k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D)
+    else:
+        k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}"), bwd_smem_bytes(kind, D)
+    key = (D, variant, kind, id(k))
     if key not in _configured:  # a host-side attribute, set once before any capture
         k.max_dynamic_shared_size_bytes = smem
         _configured.add(key)
@@ -103,11 +120,7 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
                          f"(flash_attention takes 32 too)")
     if xp is np:  # the NumPy reference is flash_attention's (same math, same lse)
         return _flash_attention(q, k, v, causal=causal, scale=scale, out=out, return_lse=return_lse)
-    if not supported():
-        import cupy
-
-        raise ValueError(f"q: flash_attention_sm90 runs on compute capability 9.0 GPUs (H100 / H200) only; the "
-                         f"current device has {_cc(cupy.cuda.Device().id)} (use flash_attention)")
+    _check_device()
     o = B.empty(xp, q.shape, B.bfloat16, out)
     lse = xp.empty((Bsz, H, Tq), dtype=np.float32)
     if Bsz * H * Tq == 0:
@@ -118,6 +131,69 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
           np.bool_(causal)), shared_mem=smem)
     return (o, lse) if return_lse else o
+
+
+def _check_device():
+    if not supported():
+        import cupy
+
+        raise ValueError(f"q: the sm_90 attention kernels run on compute capability 9.0 GPUs (H100 / H200) only; "
+                         f"the current device has {_cc(cupy.cuda.Device().id)} (use flash_attention)")
+
+
+@B.interop
+def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None):
+    """Gradients of :func:`flash_attention_sm90` (or of :func:`flash_attention` without key_mask) on Hopper's wgmma
+    path: ``(dq, dk, dv)``.
+
+    With ``P`` recomputed from ``lse``: ``delta_i = <dO_i, o_i>``, ``dS = P * (dO V^T - delta)``,
+    ``dq = scale * dS K``, ``dk = scale * dS^T Q``, ``dv = P^T dO``; dk and dv summed over the G query heads of a
+    K/V head. Deterministic (two kernels, no atomics: dq per query tile, dk / dv per key tile). A query that sees
+    no key (lse = -inf) gets dq = 0 and adds nothing to dk, dv.
+
+    Args:
+        dout: bfloat16 like ``q`` (strided views allowed, as for q).
+        q, k, v, causal, scale: exactly as passed to the forward; head_dim 64 or 128.
+        out, lse: the forward's ``o`` (C-contiguous) and ``lse`` (float32 ``[batch, heads, seq_q]``, C-contiguous).
+
+    Returns:
+        ``dq`` like q, ``dk`` and ``dv`` like k; bfloat16, C-contiguous.
+    """
+    xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
+                         f"(flash_attention_backward takes 32 too)")
+    if xp is np:  # the argument checks and the NumPy reference are flash_attention_backward's
+        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    from .attention import _check_qkv
+
+    _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
+    B.check_shape("dout", dout, q.shape, " (the shape of q)")
+    B.check_dtype("out", out, (B.bfloat16,))
+    B.check_shape("out", out, q.shape, " (the shape of q)")
+    B.check_contiguous("out", out)
+    B.check_dtype("lse", lse, (np.float32,))
+    B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
+    B.check_contiguous("lse", lse)
+    _check_device()
+    dq = xp.empty(q.shape, dtype=B.bfloat16)
+    dk = xp.empty(k.shape, dtype=B.bfloat16)
+    dv = xp.empty(k.shape, dtype=B.bfloat16)
+    if Bsz * H == 0:
+        return dq, dk, dv
+    delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
+    sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
+    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal))
+    if Tq:
+        kq, smq = _kernel(D, "", "dq")
+        kq((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
+           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
+    if Tk:
+        kd, smd = _kernel(D, "", "dkdv")
+        kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
+    return dq, dk, dv
 
 
 flash_attention_sm90_supported = supported
