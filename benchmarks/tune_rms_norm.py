@@ -1,5 +1,8 @@
 """Launch-plan sweep for rms_norm (forces each (threads-per-row, packs-per-thread) plan): which plan the
-launcher's heuristic should pick, measured rather than guessed. GPU only.
+launcher's heuristic should pick, measured rather than guessed. Backward plans run twice: through the cp.async
+pipelined kernel (rms_bwd_pipe, the launcher's choice on the 16-byte path for VPT <= 4) and through the
+register kernel (rms_bwd_reg, forced by emptying R.PIPE_THREADS), so issue 17's change is measured against
+what it replaced, plan by plan. GPU only.
 
     PYTHONPATH=. python benchmarks/tune_rms_norm.py
 """
@@ -26,8 +29,11 @@ for dt, dn in ((np.float32, "f32"), (ck.bfloat16, "bf16")):
         w = cp.random.standard_normal(C, dtype=cp.float32).astype(dt)
         ys = [cp.empty_like(x) for x in xs]
         rs = [ck.rms_norm(x, w, 1e-5, return_rstd=True)[1] for x in xs]
-        for direction, max_tpr in (("fwd", 512), ("bwd", 256)):
+        for direction, max_tpr, kern in (("fwd", 512, ""), ("bwd", 256, "pipe"), ("bwd", 256, "reg")):
             res = []
+            pipe_threads = R.PIPE_THREADS
+            if kern == "reg":
+                R.PIPE_THREADS = {}
             for vpt in (1, 2, 4, 8):
                 tpr = units // vpt
                 if tpr < 32 or tpr > max_tpr:
@@ -42,7 +48,9 @@ for dt, dn in ((np.float32, "f32"), (ck.bfloat16, "bf16")):
                 ms = _time_graph(f, k, 20, 10)
                 res.append(f"tpr={tpr:4d} vpt={vpt}: {ms*1e3:7.1f} us {nb/ms/1e6:6.0f} GB/s ({100*nb/ms/1e6/bw:3.0f}%)")
             R._plan = orig
+            R.PIPE_THREADS = pipe_threads
             heur = orig(C, sz, True, 512 if direction == "fwd" else 256)
-            print(f"{direction} {dn} {N}x{C} (heuristic tpr={heur[1]} vpt={heur[2]}):\n   " + "\n   ".join(res), flush=True)
+            print(f"{direction} {kern} {dn} {N}x{C} (heuristic tpr={heur[1]} vpt={heur[2]}):\n   " + "\n   ".join(res),
+                  flush=True)
         del xs, dys, ys, rs
         cp.get_default_memory_pool().free_all_blocks()
