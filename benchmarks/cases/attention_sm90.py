@@ -1,10 +1,11 @@
-"""Benchmark cases for ck.flash_attention_sm90 (kernels_cu/attention_sm90.cu: wgmma forward, sm_90 GPUs only).
+"""Benchmark cases for ck.flash_attention_sm90 / ck.flash_attention_backward_sm90 (kernels_cu/attention_sm90.cu:
+wgmma, sm_90 GPUs only; no rows on other GPUs).
 
-Compute-bound: TFLOP/s count the model FLOPs (4 B H Tq Tk D forward, halved under the causal mask; fwd+bwd 3.5x
-forward). The "x cupy" column is the mma.sync forward (ck.flash_attention, attention.cu) on the same inputs, the
-"x torch" column PyTorch's scaled_dot_product_attention (cuDNN / flash backend) on the same [B, T, H, D] views,
-timed in the same run. "fwd+bwd" is this forward followed by ck.flash_attention_backward (mma.sync, fed this
-forward's o / lse) against SDPA's forward + autograd backward. No rows on other GPUs.
+Compute-bound: TFLOP/s count the model FLOPs (4 B H Tq Tk D forward, halved under the causal mask; backward 2.5x
+forward, fwd+bwd 3.5x). The "x cupy" column is the mma.sync kernels (ck.flash_attention /
+ck.flash_attention_backward, attention.cu) on the same inputs, the "x torch" column PyTorch's
+scaled_dot_product_attention (cuDNN / flash backend) on the same [B, T, H, D] views, timed in the same run
+("fwd+bwd": SDPA's forward + autograd backward).
 """
 import math
 
@@ -40,9 +41,17 @@ def cases(ctx):
         def mma_sync(i, qs=qs, ks=ks, vs=vs, causal=causal):
             return ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
 
+        fw = [ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, return_lse=True) for i in range(k_)]
+
+        def ours_b(i, qs=qs, ks=ks, vs=vs, dos=dos, fw=fw, causal=causal):
+            return A90.flash_attention_backward_sm90(dos[i], qs[i], ks[i], vs[i], fw[i][0], fw[i][1], causal=causal)
+
+        def mma_b(i, qs=qs, ks=ks, vs=vs, dos=dos, fw=fw, causal=causal):
+            return ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], fw[i][0], fw[i][1], causal=causal)
+
         def ours_fb(i, qs=qs, ks=ks, vs=vs, dos=dos, causal=causal):
             o, lse = A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
-            return ck.flash_attention_backward(dos[i], qs[i], ks[i], vs[i], o, lse, causal=causal)
+            return A90.flash_attention_backward_sm90(dos[i], qs[i], ks[i], vs[i], o, lse, causal=causal)
 
         def mma_fb(i, qs=qs, ks=ks, vs=vs, dos=dos, causal=causal):
             o, lse = ck.flash_attention(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
@@ -77,7 +86,8 @@ def cases(ctx):
 
         out.append(Case("flash_attention_sm90 fwd serial", shape, "bf16", per_set, "q,k,v,o once", serial,
                         mma_sync, tf, note="the _serial consumer loop", extra=dict(nsets=k_), flops=f_fwd))
-        out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd (wgmma) + bwd (mma.sync)",
-                        ours_fb, mma_fb, tfb, note="x cupy = mma.sync fwd+bwd", extra=dict(nsets=k_),
-                        flops=3.5 * f_fwd))
+        out.append(Case("flash_attention_sm90 bwd", shape, "bf16", 2 * per_set, "q,k,v,o,dO,dq,dk,dv once", ours_b,
+                        mma_b, None, note="x cupy = mma.sync bwd", extra=dict(nsets=k_), flops=2.5 * f_fwd))
+        out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd + bwd (wgmma)", ours_fb,
+                        mma_fb, tfb, note="x cupy = mma.sync fwd+bwd", extra=dict(nsets=k_), flops=3.5 * f_fwd))
     return out
