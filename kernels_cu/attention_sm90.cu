@@ -1,6 +1,7 @@
-// Flash attention forward on Hopper's warpgroup MMA (sm_90a only): bf16 in / bf16 out, fp32 softmax and
-// accumulation; the same math, masks, GQA mapping and lse format as attention.cu's attn_fwd (whose backward
-// consumes this lse unchanged).
+// Flash attention forward and backward on Hopper's warpgroup MMA (sm_90a only): bf16 in / bf16 out, fp32 softmax
+// and accumulation; the same math, masks, GQA mapping, lse format and deterministic two-kernel backward split as
+// attention.cu (either family's backward consumes either forward's o / lse). No key-padding mask (attention.cu's
+// *_km kernels keep those calls).
 //
 // Why: attention.cu's mma.sync forward runs B8 x H32/8 x T1024 x D64 causal in 0.192 ms on an H200, PyTorch's
 // SDPA (cuDNN / FA3 class, wgmma) in 0.114 ms. mma.sync m16n8k16 issues 4 KFLOP per warp instruction and needs
