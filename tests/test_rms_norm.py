@@ -506,9 +506,10 @@ def test_gpu_add_matches_reference(rng, rows, C, dtype, misalign):
     assert_close(dx, dx_ref, dtype, what="dx")
     rt, at = TOL[np.dtype(w.dtype)]
     assert_close(dw, dw_ref, w.dtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dw")
-    # The same kernels without dh are rms_norm_backward: dh only moves dx.
-    dx0, dw0 = ck.rms_norm_backward(dyd, h, wd, rs)
-    assert np.array_equal(to_host(dw0), to_host(dw)), "dh must not change dweight (same partials, same order)"
+    # Without dh it is rms_norm_backward: dh only moves dx. (Not compared bit for bit: the "add" and plain
+    # register kernels differ in registers, hence in grid size and partial-sum order, on the scalar path.)
+    _, dw0 = ck.rms_norm_backward(dyd, h, wd, rs)
+    assert_close(dw0, dw, w.dtype, rtol=max(rt, 1e-4), atol=max(at, 1e-4), what="dw without dh")
 
 
 # Shapes that take each backward kernel: the cp.async pipeline for every packs-per-thread it has (VPT 1/2/4,
