@@ -1,0 +1,366 @@
+// Decode GEMV with a fused prologue (RMSNorm / LayerNorm of x) and epilogue (bias, SwiGLU / GELU, residual add):
+//
+//   xn[b, :]  = x[b, :]                                                      (norm = none)
+//             = round_T(x * r * nw),          r = 1 / sqrt(mean(x^2) + eps)  (rms: ck.rms_norm's formula)
+//             = round_T((x - mu) * r * nw + nb), r = 1 / sqrt(var + eps)     (layer: ck.layer_norm's formula)
+//   y[b, n]   = sum_k xn[b, k] * W[n, k]                                     (fp32 accumulation)
+//   y         = rmid(rmid(y) + bias[n])                                      (bias: matmul, then ck.add)
+//   a         = y | rmid(silu(y[:, j]) * y[:, N/2 + j]) | rmid(gelu(y))      (act)
+//   out[b, j] = round_O(residual[b, j] + a[b, j])  or  round_O(a[b, j])
+//
+// rmid() rounds to bf16 when x and out are both bf16, else it is the identity: the unfused composition is
+// ck.matmul(xn, W^T) whose output dtype is out's (bf16 inputs) or fp32 (fp32 inputs, or the LM head's bf16 x
+// with fp32 logits: cuBLAS accumulates and stores fp32), then ck.add / ck.swiglu_packed / ck.gelu / ck.add,
+// each computing in fp32 and rounding once to that dtype. Rounding y at the same points makes the fused and
+// the unfused paths agree to the last bit wherever the fp32 dot product itself agrees (only the summation
+// order differs), instead of the fused path being "more exact" and so different by 1 bf16 ulp at random.
+//
+// Design (LLaMA-1B decode on an H200: K = 2048 / 8192, N = 2048 .. 128256, B = 1 .. 8; copy ~4.2 TB/s):
+// - One warp per output row (RPW = 2 for SwiGLU: rows j and N/2 + j, so the packed gate/up halves are read
+//   by the same warp and the activation needs no second pass), warps grid-stride over the rows; each lane
+//   reads 16-byte packs of W (8 bf16 / 4 fp32), U = 4 / RPW packs per row per chunk. The loop is software
+//   pipelined: the next chunk's loads (of this row, or of the warp's next row) are issued right after this
+//   chunk's FMAs, so they are in flight through the reduction and epilogue, and the warp's first chunk is
+//   requested before x is even staged. ptxas double-buffers the chunk (70-150 registers, no spills): per SM
+//   >= 16 warps x 32 lanes x 64 B = 32 KB in flight, what Little's law asks at 4.2 TB/s / 132 SMs x ~800 ns
+//   (~25 KB). (U = 8 / RPW spilled under the same budget.) B <= 8 rows of x share every W load: NB
+//   accumulators per row in registers; NB is 1, 2, 4 or 8 (B rounded up; padded rows are zeros, never stored).
+// - xn lives in shared memory as x's own dtype (it is rounded to x.dtype anyway, so this loses nothing), rows
+//   Kp = K rounded up to 8 apart (16-byte aligned rows): NB x Kp x sizeof(T) bytes. Why not fp32 always: bf16
+//   B = 8, K = 8192 would be 256 KB (over the 227 KB a block may have); as bf16 it is 128 KB. The launcher
+//   caps it at 128 KiB (gemv.py SMEM_CAP: bf16 B <= 8 up to K = 8192, fp32 B <= 8 up to K = 4096, B <= 2 up to
+//   K = 16384) and takes the unfused path beyond.
+// - Each block stages x itself (and recomputes the row statistics): with a one-wave grid that is <= ~132 x
+//   (1..8) blocks x B x K x 2 B from L2 (K = 2048, B = 1: 4 KB a block, ~2 MB in all against 8+ MB of W),
+//   cheaper than a separate norm launch (~3 us in a graph) and its round trip through HBM.
+// - Reading x from shared memory: a lane's 16-byte W pack covers 8 consecutive k, so it reads B x 8 values of
+//   xn (one LDS.128 per row for bf16): conflict-free (lanes read consecutive 16-byte chunks). B = 1 costs ~1
+//   FMA + 1 widening per W element: far under the issue rate. At B = 8 every 16-byte W pack needs 8 LDS.128
+//   (128 B of shared memory, the SM's whole 128 B/clock at the ~1 pack/clock/SM that 4.2 TB/s means), 64 FMAs
+//   and 64 + 8 bf16 -> fp32 widenings (integer pipe, 64/clock/SM): issue- and shared-bound near 60-70 % of the
+//   copy rate (NOTES.md; SwiGLU's two rows per warp halve the x traffic per W byte). The next lever there is
+//   more rows per warp, or mma.sync with x as the 8-column operand.
+// - The warp reduction is a butterfly (every lane gets every sum); lane b then finishes row b's epilogue, so
+//   the B outputs of a warp are written by B lanes in parallel. Each output (and its residual) is read and
+//   written by one thread, so residual may be the very array out is (the in-place residual stream).
+// - VEC = true: W rows 16-byte aligned (pointer and row stride) and K % (16 / sizeof(W)) == 0; VEC = false:
+//   element loads of W, any K, any alignment. x is staged with 16-byte loads when its rows allow (x_vec).
+// - Deterministic: the order of every sum is fixed by the shape (no atomics), so reruns are bit-identical.
+#include "common/vec.cuh"
+#include "common/pointwise.cuh"
+
+// The activations, with the very formulas of activations.cu (silu_f, gelu_f, gelu_erf_f), so that the fused
+// epilogue and ck.swiglu / ck.gelu agree bit for bit on the same rounded inputs.
+constexpr float GEMV_GELU_K = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float GEMV_GELU_C = 0.044715f;
+constexpr float GEMV_RSQRT2 = 0.7071067811865476f;
+__device__ __forceinline__ float gemv_silu(float g) {
+  float s, oms;
+  sigmoid2(g, s, oms);
+  return g * s;
+}
+__device__ __forceinline__ float gemv_gelu_tanh(float x) {
+  float s, oms;
+  sigmoid2(2.f * GEMV_GELU_K * (x + GEMV_GELU_C * x * x * x), s, oms);
+  return x * s;
+}
+__device__ __forceinline__ float gemv_gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * GEMV_RSQRT2)); }
+
+// Flags (bit set by the launcher).
+constexpr unsigned GEMV_OUT_F32 = 1u;    // out (and residual) are fp32, else bf16
+constexpr unsigned GEMV_BIAS_F32 = 2u;   // bias is fp32, else bf16
+constexpr unsigned GEMV_NW_F32 = 4u;     // norm_weight / norm_bias are fp32, else bf16
+constexpr unsigned GEMV_ROUND_MID = 8u;  // intermediates rounded to bf16 (x and out both bf16)
+constexpr unsigned GEMV_X_VEC = 16u;     // x rows 16-byte aligned with K % (16 / sizeof(T)) == 0
+// norm: 0 none, 1 rms, 2 layer.   act: 0 none, 1 swiglu, 2 gelu (tanh), 3 gelu (erf).
+
+__device__ __forceinline__ float ld_any(const void* p, long long i, bool f32) {
+  return f32 ? reinterpret_cast<const float*>(p)[i] : to_f32(reinterpret_cast<const bf16*>(p)[i]);
+}
+__device__ __forceinline__ float round_bf16(float v) { return to_f32(from_f32<bf16>(v)); }
+
+// W pack of E elements as fp32 into f[0..E).
+template <typename W, int E>
+__device__ __forceinline__ void widen(const Pack<W, E>& p, float (&f)[E]) {
+#pragma unroll
+  for (int i = 0; i < E; ++i) f[i] = to_f32(p.v[i]);
+}
+
+// Read-only, streamed once: the non-coherent path without L1 allocation (W is never reused by this block, x
+// in shared memory is what is reused).
+template <typename W, int E>
+__device__ __forceinline__ Pack<W, E> ld_stream(const W* p) {
+  static_assert(sizeof(Pack<W, E>) == 16, "16-byte packs");
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  Pack<W, E> out;
+  *reinterpret_cast<uint4*>(&out) = r;
+  return out;
+}
+
+// One chunk of a warp's W rows in registers: U = 8 / RPW loads per row per lane (16-byte packs when VEC, else
+// single elements widened on load: a 2-byte struct array made ptxas spill), then the FMAs against xn in shared
+// memory. CHUNK elements of each row per chunk (2048 bf16 / 1024 fp32 with 16-byte packs: one chunk covers a
+// LLaMA-1B K = 2048 bf16 row).
+template <typename T, typename W, int NB, int RPW, bool VEC>
+struct WTile;
+
+template <typename T, typename W, int NB, int RPW>
+struct WTile<T, W, NB, RPW, true> {
+  static constexpr int E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
+  Pack<W, E> v[RPW][U];
+  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int k0, int K, int lane) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const W* row = w + (j + (long long)r * half) * ldw;
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        const int k = k0 + (lane + 32 * i) * E;
+        if (k < K) v[r][i] = ld_stream<W, E>(row + k);
+      }
+    }
+  }
+  __device__ __forceinline__ void fma(float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int k = k0 + (lane + 32 * i) * E;
+      if (k < K) {
+        float wf[RPW][E];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) widen<W, E>(v[r][i], wf[r]);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          // E consecutive xn values of row b: 16-byte shared loads (E * sizeof(T) is 8, 16 or 32 bytes).
+          float xf[E];
+          if constexpr (E * sizeof(T) >= 16) {
+            constexpr int XP = 16 / sizeof(T);
+#pragma unroll
+            for (int c = 0; c < E / XP; ++c) {
+              const Pack<T, XP> xv = load_pack<T, XP>(xs + b * Kp + k + c * XP);
+#pragma unroll
+              for (int q = 0; q < XP; ++q) xf[c * XP + q] = to_f32(xv.v[q]);
+            }
+          } else {
+            const Pack<T, E> xv = load_pack<T, E>(xs + b * Kp + k);
+#pragma unroll
+            for (int q = 0; q < E; ++q) xf[q] = to_f32(xv.v[q]);
+          }
+#pragma unroll
+          for (int r = 0; r < RPW; ++r)
+#pragma unroll
+            for (int q = 0; q < E; ++q) acc[r][b] = fmaf(wf[r][q], xf[q], acc[r][b]);
+        }
+      }
+    }
+  }
+};
+
+template <typename T, typename W, int NB, int RPW>
+struct WTile<T, W, NB, RPW, false> {
+  static constexpr int U = 4 / RPW, CHUNK = 32 * U;
+  float v[RPW][U];
+  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int k0, int K, int lane) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const W* row = w + (j + (long long)r * half) * ldw;
+#pragma unroll
+      for (int i = 0; i < U; ++i) {
+        const int k = k0 + lane + 32 * i;
+        v[r][i] = k < K ? to_f32(row[k]) : 0.f;
+      }
+    }
+  }
+  __device__ __forceinline__ void fma(float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
+#pragma unroll
+    for (int i = 0; i < U; ++i) {
+      const int k = k0 + lane + 32 * i;
+      if (k < K)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          const float xf = to_f32(xs[b * Kp + k]);
+#pragma unroll
+          for (int r = 0; r < RPW; ++r) acc[r][b] = fmaf(v[r][i], xf, acc[r][b]);
+        }
+    }
+  }
+};
+
+template <typename T, typename W, int NB, int RPW, bool VEC>
+__device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx, int Bn, int K,
+                                          const W* __restrict__ w, long long ldw, const void* __restrict__ bias,
+                                          const void* __restrict__ nw, const void* __restrict__ nb, float eps,
+                                          float inv_k, const void* res, long long ldr, void* out, long long ldo,
+                                          int n_out, int half, int norm, int act, unsigned flags) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  __shared__ float stat[2][NB];
+  T* xs = reinterpret_cast<T*>(gemv_smem);
+  const int Kp = (K + 7) & ~7;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+
+  // The warp's first chunk of W is requested before x is staged and normalised: those loads do not depend on
+  // xn, so the prologue (an L2 round trip for x, two barriers, the statistics) hides under their DRAM latency.
+  using Tile = WTile<T, W, NB, RPW, VEC>;
+  Tile tile;
+  const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
+  const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
+  if (gw < n_out) tile.load(w, ldw, gw, half, 0, K, lane);
+
+  // ---- stage x (rows >= Bn and columns >= K are zeros: they add nothing to the dot products)
+  constexpr int XE = 16 / sizeof(T);
+  if (flags & GEMV_X_VEC) {
+    const int units = Kp / XE;  // K % XE == 0 here, so Kp / XE covers K plus zero packs
+    for (int b = 0; b < NB; ++b)
+      for (int u = tid; u < units; u += blockDim.x) {
+        Pack<T, XE> v;
+        if (b < Bn && u * XE < K) {
+          v = load_pack<T, XE>(x + b * ldx + u * XE);
+        } else {
+#pragma unroll
+          for (int i = 0; i < XE; ++i) v.v[i] = from_f32<T>(0.f);
+        }
+        store_pack<T, XE>(xs + b * Kp + u * XE, v);
+      }
+  } else {
+    for (int b = 0; b < NB; ++b)
+      for (int k = tid; k < Kp; k += blockDim.x) xs[b * Kp + k] = (b < Bn && k < K) ? x[b * ldx + k] : from_f32<T>(0.f);
+  }
+
+  // ---- norm prologue: a warp per row for the statistics, then every thread rewrites xn in place
+  if (norm != 0) {
+    __syncthreads();
+    for (int b = warp; b < NB; b += nwarps) {
+      const T* xr = xs + b * Kp;
+      float s = 0.f, ss = 0.f;
+      for (int k = lane; k < K; k += 32) {
+        const float f = to_f32(xr[k]);
+        s += f;
+        ss += f * f;
+      }
+      s = warp_sum(s);
+      ss = warp_sum(ss);
+      float mu = 0.f, r;
+      if (norm == 1) {
+        // ck.rms_norm's ss / C, correctly rounded without the division instruction sequence: its slow-path
+        // subroutine call made ptxas spill around it. inv_k = RN(1 / K) comes from the host; q = RN(ss * inv_k)
+        // corrected once with the exact remainder ss - q K (an FMA) is the correctly rounded quotient
+        // (Markstein's theorem; ss >= 0 and K <= 2^24 stay far from overflow and underflow).
+        const float q0 = ss * inv_k;
+        r = rsqrtf(fmaf(fmaf(-q0, (float)K, ss), inv_k, q0) + eps);
+      } else {
+        const float inv_c = inv_k;  // ck.layer_norm: 1.f / C, then the exact two-pass variance
+        mu = s * inv_c;
+        float q = 0.f;
+        for (int k = lane; k < K; k += 32) {
+          const float d = to_f32(xr[k]) - mu;
+          q += d * d;
+        }
+        r = rsqrtf(warp_sum(q) * inv_c + eps);
+      }
+      if (lane == 0) {
+        stat[0][b] = mu;
+        stat[1][b] = r;
+      }
+    }
+    __syncthreads();
+    const bool nf32 = flags & GEMV_NW_F32;
+    for (int b = 0; b < Bn && b < NB; ++b) {
+      const float mu = stat[0][b], r = stat[1][b];
+      T* xr = xs + b * Kp;
+      for (int k = tid; k < K; k += blockDim.x) {
+        const float f = to_f32(xr[k]);
+        const float g = ld_any(nw, k, nf32);
+        xr[k] = from_f32<T>(norm == 1 ? f * r * g : (f - mu) * r * g + ld_any(nb, k, nf32));
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- the dot products: warp per output row (pair), grid-stride over (row, chunk) steps. The next step's
+  // loads are issued as soon as this chunk's FMAs have read the registers, so they are in flight through the
+  // reduction and epilogue of a finished row.
+  const bool rmid = flags & GEMV_ROUND_MID;
+  float acc[RPW][NB];
+  long long j = gw;
+  int k0 = 0;
+  while (j < n_out) {  // warp-uniform
+    if (k0 == 0) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
+    }
+    tile.fma(acc, xs, Kp, k0, K, lane);
+    long long nj = j;
+    int nk = k0 + Tile::CHUNK;
+    if (nk >= K) {
+      nk = 0;
+      nj = j + nwg;
+    }
+    if (nj < n_out) tile.load(w, ldw, nj, half, nk, K, lane);
+    const long long row = j;
+    j = nj;
+    k0 = nk;
+    if (nk != 0) continue;  // more chunks of this row
+
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) acc[r][b] = warp_sum(acc[r][b]);
+
+    // ---- epilogue: lane b finishes batch row b (acc is indexed with compile-time b only: no local memory)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (lane != b || b >= Bn) continue;
+      float y[RPW];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        y[r] = rmid ? round_bf16(acc[r][b]) : acc[r][b];
+        if (bias != nullptr) {
+          y[r] += ld_any(bias, row + (long long)r * half, flags & GEMV_BIAS_F32);
+          if (rmid) y[r] = round_bf16(y[r]);
+        }
+      }
+      float v = y[0];
+      if (act != 0) {
+        if (RPW == 2) v = gemv_silu(y[0]) * y[RPW - 1];
+        else if (act == 2) v = gemv_gelu_tanh(y[0]);
+        else v = gemv_gelu_erf(y[0]);
+        if (rmid) v = round_bf16(v);
+      }
+      const bool of32 = flags & GEMV_OUT_F32;
+      if (res != nullptr) v = ld_any(res, b * ldr + row, of32) + v;
+      if (of32) reinterpret_cast<float*>(out)[b * ldo + row] = v;
+      else reinterpret_cast<bf16*>(out)[b * ldo + row] = from_f32<bf16>(v);
+    }
+  }
+}
+
+// Entry points: gemv_<x dtype>_<W dtype>_b<NB>_<r1|r2>_<v|s>. 256 threads a block (the launcher's THREADS).
+// Register budget: 2 blocks a SM (<= 128 registers) for NB <= 4, 1 for NB = 8 (fp32 x with bf16 W hoists 8
+// rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped some kernels at 64 registers
+// and spilled (ptxas -v, sm_90; tests/test_compile.py).
+#define GEMV_ONE(T, W, TN, WN, NB, RPW, VEC, VS)                                                              \
+  extern "C" __global__ void __launch_bounds__(256, NB < 8 ? 2 : 1) gemv_##TN##_##WN##_b##NB##_r##RPW##_##VS(                  \
+      const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw,    \
+      const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,         \
+      int n_out, int half, int norm, int act, unsigned flags) {                                                \
+    gemv_body<T, W, NB, RPW, VEC>(x, ldx, Bn, K, w, ldw, bias, nw, nb, eps, inv_k, res, ldr, out, ldo, n_out,  \
+                                  half, norm, act, flags);                                                     \
+  }
+#define GEMV_NB(T, W, TN, WN, RPW, VEC, VS) \
+  GEMV_ONE(T, W, TN, WN, 1, RPW, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 2, RPW, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 4, RPW, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 8, RPW, VEC, VS)
+#define GEMV_ALL(T, W, TN, WN)          \
+  GEMV_NB(T, W, TN, WN, 1, true, v)     \
+  GEMV_NB(T, W, TN, WN, 2, true, v)     \
+  GEMV_NB(T, W, TN, WN, 1, false, s)    \
+  GEMV_NB(T, W, TN, WN, 2, false, s)
+
+GEMV_ALL(bf16, bf16, bf16, bf16)
+GEMV_ALL(bf16, float, bf16, f32)
+GEMV_ALL(float, bf16, f32, bf16)
+GEMV_ALL(float, float, f32, f32)
