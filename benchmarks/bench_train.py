@@ -256,7 +256,7 @@ class OurStep:
             opt = ck.optim.ZeroAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, group=group,
                                      no_decay={p.name for p in no_decay}, gather_fp32=lambda n, a: a.ndim < 2,
                                      sparse={emb.name} if "sparse_emb" in f else None, wire_dtype=ck.bfloat16,
-                                     bucket_elems=ZERO_BUCKET)
+                                     bucket_elems=ZERO_BUCKET, sm_margin=DIST.get("sm_margin", 0))
             if "sparse_emb" in f:
                 opt.attach_sparse(emb)
             opt.broadcast_params(0)
@@ -444,6 +444,8 @@ def main(argv=None):
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
                     help="uniform random tokens, or tinyshakespeare byte tokens (see make_batches)")
     ap.add_argument("--nproc", type=int, default=1, help="GPUs: N > 1 runs N ranks under cukernels.run, ZeroAdamW")
+    ap.add_argument("--sm-margin", type=int, default=0,
+                    help="with --nproc: SMs left to NCCL while collectives overlap compute (ZeroAdamW sm_margin)")
     args = ap.parse_args(argv)
     import os
     if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -457,6 +459,7 @@ def main(argv=None):
         import cukernels.distributed as dist
 
         DIST["group"] = dist.init_process_group()
+        DIST["sm_margin"] = args.sm_margin
         world = DIST["group"].world_size
         if args.ablation or args.vs_torch:
             print("--ablation / --vs-torch run on one GPU only; ignored with --nproc", flush=True)
@@ -479,7 +482,7 @@ def main(argv=None):
     ck.matmul(cp.ones((1, 1), cp.float32), cp.ones((1, 1), cp.float32))
     mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
     what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
-    opt_name = f"ZeroAdamW on {world} GPUs (bf16 reduce-scatter, B x T per GPU)" if world > 1 else "AdamW"
+    opt_name = f"ZeroAdamW on {world} GPUs (bf16 reduce-scatter, B x T per GPU, sm_margin {args.sm_margin})" if world > 1 else "AdamW"
     print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, {opt_name}, clip 1.0; data: {args.data}")
     out = {"device": name, "world_size": world, "rows": [], "ablation": [], "torch": []}
     for c in [c for c in args.configs.split(",") if c]:

@@ -80,6 +80,7 @@ def _lib():
     lib.cublasSetStream_v2.argtypes = [vp, vp]
     lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
     lib.cublasSetMathMode.argtypes = [vp, i]
+    lib.cublasSetSmCountTarget.argtypes = [vp, i]
     lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
     lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll,
                                                i, i, i]
@@ -131,6 +132,24 @@ def _handle():
             h = _handles.get(dev) or _Handle()
             _handles[dev] = h
     return h.bind()
+
+
+def set_sm_count_target(n: int) -> int:
+    """Ask cuBLAS to size the GEMMs queued from now on (on this device's handle) for ``n`` multiprocessors
+    (0: all of them, the default); returns the previous target. Hopper's GEMM kernels are persistent: a grid of
+    one block per SM holds every SM until the GEMM ends, so a collective queued beside it on another stream only
+    starts between GEMMs. ZeroAdamW lowers the target while its reduce-scatters run under the backward. A
+    captured graph keeps the kernels chosen at capture time."""
+    n = B.check_int("n", n, min=0)
+    _handle()
+    import cupy
+
+    h = _handles[cupy.cuda.Device().id]
+    old = getattr(h, "sm_target", 0)
+    if n != old:
+        _check(_lib().cublasSetSmCountTarget(h.h, n), "cublasSetSmCountTarget")
+        h.sm_target = n
+    return old
 
 
 _INT_MAX = 2**31 - 1  # cuBLAS takes m, n, k, the leading dimensions and the batch count as 32-bit ints

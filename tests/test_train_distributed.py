@@ -269,7 +269,7 @@ def test_one_process_checkpoint_layout_is_unchanged(tmp_path):
 # ---------------------------------------------------------------- config, errors
 def test_config_keys():
     cfg = _cfg("x", ["distributed=true", "zero.wire=bf16", "zero.bucket_elems=null"])
-    assert cfg["distributed"] is True and cfg["zero"] == {"wire": "bf16", "bucket_elems": None, "overlap": True}
+    assert cfg["distributed"] is True and cfg["zero"] == {"wire": "bf16", "bucket_elems": None, "overlap": True, "sm_margin": 0}
     assert _cfg("x", ["distributed=auto"])["distributed"] == "auto"
     two, single = load_config(str(ROOT / "examples/configs/small-2gpu.yaml")), load_config(
         str(ROOT / "examples/configs/small.yaml"))
@@ -280,7 +280,7 @@ def test_config_keys():
     for bad, match in [("distributed=maybe", "distributed: expected true, false or auto; got 'maybe'"),
                        ("zero.wire=fp16", r"zero.wire: expected one of \['auto', 'bf16', 'fp32'\]"),
                        ("zero.bucket=5", r"zero.bucket: unknown config key \(did you mean 'bucket_elems'\?\)"),
-                       ("zero.bucket_elems=0", "zero.bucket_elems: expected > 0")]:
+                       ("zero.bucket_elems=0", "zero.bucket_elems: expected > 0"), ("zero.sm_margin=-1", "zero.sm_margin: expected >= 0")]:
         with pytest.raises(ConfigError, match=match):
             _cfg("x", [bad])
 

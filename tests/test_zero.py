@@ -1051,3 +1051,18 @@ def worker_zero_graph():
 
 if __name__ == "__main__":
     globals()["worker_" + sys.argv[1]]()
+
+
+def test_sm_margin_is_validated_and_a_no_op_on_one_process():
+    """sm_margin changes only how the GPU work is laid out (cuBLAS SM target, Adam grid) while collectives run on
+    the side stream: on the NumPy path and in a world of one it changes nothing; a negative margin is refused."""
+    from cukernels.optim import ZeroAdamW
+    p = np.linspace(-1, 1, 100).astype(np.float32)
+    with pytest.raises(ValueError, match="sm_margin"):
+        ZeroAdamW([("w", p.copy())], sm_margin=-1)
+    oa, ob = ZeroAdamW([("w", p.copy())], lr=0.1), ZeroAdamW([("w", p.copy())], lr=0.1, sm_margin=16)
+    for o in (oa, ob):
+        o.grad("w")[...] = np.cos(np.arange(100, dtype=np.float32))
+        o.step()
+    np.testing.assert_array_equal(oa.param("w"), ob.param("w"))
+    assert not np.array_equal(oa.param("w"), p)

@@ -264,7 +264,7 @@ def _grid(wave, work_items):
 # ---------------------------------------------------------------------------------------------- adam_step
 @B.interop
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=0.0, shadow=None, grad_scale=None, error=None):
+              weight_decay=0.0, shadow=None, grad_scale=None, error=None, occupancy=1.0):
     """One fused AdamW update, in place (decoupled weight decay, PyTorch's ``AdamW`` formula).
 
     With ``g = grad_scale * grad`` and ``t = step``::
@@ -290,6 +290,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
         grad_scale: optional 0-d float32 array (>= 0) multiplying the gradient first (clipping scale, inverse
             loss scale); a plain number is accepted for eager use.
         error: optional 0-d int32 device array for the kernel's error bits (default: :func:`adam_error_word`).
+        occupancy: the fraction (0, 1] of one full wave of blocks the persistent grid uses (default 1). Below 1
+            every SM keeps room for another kernel's blocks while this one runs: ZeroAdamW leaves that room for
+            the NCCL all-gather it overlaps with the update (a full wave holds every SM until the update ends).
 
     Numbers and 0-d NumPy arrays out of range raise here (TypeError / ValueError naming the argument). 0-d
     device arrays are checked by the kernel: if lr or grad_scale is NaN, inf or negative, or step is not an
@@ -310,6 +313,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
     xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, **scal,
                         error=error)
     _hyper(beta1, beta2, eps, weight_decay)
+    occupancy = B.check_f32("occupancy", occupancy, min=0, min_open=True, max=1)
     if xp is np:
         _check_host_arrays(scal)
     err = _error_word(xp, error)
@@ -337,7 +341,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
     vec = n >= 8 and B.aligned16(*(a for a in (param, grad, exp_avg, exp_avg_sq, shadow) if a is not None))
     k, wave = _kernel(f"adam_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
     tail = (n % 8) if vec else n
-    grid = _grid(wave, max(n // 8 if vec else 0, tail))
+    grid = _grid(max(1, int(wave * occupancy)), max(n // 8 if vec else 0, tail))
     args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err)
     k((grid,), (THREADS,),
       (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, np.int64(n), *args))

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _backend as B
+from .. import blas
 from ..distributed import ProcessGroup, SingleGroup, get_group, is_initialized
 from ..ops import adam as _A
 from ..ops.elementwise import cast as _cast
@@ -350,6 +351,11 @@ class ZeroAdamW:
         average: reduce with ``avg`` (True, default: each rank's loss is a mean over its own batch) or ``sum``.
         bucket_elems: bucket size in elements (None: one bucket per group); with :meth:`attach_grad_hooks`,
             about 2**25 (64 MiB of bf16) overlaps well.
+        sm_margin: multiprocessors left to NCCL while a collective overlaps compute (default 0: none). From the
+            first bucket sent under the backward until the reductions are joined, cuBLAS sizes the GEMMs for
+            ``SMs - sm_margin`` (:func:`cukernels.blas.set_sm_count_target`; Hopper's persistent GEMMs otherwise
+            hold every SM and a reduce-scatter only runs between them), and the AdamW update runs on that
+            fraction of a wave so the all-gathers of updated buckets run beside it.
 
     Example::
 
@@ -362,7 +368,7 @@ class ZeroAdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, group=None,
                  shadow_dtype=B.bfloat16, no_decay=None, sparse=None, gather_fp32=None, wire_dtype=np.float32,
-                 average=True, bucket_elems=None):
+                 average=True, bucket_elems=None, sm_margin=0):
         beta1, beta2 = betas
         _A._hyper(beta1, beta2, eps, weight_decay)
         if not (_A._is_number(lr) and np.isfinite(lr)):
@@ -379,6 +385,8 @@ class ZeroAdamW:
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.shadow_dtype = None if shadow_dtype is None else B.bfloat16
         self.wire_dtype, self.bucket_elems = wire, bucket_elems
+        self.sm_margin = B.check_int("sm_margin", sm_margin, min=0)
+        self._sm_prev = None  # the cuBLAS SM target to restore while a margin is in force
 
         entries = AdamW._normalise(params)
         if not entries:
@@ -735,6 +743,7 @@ class ZeroAdamW:
         if b.stop == b.start:
             return
         side = self._fork()
+        self._margin_on()
         with side if side is not None else contextlib.nullcontext():
             send = g.G[b.start:b.stop]
             if g.W is not None:
@@ -752,7 +761,20 @@ class ZeroAdamW:
             self._launch(*self._order[self._cursor])
             self._cursor += 1
         self._join()
+        self._margin_off()
         self._reduced = True
+
+    def _sms(self):
+        return self.xp.cuda.Device().attributes["MultiProcessorCount"]
+
+    def _margin_on(self):
+        if self.sm_margin and self._comm is not None and self._sm_prev is None:
+            self._sm_prev = blas.set_sm_count_target(max(1, self._sms() - self.sm_margin))
+
+    def _margin_off(self):
+        if self._sm_prev is not None:
+            blas.set_sm_count_target(self._sm_prev)
+            self._sm_prev = None
 
     # ------------------------------------------------------------------------------------------ norm
     def grad_norm(self, prescale=1.0):
@@ -811,6 +833,8 @@ class ZeroAdamW:
         kw = dict(lr=self._lr, step=self._step, beta1=b1, beta2=b2, eps=self.eps, grad_scale=grad_scale)
         if self._err is not None:
             kw["error"] = self._err
+        if self.sm_margin and self._side() is not None:
+            kw["occupancy"] = max(0.05, 1.0 - self.sm_margin / self._sms())
         r = self.rank
         for gi, bi in self._order:
             g = self._groups[gi]

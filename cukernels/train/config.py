@@ -68,6 +68,8 @@ ZERO = {
                         optional=True),
     "overlap": Key(True, "start each bucket's reduce-scatter as soon as the backward has finished it (autograd "
                          "gradient-ready hooks); false: reduce everything after the backward", "bool"),
+    "sm_margin": Key(0, "multiprocessors left to NCCL while collectives overlap the backward's GEMMs and the "
+                        "update (cuBLAS SM target, Adam grid); 0: none", "int", check=_ge(0)),
 }
 
 SCHEMA = {

@@ -209,7 +209,7 @@ def make_zero_optimizer(cfg, model, xp, group):
                     weight_decay=cfg["weight_decay"], group=group, no_decay=no_decay, sparse=sparse or None,
                     shadow_dtype=B.bfloat16 if cfg["autocast"] else None,
                     gather_fp32=(lambda n, a: a.ndim < 2) if cfg["autocast"] else None,
-                    wire_dtype=zero_wire(cfg), bucket_elems=z["bucket_elems"])
+                    wire_dtype=zero_wire(cfg), bucket_elems=z["bucket_elems"], sm_margin=z["sm_margin"])
     for n in sparse:
         opt.attach_sparse(n)
     if cfg["autocast"]:
