@@ -6,7 +6,7 @@ ops (kernels + references) -> autograd -> functional -> nn / optim / io -> model
 from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
 from .blas import matmul
-from .ops.rms_norm import rms_norm, rms_norm_backward
+from .ops.rms_norm import add_rms_norm, add_rms_norm_backward, rms_norm, rms_norm_backward
 from .ops.layer_norm import layer_norm, layer_norm_backward
 from .ops.attention import flash_attention, flash_attention_backward
 from .ops.softmax import attn_softmax, attn_softmax_backward, softmax, softmax_backward

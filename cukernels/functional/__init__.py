@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..autograd import Tensor
-from . import array_ops, kernel_ops
+from . import array_ops, kernel_ops, loss_ops, norm_ops
 from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
                         PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose, add, cast,
                         concat, contiguous, div, erf, exp, gemm, getitem, linear, log, masked_fill, matmul, mean, mul,
@@ -19,6 +19,8 @@ from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, Emb
                          cross_entropy, dropout, dropout_add, embedding, flash_attention,
                          flash_attention_packed, gelu, layer_norm, rms_norm, rope, rotate_half,
                          softmax, swiglu, swiglu_packed)
+from .loss_ops import LinearCrossEntropyF, linear_cross_entropy, linear_cross_entropy_ok
+from .norm_ops import AddRMSNormF, PickF, add_rms_norm
 
 
 def _shape_args(shape):

@@ -21,7 +21,8 @@ from ..autograd import Tensor, no_grad
 from ..functional import loss_ops
 from ..io import hf_folder
 from ..io.checkpoint import CheckpointError, check_compatible
-from ..nn import Attention, KVCache, Module, StaticKVCache, autocast_input, init_context, project, weight_for_gemm
+from ..nn import (Attention, KVCache, Module, Residual, StaticKVCache, autocast_input, init_context, project,
+                  weight_for_gemm)
 
 REGISTRY: dict = {}
 
@@ -249,7 +250,8 @@ class CausalLM(Module):
             kv_cache.prefilled = True
             kv_cache.length[...] = T  # (the prefill runs eagerly: a host write)
         if kv_cache is not None:  # only the last position's logits are needed to sample
-            x = F.contiguous(F.getitem(x, (slice(None), slice(T - 1, T))))
+            last = lambda a: F.contiguous(F.getitem(a, (slice(None), slice(T - 1, T))))  # noqa: E731
+            x = x.map(last) if isinstance(x, Residual) else last(x)
         x = self.final_norm(x)
         if targets is not None and not return_logits:
             loss = self.head_loss(x, targets, ignore_index)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._backend import bfloat16
 from ..io.hf_folder import HFFormatError
-from ..nn import Attention, Embedding, Linear, Module, ModuleList, RMSNorm, SwiGLUMLP
+from ..nn import Attention, Embedding, Linear, Module, ModuleList, Residual, RMSNorm, SwiGLUMLP
 from ..ops.rope import rope_cache
 from .base import CausalLM, ModelConfig, check_int, check_real, register
 
@@ -132,8 +132,14 @@ class LlamaBlock(Module):
         self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, xp=xp, rng=rng, std=std)
 
     def forward(self, x, **attn):
-        h = x + self.self_attn(self.input_layernorm(x), **attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """x: the residual stream, or a :class:`~cukernels.nn.Residual` (the previous block's pending add, done
+        here inside the first norm). Returns a Residual: ``h`` and the MLP output, added by the next norm."""
+        if isinstance(x, Residual):
+            y, x = self.input_layernorm(x)
+        else:
+            y = self.input_layernorm(x)
+        y, h = self.post_attention_layernorm(Residual(x, self.self_attn(y, **attn)))
+        return Residual(h, self.mlp(y))
 
 
 class LlamaModel(Module):
@@ -189,6 +195,8 @@ class Llama(CausalLM):
         return self.model.layers
 
     def final_norm(self, x):
+        if isinstance(x, Residual):
+            return self.model.norm(x)[0]
         return self.model.norm(x)
 
     def output_weight(self):

@@ -1,10 +1,10 @@
 """Layers: Module, Linear, Embedding, RMSNorm, LayerNorm, the MLPs, and self-attention with its KV cache."""
 from .attention import Attention, KVCache, LayerKVCache, StaticKVCache
 from .dropout import Dropout, DropoutRNG
-from .layers import Embedding, LayerNorm, Linear, RMSNorm, autocast_input, project, weight_for_gemm
+from .layers import Embedding, LayerNorm, Linear, Residual, RMSNorm, autocast_input, project, weight_for_gemm
 from .mlp import SwiGLUMLP
 from .module import Module, ModuleList, Parameter, init_context, new_param
 
-__all__ = ["Module", "ModuleList", "Parameter", "Linear", "Embedding", "RMSNorm", "LayerNorm", "SwiGLUMLP",
+__all__ = ["Module", "ModuleList", "Parameter", "Linear", "Embedding", "RMSNorm", "Residual", "LayerNorm", "SwiGLUMLP",
            "Attention", "Dropout", "DropoutRNG", "KVCache", "LayerKVCache", "StaticKVCache", "init_context", "new_param", "weight_for_gemm", "project",
            "autocast_input"]

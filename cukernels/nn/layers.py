@@ -85,12 +85,34 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.dim}" + (", sparse=True" if self.sparse else "")
 
 
+class Residual:
+    """A residual stream whose last add is still pending: ``h + branch``. A pre-norm block returns one so that
+    the next block's RMSNorm adds and normalises in one kernel (``ck.add_rms_norm``: h written once, read
+    never, and in the backward h's own gradient is added into dx in the norm's pass: two adds fewer per
+    block). ``value()`` does the add (what a consumer that needs the plain stream calls)."""
+
+    __slots__ = ("h", "branch")
+
+    def __init__(self, h, branch):
+        self.h, self.branch = h, branch
+
+    def value(self):
+        return self.h + self.branch
+
+    def map(self, fn):
+        """The same pending add over ``fn`` of both parts (fn elementwise-compatible: slicing rows)."""
+        return Residual(fn(self.h), fn(self.branch))
+
+
 class RMSNorm(Module):
     def __init__(self, dim, eps=1e-6, *, xp=np, dtype=None):
         self.eps = eps
         self.weight = new_param(xp, (dim,), init="ones", dtype=dtype)
 
     def forward(self, x):
+        """``rms_norm(x)``; for a :class:`Residual` x, ``(rms_norm(x.h + x.branch), x.h + x.branch)``."""
+        if isinstance(x, Residual):
+            return F.add_rms_norm(x.h, x.branch, self.weight, self.eps, fused=self.fused)
         return F.rms_norm(x, self.weight, self.eps, fused=self.fused)
 
     def extra_repr(self):
