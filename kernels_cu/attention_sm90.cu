@@ -275,6 +275,26 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float& m0, f
 __device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
+// Ping-pong turns of the backward kernels' serial loops (PP = true): every tensor-core block (issue + commit) of
+// consumer warpgroup cw is preceded by a sync on its barrier (1 + cw) and followed by an arrive on the other's,
+// so the two warpgroups issue alternately and one's elementwise work (exp2, dS) overlaps the other's wgmmas.
+// Warpgroup 1 opens with one arrive and leaves out its very last one (when last is set), so that over NB blocks
+// per warpgroup each barrier sees exactly NB syncs and NB arrivals (tests/test_attention_sm90.py models it).
+// A tile a warpgroup skips (causal) still takes its turns, without the wgmmas.
+template <bool PP> struct Turns {
+  int mine, other, cw;
+  __device__ __forceinline__ Turns(int cw_) : mine(1 + cw_), other(2 - cw_), cw(cw_) {}
+  __device__ __forceinline__ void open(bool any) const {
+    if (PP && cw == 1 && any) named_arrive(other);
+  }
+  __device__ __forceinline__ void begin() const {
+    if (PP) named_sync(mine);
+  }
+  __device__ __forceinline__ void end(bool last) const {
+    if (PP && (cw == 0 || !last)) named_arrive(other);
+  }
+};
+
 struct Strides {
   long long b, t, h;
 };
@@ -536,7 +556,7 @@ template <int D, int BN, int STAGES> struct SmemDq {
 };
 
 // Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory SmemDq<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES>
+template <int D, int BN, int STAGES, bool PP>
 __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ v, const bf16* __restrict__ o,
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
@@ -637,10 +657,17 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
   float acc[D / 8][4];
   zero(acc);
   mbar_wait(fixbar, 0);
+  const Turns<PP> turns(cw);
+  turns.open(nkb > 0);
   for (int jb = 0; jb < nkb; ++jb) {
     const int st = jb % STAGES, n0 = jb * BN;
+    const bool last = jb + 1 == nkb;
     mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
     if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
+      turns.begin();
+      turns.end(false);
+      turns.begin();
+      turns.end(last);
       mbar_arrive(empty0 + 8 * st);
       continue;
     }
@@ -651,10 +678,12 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
     zero(dp);
     fence_regs(s);
     fence_regs(dp);
+    turns.begin();
     wgmma_fence();
     issue_s<D, BN>(s, qaddr, kaddr);
     issue_s<D, BN>(dp, doaddr, vaddr);
     wgmma_commit();
+    turns.end(false);
     wgmma_wait<0>();
     fence_regs(s);
     fence_regs(dp);
@@ -669,9 +698,11 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
     unsigned da[BN / 16][4];
     pack_p<BN>(da, dp);
     fence_regs(acc);
+    turns.begin();
     wgmma_fence();
     issue_pv<D, BN>(acc, da, kaddr);  // dQ += dS K: K [key][d] read MN-major
     wgmma_commit();
+    turns.end(last);
     wgmma_wait<0>();
     fence_regs(acc);
     fence_regs(da);
@@ -688,7 +719,7 @@ template <int D, int BQ, int STAGES> struct SmemDkdv {
 };
 
 // Grid (ceil(Tk / 128), Hkv, B); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
-template <int D, int BQ, int STAGES>
+template <int D, int BQ, int STAGES, bool PP>
 __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
@@ -759,10 +790,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   zero(dka);
   zero(dva);
   mbar_wait(fixbar, 0);
+  const Turns<PP> turns(cw);
+  turns.open(nit > 0);
   for (int it = 0; it < nit; ++it) {
     const int st = it % STAGES, qb0 = (qstart + it % nq) * BQ;
+    const bool last = it + 1 == nit;
     mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
     if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
+      turns.begin();
+      turns.end(false);
+      turns.begin();
+      turns.end(last);
       mbar_arrive(empty0 + 8 * st);
       continue;
     }
@@ -773,10 +811,12 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     zero(dp);
     fence_regs(s);
     fence_regs(dp);
+    turns.begin();
     wgmma_fence();
     issue_s<D, BQ>(s, kaddr, qaddr);
     issue_s<D, BQ>(dp, vaddr, doaddr);
     wgmma_commit();
+    turns.end(false);
     wgmma_wait<0>();
     fence_regs(s);
     fence_regs(dp);
@@ -815,10 +855,12 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     pack_p<BQ>(da, dp);
     fence_regs(dva);
     fence_regs(dka);
+    turns.begin();
     wgmma_fence();
     issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
     issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
     wgmma_commit();
+    turns.end(last);
     wgmma_wait<0>();
     fence_regs(dva);
     fence_regs(dka);
@@ -855,24 +897,29 @@ CK_ATTN90_FWD(128, 128, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
 // attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D}. Grids (ceil(Tq / 128), H, B) and (ceil(Tk / 128), Hkv, B), 384 threads.
-#define CK_ATTN90_BWD(D, BN, STQ, BQ, STK)                                                                     \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D(                             \
+#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, PP, SUF)                                                          \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
-    attn_bwd_dq_sm90<D, BN, STQ>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},   \
-                                 Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal);     \
+    attn_bwd_dq_sm90<D, BN, STQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
+                                     Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
+                                     Hkv, scale, causal);                                                      \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D(                           \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D##SUF(                      \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal) {                                                              \
-    attn_bwd_dkdv_sm90<D, BQ, STK>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                     \
-                                   Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H,   \
-                                   Hkv, scale, causal);                                                        \
+    attn_bwd_dkdv_sm90<D, BQ, STK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
+                                       Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
+                                       H, Hkv, scale, causal);                                                 \
   }
+// attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
+#define CK_ATTN90_BWD(D, BN, STQ, BQ, STK)             \
+  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, true, )         \
+  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, false, _serial)
 // dq: 64-key tiles (S, dP: 32 registers each; dQ 32 / 64), 2 stages; dkdv: 64-query tiles at D = 64, 32 at
 // D = 128 (dK and dV accumulators are 64 + 64 registers there), 2 stages.
 CK_ATTN90_BWD(64, 64, 2, 64, 2)

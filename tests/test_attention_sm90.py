@@ -243,25 +243,28 @@ def test_config_mirrors_the_kernel_instantiations():
     assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
 
 
-def pingpong_events(cw, nkb):
-    """Kernel (PP consumers): the named-barrier operations of consumer warpgroup cw, in program order:
-    ('s', id) = bar.sync, ('a', id) = bar.arrive; mine = 1 + cw, other = 2 - cw."""
-    if nkb == 0:
+def turn_events(cw, nblocks):
+    """Kernel: the named-barrier operations of consumer warpgroup cw over nblocks tensor-core blocks, in program
+    order: ('s', id) = bar.sync, ('a', id) = bar.arrive; mine = 1 + cw, other = 2 - cw. The forward's ping-pong
+    (nblocks = nkb + 1: S of tile 0, then S(j + 1) + P V(j) ..., P V of the last tile) and Turns<true> of the
+    backward kernels (nblocks = 2 per tile: S, dP then the dS / P products; skipped tiles keep their turns):
+    warpgroup 1 opens with an arrive and leaves out its last one."""
+    if nblocks == 0:
         return []
     mine, other = 1 + cw, 2 - cw
     ev = [("a", other)] if cw == 1 else []
-    ev += [("s", mine), ("a", other)]            # prologue block: S of tile 0
-    for _ in range(nkb - 1):                     # blocks: S of tile jb + 1, P V of tile jb
-        ev += [("s", mine), ("a", other)]
-    ev += [("s", mine)] + ([("a", other)] if cw == 0 else [])  # last block: P V of tile nkb - 1
+    for i in range(nblocks):
+        ev.append(("s", mine))
+        if cw == 0 or i + 1 < nblocks:
+            ev.append(("a", other))
     return ev
 
 
-@pytest.mark.parametrize("nkb", range(6))
-def test_pingpong_barriers_alternate_and_balance(nkb):
+@pytest.mark.parametrize("nblocks", [0, 1, 2, 3, 4, 7, 12])
+def test_pingpong_barriers_alternate_and_balance(nblocks):
     """Simulate bar.sync / bar.arrive (256 threads = both warpgroups) over the two consumers' event lists: no
-    deadlock, the GEMM blocks strictly alternate (warpgroup 0 first), and no barrier is left with arrivals."""
-    ev = [pingpong_events(0, nkb), pingpong_events(1, nkb)]
+    deadlock, the blocks strictly alternate (warpgroup 0 first), and no barrier is left with arrivals."""
+    ev = [turn_events(0, nblocks), turn_events(1, nblocks)]
     pos, waiting, pending, order = [0, 0], [None, None], {1: 0, 2: 0}, []
     while pos[0] < len(ev[0]) or pos[1] < len(ev[1]) or any(w is not None for w in waiting):
         progressed = False
@@ -285,7 +288,20 @@ def test_pingpong_barriers_alternate_and_balance(nkb):
                 progressed = True
         assert progressed, f"deadlock at {pos}, waiting {waiting}"
     assert pending == {1: 0, 2: 0}
-    assert order == [0, 1] * (nkb + 1 if nkb else 0)
+    assert order == [0, 1] * nblocks
+
+
+def test_kernel_turn_structure_matches_the_model():
+    """The kernel source has the structure turn_events models: Turns opens / begins / ends as described, and the
+    forward's ping-pong opens with warpgroup 1's arrive and skips its last one."""
+    src = CU.read_text()
+    assert "if (PP && cw == 1 && any) named_arrive(other);" in src
+    assert "if (PP) named_sync(mine);" in src
+    assert "if (PP && (cw == 0 || !last)) named_arrive(other);" in src
+    assert "const int mine = 1 + cw, other = 2 - cw;" in src and "if (cw == 1) named_arrive(other);" in src
+    assert "if (cw == 0) named_arrive(other);" in src  # the forward's last block
+    # every begin() / named_sync in the loops is followed by exactly one end() / arrive in the same block
+    assert src.count("turns.begin();") == src.count("turns.end(")
 
 
 # ------------------------------------------------------------------------------------------------ reference / API
@@ -352,8 +368,9 @@ needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100 / 
 
 @pytest.fixture(params=A90.VARIANTS, ids=lambda v: v.strip("_") or "pingpong")
 def variant(request, monkeypatch):
-    """Every GPU test runs both kernel variants (the pipelined ping-pong one and the serial one)."""
+    """The GPU tests run both kernel variants (ping-pong and serial), forward and backward alike."""
     monkeypatch.setattr(A90, "VARIANT", request.param)
+    monkeypatch.setattr(A90, "BWD_VARIANT", request.param)
     return request.param
 
 
@@ -478,6 +495,15 @@ def test_gpu_misaligned_view_is_refused(rng):
     buf = cp().zeros(q.size + 1, dtype=BF16)
     with pytest.raises(ValueError, match="q: the kernels read 16-byte chunks"):
         A90.flash_attention_sm90(buf[1:].reshape(q.shape), k, v)
+    with pytest.raises(ValueError, match="out: the data pointer must be 4-byte aligned"):
+        A90.flash_attention_sm90(q, k, v, out=buf[1:].reshape(q.shape))
+    o, lse = A90.flash_attention_sm90(q, k, v, return_lse=True)
+    ob = cp().zeros(q.size + 8, dtype=BF16)
+    ob[1:1 + q.size] = o.ravel()
+    with pytest.raises(ValueError, match="out: the data pointer must be 16-byte aligned"):
+        A90.flash_attention_backward_sm90(o, q, k, v, ob[1:1 + q.size].reshape(q.shape), lse)
+    with pytest.raises(ValueError, match="dout: the kernels read 16-byte chunks"):
+        A90.flash_attention_backward_sm90(buf[1:].reshape(q.shape), q, k, v, o, lse)
 
 
 @pytest.mark.gpu
@@ -492,7 +518,7 @@ def test_gpu_other_architectures_are_refused(rng):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", GPU_GRID, ids=lambda c: "B%dT%dH%d/%dD%d%s" % (*c[:5], "c" if c[5] else "f"))
-def test_gpu_backward_matches_reference_and_mma_sync(rng, case):
+def test_gpu_backward_matches_reference_and_mma_sync(rng, variant, case):
     """Both backwards from the same o / lse (the mma.sync forward's); the wgmma one is also rerun: bit-identical."""
     Bsz, T, H, Hkv, D, causal = case
     q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
@@ -515,7 +541,7 @@ def test_gpu_backward_matches_reference_and_mma_sync(rng, case):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", CROSS)
-def test_gpu_backward_seq_q_differs_from_seq_k(rng, case):
+def test_gpu_backward_seq_q_differs_from_seq_k(rng, variant, case):
     """Tq != Tk under the causal alignment: rows that see no key (dq = 0), keys no query sees (dk = dv = 0)."""
     Bsz, Tq, Tk, H, Hkv, D, causal = case
     q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
@@ -549,7 +575,7 @@ def test_gpu_backward_strided_views_and_wgmma_forward(rng, variant, D):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_backward_large_scores(rng):
+def test_gpu_backward_large_scores(rng, variant):
     """Scores of +-1e3: P is 0 / 1 almost everywhere, dS must stay finite."""
     Bsz, T, H, Hkv, D = 1, 700, 4, 2, 64
     q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)

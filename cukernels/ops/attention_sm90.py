@@ -27,8 +27,10 @@ HEAD_DIMS = tuple(CONFIG)
 # Kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j issued
 # together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
 # "_serial" = one tile at a time per warpgroup (same tiles and shared memory). Both are tested.
+# The backward kernels have the same pair (ping-pong turns around their serial loops, or none): BWD_VARIANT.
 VARIANTS = ("", "_serial")
 VARIANT = ""
+BWD_VARIANT = ""
 
 
 # head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv): the CK_ATTN90_BWD lines.
@@ -75,7 +77,7 @@ def _kernel(D, variant, kind="fwd"):
     if kind == "fwd":
         k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D)
     else:
-        k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}"), bwd_smem_bytes(kind, D)
+        k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}{variant}"), bwd_smem_bytes(kind, D)
     key = (D, variant, kind, id(k))
     if key not in _configured:  # a host-side attribute, set once before any capture
         k.max_dynamic_shared_size_bytes = smem
@@ -122,6 +124,8 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
         return _flash_attention(q, k, v, causal=causal, scale=scale, out=out, return_lse=return_lse)
     _check_device()
     o = B.empty(xp, q.shape, B.bfloat16, out)
+    if o.size and o.data.ptr % 4:  # the kernel stores bf16 pairs (4 bytes)
+        raise ValueError(f"out: the data pointer must be 4-byte aligned; got offset {o.data.ptr % 4}")
     lse = xp.empty((Bsz, H, Tq), dtype=np.float32)
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
@@ -176,6 +180,8 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     B.check_dtype("lse", lse, (np.float32,))
     B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
     B.check_contiguous("lse", lse)
+    if out.size and out.data.ptr % 16:  # the dq kernel reads o in 16-byte chunks for delta
+        raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
     _check_device()
     dq = xp.empty(q.shape, dtype=B.bfloat16)
     dk = xp.empty(k.shape, dtype=B.bfloat16)
@@ -186,11 +192,11 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
     tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal))
     if Tq:
-        kq, smq = _kernel(D, "", "dq")
+        kq, smq = _kernel(D, BWD_VARIANT, "dq")
         kq((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
            (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
     if Tk:
-        kd, smd = _kernel(D, "", "dkdv")
+        kd, smd = _kernel(D, BWD_VARIANT, "dkdv")
         kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
     return dq, dk, dv
