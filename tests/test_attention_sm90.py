@@ -586,3 +586,21 @@ def test_gpu_backward_large_scores(rng, variant):
     got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, o, lse)))
     for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
         close(x, y, 3e-2, n)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_smoke(rng, variant, D):
+    """One small call of each kernel (fwd, dq, dkdv) against the reference: run first with -k smoke, under a short
+    timeout, so that a hang (a barrier protocol error) or a descriptor misread shows which kernel and variant."""
+    q, k, v = qkv(rng, 1, 200, 200, 4, 2, D)
+    w = qkv(rng, 1, 200, 200, 4, 2, D)[0]
+    ro, rl = ck.flash_attention(q, k, v, return_lse=True)
+    o, lse = A90.flash_attention_sm90(*(cp().asarray(x) for x in (q, k, v)), return_lse=True)
+    close(o, ro, 2e-2, "o")
+    lse_equal(lse, rl)
+    ref = ck.flash_attention_backward(w, q, k, v, ro, rl)
+    got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, ro, rl)))
+    for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
