@@ -20,7 +20,7 @@ _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([
 OPTIONS = ("--std=c++17",)
 # Families that only compile for an architecture-specific target (wgmma, setmaxnreg: sm_90a). CuPy appends its
 # own -arch=sm_XX after the user's options; NVRTC given both -arch=sm_90a and -arch=sm_90 (either order) compiles
-# for sm_90a (checked with NVRTC 12.9), so the extra option is all the runtime path needs.
+# for sm_90a (checked with NVRTC 12.9 and 13.5), so the extra option is all the runtime path needs.
 ARCH = {"attention_sm90": "sm_90a"}
 
 
