@@ -91,7 +91,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 //   K-major (Q, K):  8 rows 128 bytes apart, 8-row groups SBO = 1024 bytes apart; LBO unused (1). A k16 step
 //                    starts 32 bytes further into the row (the swizzle is applied to the final address).
 //   MN-major (V):    64 contiguous N elements per 128-byte row, N blocks of 64 LBO bytes apart (the next column
-//                    block), k rows 128 bytes apart in groups of 8, SBO = 1024 bytes between groups.
+//                    block), k rows 128 bytes apart in groups of 8, SBO = 1024 bytes between groups; a k16 step
+//                    starts 16 rows = 2048 bytes further.
+// (The same LBO / SBO / k-step offsets as CuTe's make_gmma_desc and ThunderKittens' st_descriptor for these
+// layouts; tests/test_attention_sm90.py replays them on the producer's byte placement.)
 __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned lbo, unsigned sbo) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
          ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
