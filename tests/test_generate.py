@@ -236,3 +236,72 @@ def test_static_engine_matches_transformers_generate(tmp_path):
     mine = ck.from_pretrained(tmp_path / "hf", xp=cupy, dtype=ck.bfloat16)
     got = generate(mine, prompt, 32, temperature=0)
     _assert_greedy_equal(mine, 7, got, theirs)
+
+
+# ------------------------------------------------------------------ the fused decode step (nn.decode)
+def _decode_logits(m, xp, prompt, steps, fast):
+    """Prefill ``prompt`` into a static cache, then ``steps`` greedy decode steps as the static engine runs them;
+    returns the logits of every decode step [steps, B, V] (fp32, host) and the tokens."""
+    m.fast_decode = fast
+    B, T = prompt.shape
+    cache = m.new_static_cache(B, T + steps + 1)
+    pos0 = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    with ck.no_grad():
+        lg = m(xp.asarray(prompt.astype(np.int32)), position_ids=xp.asarray(pos0), kv_cache=cache).data
+        out, toks = [], []
+        for s in range(steps):
+            ids = lg[:, -1].astype(np.float32).argmax(-1).astype(np.int32).reshape(B, 1)
+            toks.append(ids)
+            cache.length[...] += 1
+            pos = xp.full((B, 1), T + s, dtype=np.int32)
+            lg = m(ids, position_ids=pos, kv_cache=cache).data
+            out.append(lg[:, -1].astype(np.float32))
+    host = (lambda a: a.get()) if xp is not np else (lambda a: a)
+    return np.stack([host(o) for o in out]), np.concatenate([host(t) for t in toks], 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fused_decode_step_equals_the_generic_forward_numpy(family):
+    """On the NumPy references (every op's reference path): the fused per-block decode (packed q/k/v and gate/up
+    GEMVs with the norms as prologues, rope + cache write in one op, residual adds as GEMV epilogues) gives the
+    generic forward's logits within bf16 rounding and the same greedy tokens; the packed parameters are views of
+    one buffer holding the same values, so the generic forward after it is unchanged."""
+    m = _peaked(np, family)
+    before = {n: p.data.astype(np.float32).copy() for n, p in m.named_parameters()}
+    prompt = np.random.default_rng(3).integers(0, 301, size=(3, 6))
+    fast, tf = _decode_logits(m, np, prompt, 5, True)
+    assert m.__dict__.get("_fast_decode_checked") is True  # the fused path was taken
+    for n, p in m.named_parameters():
+        np.testing.assert_array_equal(p.data.astype(np.float32), before[n], err_msg=n)
+    slow, ts = _decode_logits(m, np, prompt, 5, False)
+    np.testing.assert_array_equal(tf, ts)
+    scale = np.abs(slow).max()
+    np.testing.assert_allclose(fast, slow, atol=0.02 * scale, rtol=0)
+    att = m.model.layers[0].self_attn if family == "llama" else m.transformer.h[0].attn
+    assert "qkv" in att.__dict__["_decode_packed"]
+    if family == "llama":  # q/k/v now live one after another in one [(H + 2 Hkv) D, hidden] buffer
+        q, k = att.q_proj.weight.data, att.k_proj.weight.data
+        assert k.__array_interface__["data"][0] == q.__array_interface__["data"][0] + q.nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gpu_fused_decode_step_equals_the_generic_forward(family):
+    """The same on the kernels (ck.gemv, ck.rope_kv_write, ck.decode_attention), batch 1, 3 and 8 (B > 8 takes
+    the generic forward), and the static engine's greedy tokens with the fused step equal those without it."""
+    import cupy
+    m = _peaked(cupy, family)
+    for B in (1, 3, 8):
+        prompt = np.random.default_rng(B).integers(0, 301, size=(B, 9))
+        fast, tf = _decode_logits(m, cupy, prompt, 6, True)
+        slow, ts = _decode_logits(m, cupy, prompt, 6, False)
+        scale = np.abs(slow).max()
+        np.testing.assert_allclose(fast, slow, atol=0.02 * scale, rtol=0, err_msg=f"B={B}")
+        _assert_greedy_equal(m, 0, tf, ts)
+    prompt = np.array([[5, 17, 200, 3, 9, 44, 120], [1, 2, 3, 4, 5, 6, 7]])
+    m.fast_decode = True
+    got = generate(m, prompt, 30, temperature=0)
+    m.fast_decode = False
+    want = generate(m, prompt, 30, temperature=0)
+    m.fast_decode = True
+    _assert_greedy_equal(m, 7, got, want)

@@ -21,8 +21,11 @@ from ..autograd import Tensor, no_grad
 from ..functional import loss_ops
 from ..io import hf_folder
 from ..io.checkpoint import CheckpointError, check_compatible
-from ..nn import (Attention, KVCache, Module, Residual, StaticKVCache, autocast_input, init_context, project,
-                  weight_for_gemm)
+from ..nn import (Attention, Dropout, KVCache, Module, Residual, StaticKVCache, autocast_input, init_context,
+                  project, weight_for_gemm)
+from ..nn import decode as _decode
+from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
+from ..ops.gemv import gemv
 
 REGISTRY: dict = {}
 
@@ -240,6 +243,8 @@ class CausalLM(Module):
     def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index, return_logits=False):
         xp = self.xp
         Bsz, T = ids.shape
+        if self._fast_decode_ok(ids, position_ids, kv_cache):
+            return self._decode_fast(ids, position_ids, kv_cache)
         p0 = kv_cache.pos if isinstance(kv_cache, KVCache) else 0
         cos, sin = self.rope_tables(self.max_positions() if position_ids is not None else p0 + T, xp)
         x = self.embed(ids, position_ids if position_ids is not None else p0)
@@ -263,6 +268,46 @@ class CausalLM(Module):
         loss = F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
                                fused=self.fused, inplace=not return_logits)
         return (loss, logits) if return_logits else loss
+
+    # -- the fused decode step ---------------------------------------------------------------------------------
+    fast_decode = True  # False: decode through the generic forward (to compare, or to debug)
+
+    def decode_final_norm(self):
+        """The final norm module, for the fused decode step's head GEMV prologue (None: no fused decode)."""
+        return None
+
+    def _fast_decode_ok(self, ids, position_ids, kv_cache):
+        """The fused decode step (:mod:`cukernels.nn.decode`) applies: one new token per row of a prefilled
+        static cache, at most ``nn.decode.MAX_ROWS`` rows, explicit positions, bf16 inference weights (the
+        packing makes parameters views of a packed buffer: never done to training weights an optimizer holds),
+        a decode kernel for the head size, no active dropout, and every block and the model define it."""
+        if not (self.fast_decode and self.fused and isinstance(kv_cache, StaticKVCache) and kv_cache.prefilled
+                and ids.shape[1] == 1 and ids.shape[0] <= _decode.MAX_ROWS and position_ids is not None
+                and self.decode_final_norm() is not None):
+            return False
+        ok = self.__dict__.get("_fast_decode_checked")
+        if ok is None:
+            mods = list(self.modules())
+            ok = (all(p.dtype == B.bfloat16 for p in self.parameters())
+                  and all(hasattr(b, "decode") for b in self.layers())
+                  and all(m.D in DECODE_HEAD_DIMS for m in mods if isinstance(m, Attention)))
+            self.__dict__["_fast_decode_checked"] = ok
+        return ok and not any(isinstance(m, Dropout) and m.active() for m in self.modules())
+
+    def _decode_fast(self, ids, position_ids, cache):
+        """Logits [B, 1, V] of one decode step through the fused per-block kernels, arrays only (no tape)."""
+        Bsz = ids.shape[0]
+        xp = self.xp
+        cos, sin = self.rope_tables(self.max_positions(), xp)
+        pos = position_ids if position_ids.ndim == 2 else xp.broadcast_to(position_ids, (Bsz, 1))
+        x = self.embed(ids, pos)
+        x = xp.ascontiguousarray((x.data if isinstance(x, Tensor) else x).reshape(Bsz, -1))  # (fresh: in place)
+        for block, lc in zip(self.layers(), cache.layers):
+            block.decode(x, lc, cos=cos, sin=sin, positions=pos)
+        _, w, b = self.output_weight()
+        logits = gemv(x, w.data, bias=b.data if b is not None else None,
+                              **_decode.norm_args(self.decode_final_norm()))
+        return Tensor(logits.reshape(Bsz, 1, -1))
 
     def head_loss(self, x, targets, ignore_index):
         """The head and the mean loss in one op (LinearCrossEntropyF) when the model and its head are fused, the

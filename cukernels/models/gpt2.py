@@ -20,7 +20,7 @@ import numpy as np
 
 from .._backend import bfloat16
 from ..io.hf_folder import HFFormatError
-from ..nn import Attention, Dropout, DropoutRNG, Embedding, LayerNorm, Linear, Module, ModuleList
+from ..nn import Attention, Dropout, DropoutRNG, Embedding, LayerNorm, Linear, Module, ModuleList, decode
 from .. import functional as F
 from .base import CausalLM, ModelConfig, check_int, check_real, register
 
@@ -130,6 +130,11 @@ class GPT2Block(Module):
         h = self.drop_attn.add(self.attn(self.ln_1(x), **attn), x)
         return self.drop_mlp.add(self.mlp(self.ln_2(h)), h)
 
+    def decode(self, x, layer_cache, **rope):
+        """The fused decode step (:mod:`cukernels.nn.decode`; dropout inactive): x [B, hidden] in place."""
+        decode.attention(self.attn, x, layer_cache, self.ln_1)
+        return decode.gelu_mlp(self.mlp.c_fc, self.mlp.c_proj, x, self.ln_2, self.mlp.approximate)
+
 
 class GPT2Model(Module):
     def __init__(self, c: GPT2Config, drng: DropoutRNG, *, xp=np, rng=None, sparse_embedding=False):
@@ -202,6 +207,9 @@ class GPT2(CausalLM):
 
     def final_norm(self, x):
         return self.transformer.ln_f(x)
+
+    def decode_final_norm(self):
+        return self.transformer.ln_f
 
     def output_weight(self):
         if self.config.tie_word_embeddings:

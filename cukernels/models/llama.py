@@ -14,7 +14,7 @@ import numpy as np
 
 from .._backend import bfloat16
 from ..io.hf_folder import HFFormatError
-from ..nn import Attention, Embedding, Linear, Module, ModuleList, Residual, RMSNorm, SwiGLUMLP
+from ..nn import Attention, Embedding, Linear, Module, ModuleList, Residual, RMSNorm, SwiGLUMLP, decode
 from ..ops.rope import rope_cache
 from .base import CausalLM, ModelConfig, check_int, check_real, register
 
@@ -141,6 +141,11 @@ class LlamaBlock(Module):
         y, h = self.post_attention_layernorm(Residual(x, self.self_attn(y, **attn)))
         return Residual(h, self.mlp(y))
 
+    def decode(self, x, layer_cache, **rope):
+        """The fused decode step (:mod:`cukernels.nn.decode`): x [B, hidden] updated in place."""
+        decode.attention(self.self_attn, x, layer_cache, self.input_layernorm, **rope)
+        return decode.swiglu_mlp(self.mlp, x, self.post_attention_layernorm)
+
 
 class LlamaModel(Module):
     def __init__(self, c: LlamaConfig, *, xp=np, rng=None, sparse_embedding=False):
@@ -193,6 +198,9 @@ class Llama(CausalLM):
 
     def layers(self):
         return self.model.layers
+
+    def decode_final_norm(self):
+        return self.model.norm
 
     def final_norm(self, x):
         if isinstance(x, Residual):

@@ -1,4 +1,5 @@
 """Layers: Module, Linear, Embedding, RMSNorm, LayerNorm, the MLPs, and self-attention with its KV cache."""
+from . import decode
 from .attention import Attention, KVCache, LayerKVCache, StaticKVCache
 from .dropout import Dropout, DropoutRNG
 from .layers import Embedding, LayerNorm, Linear, Residual, RMSNorm, autocast_input, project, weight_for_gemm
