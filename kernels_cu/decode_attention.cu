@@ -39,6 +39,7 @@
 //   * splits == 1: the block normalises and writes o directly (no workspace, no combine launch).
 #include "common/vec.cuh"
 #include "common/mma.cuh"
+#include "common/pointwise.cuh"
 
 namespace {
 
@@ -394,3 +395,107 @@ __device__ void kv_write(const W* __restrict__ src, W* __restrict__ dst, const i
   }
 KV_WRITE(2, unsigned short)
 KV_WRITE(4, unsigned int)
+
+// ================================================================================================ rope + cache append
+// rope_kv_<dtype>_<positions dtype>_<v|s>: one launch for what a decode step did in four (ck.rope on q, ck.rope
+// on k, kv_cache_write of k and of v) plus the two contiguous copies of the packed q and k views rope needed:
+// the packed projection qkv [B, T, (H + 2 Hkv) D] (rows strided: b * sb + t * st) is read once;
+//   q heads  h < H:            rotated, to q_out [B, T, H, D] (rows strided: b * qb + t * qt)
+//   k heads  H <= h < H + Hkv: rotated, to k_cache [b, pos, h - H]       pos = L - T + t, L read from device
+//   v heads  the rest:         copied,  to v_cache [b, pos, h - H - Hkv]  memory (or len_val); rows with pos
+//                                                                          outside [0, Lmax) are skipped
+// Rotation: ck.rope's rotate-half form with the same fp32 expressions (y1 = x1 c - x2 sn, y2 = x2 c + x1 sn,
+// c = cos[p, i], sn = sin[p, i], pair (i, i + D/2)), positions as ck.rope takes them (pos_mode 0: p = t, 1:
+// positions[t], 2: positions[b, t]; clamped into [0, Lc)), rounded once to T. cos_t == nullptr: no rotation
+// (GPT-2), every head is copied.
+// Work unit: one 16-byte pack of each half of one head of one token (VEC; P = 8 bf16 / 4 fp32 pairs), a single
+// pair otherwise (or, without rotation, one pack / element of the head: D need not be even); grid-stride, one
+// 64-bit division chain per unit. A decode step (B1, 48 heads x 64 bf16) is 192 units: one block, latency-bound
+// (one DRAM round trip for qkv, one for cos/sin, the stores); the kernel's point is the 5 launches it removes.
+template <typename T, typename PT, bool VEC>
+__device__ __forceinline__ void rope_kv(const T* qkv, long long sb, long long st, T* q_out, long long qb,
+                                        long long qt, T* kc, long long kb, long long kt, T* vc, long long vb,
+                                        long long vt, const int* __restrict__ len_ptr, int len_val,
+                                        const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                        const PT* __restrict__ positions, int Bsz, int Tn, int H, int Hkv, int D,
+                                        int Lc, int pos_mode, int Lmax, bool cs_vec) {
+  constexpr int E = VEC ? 16 / sizeof(T) : 1;
+  const bool rot = cos_t != nullptr;
+  const int half = D / 2;
+  const int Du = rot ? half / E : D / E;  // units per head
+  const int NH = H + 2 * Hkv;
+  const long long n = (long long)Bsz * Tn * NH * Du;
+  const int L = len_ptr ? *len_ptr : len_val;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const int cu = (int)(i % Du);
+    const long long r = i / Du;
+    const int hs = (int)(r % NH);
+    const long long tok = r / NH;
+    const int t = (int)(tok % Tn);
+    const long long b = tok / Tn;
+    const T* src = qkv + b * sb + t * st + (long long)hs * D + cu * E;
+    T* dst;
+    const bool rotate = rot && hs < H + Hkv;  // v heads are copied
+    if (hs < H) {
+      dst = q_out + b * qb + t * qt + (long long)hs * D + cu * E;
+    } else {
+      const int pos = L - Tn + t;
+      if (pos < 0 || pos >= Lmax) continue;
+      if (hs < H + Hkv) {
+        dst = kc + b * kb + (long long)pos * kt + (long long)(hs - H) * D + cu * E;
+      } else {
+        dst = vc + b * vb + (long long)pos * vt + (long long)(hs - H - Hkv) * D + cu * E;
+      }
+    }
+    Chunk<T, E, VEC> a, c2;
+    a.load(src);
+    if (!rot) {  // no rotary: the unit is one pack (or element) of the head
+      a.store(dst);
+      continue;
+    }
+    c2.load(src + half);
+    if (!rotate) {  // v with rotary on: the unit's two packs copied as they are
+      a.store(dst);
+      c2.store(dst + half);
+      continue;
+    }
+    long long p;
+    if (pos_mode == 0) p = t;
+    else if (pos_mode == 1) p = (long long)positions[t];
+    else p = (long long)positions[tok];
+    p = p < 0 ? 0 : (p >= Lc ? Lc - 1 : p);
+    float c[E], sn[E];
+    load_f32<E>(cos_t + p * half + cu * E, c, cs_vec);
+    load_f32<E>(sin_t + p * half + cu * E, sn, cs_vec);
+    float f1[E], f2[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const float x1 = a.get(k), x2 = c2.get(k);
+      f1[k] = x1 * c[k] - x2 * sn[k];  // rope.cu's expressions (same contraction by the compiler)
+      f2[k] = x2 * c[k] + x1 * sn[k];
+    }
+    Chunk<T, E, VEC> o1, o2;
+    o1.pack(f1);
+    o2.pack(f2);
+    o1.store(dst);
+    o2.store(dst + half);
+  }
+}
+
+#define ROPE_KV(T, PT, TN, PN, VEC, VS)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256) rope_kv_##TN##_##PN##_##VS(                                  \
+      const T* qkv, long long sb, long long st, T* q_out, long long qb, long long qt, T* kc, long long kb,         \
+      long long kt, T* vc, long long vb, long long vt, const int* len_ptr, int len_val, const float* cos_t,       \
+      const float* sin_t, const PT* positions, int Bsz, int Tn, int H, int Hkv, int D, int Lc, int pos_mode,      \
+      int Lmax, bool cs_vec) {                                                                                    \
+    rope_kv<T, PT, VEC>(qkv, sb, st, q_out, qb, qt, kc, kb, kt, vc, vb, vt, len_ptr, len_val, cos_t, sin_t,       \
+                        positions, Bsz, Tn, H, Hkv, D, Lc, pos_mode, Lmax, cs_vec);                               \
+  }
+ROPE_KV(bf16, int, bf16, i32, true, v)
+ROPE_KV(bf16, int, bf16, i32, false, s)
+ROPE_KV(bf16, long long, bf16, i64, true, v)
+ROPE_KV(bf16, long long, bf16, i64, false, s)
+ROPE_KV(float, int, f32, i32, true, v)
+ROPE_KV(float, int, f32, i32, false, s)
+ROPE_KV(float, long long, f32, i64, true, v)
+ROPE_KV(float, long long, f32, i64, false, s)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cukernels as ck
-from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace
+from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace, rope_kv_write
 from helpers import cp, to_host
 
 BF16 = ck.bfloat16
@@ -371,3 +371,282 @@ def test_gpu_kv_cache_write_at_device_length_and_in_a_graph(rng, dtype):
         g.launch(s)
     s.synchronize()
     assert int(length) == 12 and (cp.asnumpy(cache[:, 9:12]) == 1).all() and (cp.asnumpy(cache[:, 12:]) == -7).all()
+
+
+# ------------------------------------------------------------------------------------- rope_kv_write
+def f64_rope_kv(qkv, H, Hkv, L, Lmax, cos=None, sin=None, positions=None):
+    """From the definition, per (b, t, head, pair) in float64: q and k rotated by the angle of position p
+    (rotate-half pairs (i, i + D/2)), k and v rows landing at cache row L - T + t when inside [0, Lmax).
+    Returns (q [B, T, H, D], {(b, row): (k [Hkv, D], v [Hkv, D])})."""
+    Bsz, T, C = qkv.shape
+    D = C // (H + 2 * Hkv)
+    x = qkv.astype(np.float64).reshape(Bsz, T, H + 2 * Hkv, D)
+    out = x.copy()
+    if cos is not None:
+        half = D // 2
+        for b in range(Bsz):
+            for t in range(T):
+                p = t if positions is None else int(np.asarray(positions)[t] if np.ndim(positions) == 1
+                                                    else np.asarray(positions)[b, t])
+                c, sn = cos[p].astype(np.float64), sin[p].astype(np.float64)
+                for h in range(H + Hkv):
+                    x1, x2 = x[b, t, h, :half], x[b, t, h, half:]
+                    out[b, t, h, :half] = x1 * c - x2 * sn
+                    out[b, t, h, half:] = x2 * c + x1 * sn
+    rows = {}
+    for b in range(Bsz):
+        for t in range(T):
+            r = L - T + t
+            if 0 <= r < Lmax:
+                rows[(b, r)] = (out[b, t, H:H + Hkv], out[b, t, H + Hkv:])
+    return out[:, :, :H], rows
+
+
+def _rkv_case(rng, Bsz, T, H, Hkv, D, Lmax, dtype, rope=True, pos_kind=None, Lc=None):
+    qkv = rng.standard_normal((Bsz, T, (H + 2 * Hkv) * D)).astype(np.float32).astype(dtype)
+    cos = sin = positions = None
+    if rope:
+        Lc = Lc or Lmax
+        cos, sin = ck.rope_cache(Lc, D, 500000.0, xp=np)
+        if pos_kind == "seq":
+            positions = rng.integers(0, Lc, T).astype(np.int32)
+        elif pos_kind == "batch":
+            positions = rng.integers(0, Lc, (Bsz, T)).astype(np.int64)
+    return qkv, cos, sin, positions
+
+
+@pytest.mark.parametrize("pos_kind", [None, "seq", "batch"])
+@pytest.mark.parametrize("L", [1, 3, 7, 9])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_rope_kv_write_reference_matches_f64(rng, pos_kind, L, dtype):
+    Bsz, T, H, Hkv, D, Lmax = 2, 3, 4, 2, 8, 9
+    qkv, cos, sin, pos = _rkv_case(rng, Bsz, T, H, Hkv, D, Lmax, dtype, pos_kind=pos_kind)
+    kc = np.full((Bsz, Lmax, Hkv, D), -5.0, np.float32).astype(dtype)
+    vc = kc.copy()
+    q = rope_kv_write(qkv, H, Hkv, kc, vc, L, cos=cos, sin=sin, positions=pos)
+    q64, rows = f64_rope_kv(qkv, H, Hkv, L, Lmax, cos, sin, pos)
+    tol = 1e-6 if dtype == np.float32 else 2.0**-8
+    np.testing.assert_allclose(q.astype(np.float64), q64, rtol=tol, atol=1e-6)
+    for b in range(Bsz):
+        for r in range(Lmax):
+            if (b, r) in rows:
+                np.testing.assert_allclose(kc[b, r].astype(np.float64), rows[(b, r)][0], rtol=tol, atol=1e-6)
+                np.testing.assert_array_equal(vc[b, r].astype(np.float64), rows[(b, r)][1])  # v: copied exactly
+            else:
+                assert (kc[b, r].astype(np.float32) == -5).all() and (vc[b, r].astype(np.float32) == -5).all()
+
+
+def test_rope_kv_write_reference_no_rotation_views_and_in_place(rng):
+    """GPT-2 (no rotary, odd head_dim fine), qkv a column view of a wider buffer, q_out = qkv's own q part."""
+    Bsz, T, H, Hkv, D, Lmax = 2, 2, 3, 3, 5, 6
+    buf = rng.standard_normal((Bsz, T, (H + 2 * Hkv) * D + 4)).astype(np.float32)
+    qkv = buf[..., 2:2 + (H + 2 * Hkv) * D]
+    kc, vc = np.zeros((Bsz, Lmax, Hkv, D), np.float32), np.zeros((Bsz, Lmax, Hkv, D), np.float32)
+    want = qkv[..., :H * D].reshape(Bsz, T, H, D).copy()
+    q = rope_kv_write(qkv, H, Hkv, kc, vc, 4)
+    np.testing.assert_array_equal(q, want)
+    np.testing.assert_array_equal(kc[:, 2:4], qkv[..., H * D:(H + Hkv) * D].reshape(Bsz, T, Hkv, D))
+    np.testing.assert_array_equal(vc[:, 2:4], qkv[..., (H + Hkv) * D:].reshape(Bsz, T, Hkv, D))
+    # rotate q in place inside qkv
+    cos, sin = ck.rope_cache(8, 4, xp=np)
+    qkv2 = rng.standard_normal((1, 1, 3 * 4)).astype(np.float32)
+    ref = ck.rope(np.ascontiguousarray(qkv2[..., :4].reshape(1, 1, 1, 4)), cos, sin)
+    qv = qkv2[..., :4].reshape(1, 1, 1, 4)
+    r = rope_kv_write(qkv2, 1, 1, np.zeros((1, 2, 1, 4), np.float32), np.zeros((1, 2, 1, 4), np.float32), 1,
+                      cos=cos, sin=sin, q_out=qv)
+    assert r is qv
+    np.testing.assert_array_equal(qkv2[..., :4].reshape(1, 1, 1, 4), ref)
+
+
+_QKV = np.zeros((1, 1, 16), np.float32)  # H 2, Hkv 1, D 4
+_KC = np.zeros((1, 4, 1, 4), np.float32)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(qkv=np.zeros((1, 1, 16))), TypeError, "qkv: expected dtype"),
+        (dict(qkv=np.zeros((1, 16), np.float32)), ValueError, "qkv: expected 3 dimensions"),
+        (dict(qkv=np.zeros((1, 1, 15), np.float32)), ValueError, r"qkv: the last axis \(15\)"),
+        (dict(n_heads=0), ValueError, "n_heads"),
+        (dict(n_kv_heads=1.5), TypeError, "n_kv_heads"),
+        (dict(k_cache=np.zeros((1, 4, 1, 4), BF16)), TypeError, "k_cache: expected qkv's dtype"),
+        (dict(k_cache=np.zeros((1, 4, 2, 4), np.float32)), ValueError, r"k_cache: expected shape \(1, max_len, 1, 4\)"),
+        (dict(v_cache=np.zeros((1, 5, 1, 4), np.float32)), ValueError, "v_cache: expected shape"),
+        (dict(cache_len=5), ValueError, "cache_len: expected 0 <= cache_len <= max_len"),
+        (dict(cache_len=np.zeros((1,), np.int32)), ValueError, "cache_len: expected a 0-d int32 array"),
+        (dict(cache_len="3"), TypeError, "cache_len: expected an int"),
+        (dict(cos=np.ones((4, 2), np.float32)), ValueError, "cos, sin: pass both"),
+        (dict(positions=np.zeros(1, np.int32)), ValueError, "positions: given without cos"),
+        (dict(cos=np.ones((4, 3), np.float32), sin=np.ones((4, 3), np.float32)), ValueError, r"cos: expected shape \(L, 2\)"),
+        (dict(cos=np.ones((4, 2)), sin=np.ones((4, 2))), TypeError, "cos: expected dtype"),
+        (dict(cos=np.ones((4, 2), np.float32), sin=np.ones((3, 2), np.float32)), ValueError, "sin: expected shape"),
+        (dict(cos=np.ones((4, 2), np.float32), sin=np.ones((4, 2), np.float32), positions=np.zeros(2, np.int32)),
+         ValueError, r"positions: expected shape \(1,\) or \(1, 1\)"),
+        (dict(cos=np.ones((4, 2), np.float32), sin=np.ones((4, 2), np.float32), positions=np.zeros(1, np.float32)),
+         TypeError, "positions: expected dtype"),
+        (dict(q_out=np.zeros((1, 1, 2, 5), np.float32)), ValueError, "q_out: expected shape"),
+        (dict(q_out=np.zeros((1, 1, 2, 4), BF16)), TypeError, "q_out: expected dtype"),
+    ],
+)
+def test_rope_kv_write_bad_input(kw, exc, match):
+    a = dict(qkv=_QKV, n_heads=2, n_kv_heads=1, k_cache=_KC, v_cache=_KC.copy(), cache_len=1)
+    a.update(kw)
+    pos = {k: a.pop(k) for k in ("qkv", "n_heads", "n_kv_heads", "k_cache", "v_cache", "cache_len")}
+    with pytest.raises(exc, match=match):
+        rope_kv_write(*pos.values(), **a)
+
+
+def test_rope_kv_write_odd_head_dim_with_rope_refused():
+    with pytest.raises(ValueError, match=r"head_dim \(5\) must be even"):
+        rope_kv_write(np.zeros((1, 1, 15), np.float32), 1, 1, np.zeros((1, 2, 1, 5), np.float32),
+                      np.zeros((1, 2, 1, 5), np.float32), 1, cos=np.ones((2, 2), np.float32),
+                      sin=np.ones((2, 2), np.float32))
+
+
+def _gpu_composition(qkv, H, Hkv, kc, vc, length, cos, sin, pos):
+    """The unfused GPU path: contiguous q / k copies, ck.rope on each, ck.kv_cache_write of k and of v."""
+    import cupy as cp
+
+    Bsz, T, C = qkv.shape
+    D = C // (H + 2 * Hkv)
+    q = cp.ascontiguousarray(qkv[..., :H * D]).reshape(Bsz, T, H, D)
+    k = cp.ascontiguousarray(qkv[..., H * D:(H + Hkv) * D]).reshape(Bsz, T, Hkv, D)
+    v = qkv[..., (H + Hkv) * D:].reshape(Bsz, T, Hkv, D)
+    if cos is not None:
+        q = ck.rope(q, cos, sin, positions=pos)
+        k = ck.rope(k, cos, sin, positions=pos)
+    ck.kv_cache_write(k, kc, length)
+    ck.kv_cache_write(v, vc, length)
+    return q
+
+
+def _same_as_composition(got, want, dtype, what, min_identical=0.99):
+    """Within 1 bf16 ulp / 1e-6 (fp32) everywhere, bit-identical for >= min_identical of the elements, the same
+    NaN pattern (rows written / skipped). Against the GPU composition the rotation is the same fp32 expression
+    (rope.cu's PTX pattern: mul, mul, sub / mul, fma), so all should match bit for bit; >= 99 % leaves room for
+    ptxas contracting one of the two kernels differently. Against NumPy (float64 math, one rounding) fp32 values
+    differ in the last bits: min_identical = 0 there."""
+    g, w = to_host(got), to_host(want)
+    assert g.shape == w.shape, what
+    nan_g, nan_w = np.isnan(g.astype(np.float32)), np.isnan(w.astype(np.float32))
+    assert np.array_equal(nan_g, nan_w), f"{what}: NaN pattern differs (rows written / skipped)"
+    g64, w64 = g.astype(np.float64)[~nan_g], w.astype(np.float64)[~nan_w]
+    rtol = 2.0**-8 if np.dtype(dtype) == BF16 else 1e-6
+    np.testing.assert_allclose(g64, w64, rtol=rtol, atol=1e-6, err_msg=what)
+    if g64.size:
+        assert np.mean(g64 == w64) >= min_identical, f"{what}: only {np.mean(g64 == w64):.4f} bit-identical"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pos_kind", [None, "seq", "batch"])
+@pytest.mark.parametrize("shape", [(1, 1, 32, 8, 64), (3, 1, 32, 8, 64), (2, 4, 8, 8, 128), (2, 3, 4, 2, 6),
+                                   (1, 2, 12, 12, 64)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_gpu_rope_kv_write_matches_rope_then_write(rng, shape, pos_kind, dtype, misalign):
+    """Against the GPU composition (rope + kv_cache_write), caches and q_out poisoned with NaN (unwritten rows
+    stay NaN), the length on the device; and against the NumPy composition on the host copies."""
+    import cupy as cp
+
+    Bsz, T, H, Hkv, D = shape
+    Lmax, L = 40, 23
+    qkv, cos, sin, pos = _rkv_case(rng, Bsz, T, H, Hkv, D, Lmax, dtype, pos_kind=pos_kind, Lc=64)
+    dq = device_copy_view(qkv, misalign)
+    dcos, dsin = cp.asarray(cos), cp.asarray(sin)
+    dpos = None if pos is None else cp.asarray(pos)
+    length = cp.array(L, dtype=cp.int32)
+    kc1, vc1 = (cp.full((Bsz, Lmax, Hkv, D), np.nan, dtype=dtype) for _ in range(2))
+    kc2, vc2 = (cp.full((Bsz, Lmax, Hkv, D), np.nan, dtype=dtype) for _ in range(2))
+    q_out = cp.full((Bsz, T, H, D), np.nan, dtype=dtype)
+    got = rope_kv_write(dq, H, Hkv, kc1, vc1, length, cos=dcos, sin=dsin, positions=dpos, q_out=q_out)
+    assert got is q_out
+    want = _gpu_composition(dq, H, Hkv, kc2, vc2, length, dcos, dsin, dpos)
+    _same_as_composition(got, want, dtype, "q")
+    _same_as_composition(kc1, kc2, dtype, "k_cache")
+    assert np.array_equal(to_host(vc1).view(np.uint8), to_host(vc2).view(np.uint8)), "v_cache: not copied exactly"
+    # the NumPy composition on the host copies
+    hk, hv = (np.full((Bsz, Lmax, Hkv, D), np.nan, np.float32).astype(dtype) for _ in range(2))
+    hq = rope_kv_write(qkv, H, Hkv, hk, hv, L, cos=cos, sin=sin, positions=pos)
+    frac = 0.99 if dtype == BF16 else 0.0
+    _same_as_composition(got, hq, dtype, "q vs NumPy", frac)
+    _same_as_composition(kc1, hk, dtype, "k_cache vs NumPy", frac)
+
+
+def device_copy_view(a, misalign):
+    """A device copy of the [B, T, C] qkv: misaligned (one element past 16 bytes: the element path), or a
+    row-strided view of a wider buffer (rows C + 8 apart: the 16-byte path on strided rows)."""
+    import cupy as cp
+
+    from helpers import device_copy
+
+    if misalign:
+        return device_copy(a, misalign=True)
+    Bsz, T, C = a.shape
+    buf = cp.full((Bsz, T, C + 8), np.nan, dtype=a.dtype)
+    buf[..., :C] = cp.asarray(a)
+    return buf[..., :C]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_gpu_rope_kv_write_no_rotation_layer_views_in_place_q(rng, dtype):
+    """GPT-2 (no rotary; head_dim 5: element path), writing into layer 1 of [layers, B, Lmax, Hkv, D] caches;
+    then RoPE with q_out = the q part of qkv itself (rotated in place)."""
+    import cupy as cp
+
+    Bsz, T, H, Hkv, D, Lmax = 2, 3, 12, 12, 5, 10
+    qkv = cp.asarray(rng.standard_normal((Bsz, T, 3 * H * D)).astype(np.float32).astype(dtype))
+    big_k = cp.full((3, Bsz, Lmax, Hkv, D), np.nan, dtype=dtype)
+    big_v = cp.full((3, Bsz, Lmax, Hkv, D), np.nan, dtype=dtype)
+    q = rope_kv_write(qkv, H, Hkv, big_k[1], big_v[1], 6)
+    hq = to_host(qkv)
+    assert np.array_equal(to_host(q), hq[..., :H * D].reshape(Bsz, T, H, D))
+    assert np.array_equal(to_host(big_k[1, :, 3:6]), hq[..., H * D:2 * H * D].reshape(Bsz, T, Hkv, D))
+    assert np.array_equal(to_host(big_v[1, :, 3:6]), hq[..., 2 * H * D:].reshape(Bsz, T, Hkv, D))
+    assert np.isnan(to_host(big_k[1, :, :3]).astype(np.float32)).all()
+    assert np.isnan(to_host(big_k[0]).astype(np.float32)).all() and np.isnan(to_host(big_v[2]).astype(np.float32)).all()
+    # RoPE in place: q_out is qkv's q part
+    H, Hkv, D = 32, 8, 64
+    cos, sin = ck.rope_cache(32, D)
+    qkv = cp.asarray(rng.standard_normal((Bsz, 1, (H + 2 * Hkv) * D)).astype(np.float32).astype(dtype))
+    want = ck.rope(cp.ascontiguousarray(qkv[..., :H * D]).reshape(Bsz, 1, H, D), cos, sin)
+    qv = qkv[..., :H * D].reshape(Bsz, 1, H, D)
+    kc = cp.zeros((Bsz, 8, Hkv, D), dtype=dtype)
+    rope_kv_write(qkv, H, Hkv, kc, cp.zeros_like(kc), 1, cos=cos, sin=sin, q_out=qv)
+    _same_as_composition(qkv[..., :H * D].reshape(Bsz, 1, H, D), want, dtype, "q rotated in place")
+
+
+@pytest.mark.gpu
+def test_gpu_rope_kv_write_graph_replay_follows_the_device_length(rng):
+    """Captured once (length += 1, then the fused write at positions = length - 1), replayed three times: each
+    replay writes the next cache row, rotated by its own position."""
+    import cupy as cp
+
+    Bsz, H, Hkv, D, Lmax = 2, 32, 8, 64, 16
+    cos, sin = ck.rope_cache(Lmax, D)
+    qkv = cp.asarray(rng.standard_normal((Bsz, 1, (H + 2 * Hkv) * D)).astype(np.float32).astype(BF16))
+    kc = cp.full((Bsz, Lmax, Hkv, D), np.nan, dtype=BF16)
+    vc = cp.full((Bsz, Lmax, Hkv, D), np.nan, dtype=BF16)
+    length = cp.array(5, dtype=cp.int32)
+    pos = cp.zeros((1,), dtype=cp.int32)
+    q = cp.empty((Bsz, 1, H, D), dtype=BF16)
+    rope_kv_write(qkv, H, Hkv, kc, vc, length, cos=cos, sin=sin, positions=pos, q_out=q)  # warm up (row 4)
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        length += 1
+        cp.subtract(length.reshape(1), 1, out=pos)
+        rope_kv_write(qkv, H, Hkv, kc, vc, length, cos=cos, sin=sin, positions=pos, q_out=q)
+        g = s.end_capture()
+    for _ in range(3):
+        g.launch(s)
+    s.synchronize()
+    assert int(length) == 8
+    hk = to_host(kc)
+    for row in range(5, 8):  # written with position `row`
+        ref = ck.rope(cp.ascontiguousarray(qkv[..., H * D:(H + Hkv) * D]).reshape(Bsz, 1, Hkv, D), cos, sin,
+                      positions=cp.array([row], dtype=cp.int32))
+        _same_as_composition(hk[:, row:row + 1], ref, BF16, f"row {row}")
+    assert np.isnan(hk[:, 8:].astype(np.float32)).all()

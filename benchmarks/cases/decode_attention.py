@@ -5,12 +5,16 @@ Memory-bound: the bytes are the valid K and V rows read once, 2 * B * cache_len 
 (B * H * D * 2 each). "x cupy": the materialised path on the same cache slice (grouped GEMM, softmax, GEMM in
 CuPy); "x torch": PyTorch's scaled_dot_product_attention on the [:cache_len] slice (what a static-cache
 decode step runs). The length lives on the device, as in a captured decode step.
+
+rope_kv_write (one token per sequence, LLaMA-3.2-1B heads 32/8 x 64, positions on the device): bytes are qkv
+read once, q written, k and v rows written, the cos/sin rows read (B * D * 4); "x cupy" is the path it
+replaces: contiguous copies of the packed q and k views, ck.rope on each, ck.kv_cache_write of k and of v.
 """
 import math
 
 import cukernels as ck
 from bench_ops import Case
-from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace
+from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace, rope_kv_write
 
 L_MAX = 2304
 SHAPES = [(B, L, H, Hkv, 64) for (H, Hkv) in ((32, 8), (12, 12)) for B in (1, 8, 64) for L in (128, 2048)]
@@ -58,4 +62,36 @@ def cases(ctx):
         nbytes = 2 * Bsz * L * Hkv * D * 2 + 2 * Bsz * H * D * 2
         out.append(Case("decode_attention", f"B{Bsz} len{L}/{L_MAX} {H}/{Hkv}x{D}", "bf16", nbytes,
                         "2*B*len*Hkv*D*2 + q,o", ours, comp, tf, extra=dict(nsets=k_)))
+    out += _rope_kv_cases(ctx)
+    return out
+
+
+def _rope_kv_cases(ctx):
+    cp = ctx.cp
+    out = []
+    H, Hkv, D = 32, 8, 64
+    cos, sin = ck.rope_cache(L_MAX, D)
+    for Bsz in ((8,) if ctx.quick else (1, 8, 64)):
+        qkv = cp.random.standard_normal((Bsz, 1, (H + 2 * Hkv) * D), dtype=cp.float32).astype(ck.bfloat16)
+        kc = cp.zeros((Bsz, L_MAX, Hkv, D), dtype=ck.bfloat16)
+        vc = cp.zeros_like(kc)
+        length = cp.array(2048, dtype=cp.int32)
+        pos = cp.array([2047], dtype=cp.int32)
+        q = cp.empty((Bsz, 1, H, D), dtype=ck.bfloat16)
+
+        def ours(i, qkv=qkv, kc=kc, vc=vc, length=length, pos=pos, q=q):
+            return rope_kv_write(qkv, H, Hkv, kc, vc, length, cos=cos, sin=sin, positions=pos, q_out=q)
+
+        def comp(i, qkv=qkv, kc=kc, vc=vc, length=length, pos=pos, Bsz=Bsz):
+            qq = cp.ascontiguousarray(qkv[..., :H * D]).reshape(Bsz, 1, H, D)
+            kk = cp.ascontiguousarray(qkv[..., H * D:(H + Hkv) * D]).reshape(Bsz, 1, Hkv, D)
+            ck.rope(qq, cos, sin, positions=pos, out=qq)
+            ck.rope(kk, cos, sin, positions=pos, out=kk)
+            ck.kv_cache_write(kk, kc, length)
+            ck.kv_cache_write(qkv[..., (H + Hkv) * D:].reshape(Bsz, 1, Hkv, D), vc, length)
+            return qq
+
+        nbytes = Bsz * ((H + 2 * Hkv) * D * 2 * 2 + D * 4)
+        out.append(Case("rope_kv_write", f"B{Bsz} T1 {H}/{Hkv}x{D}", "bf16", nbytes,
+                        "B*(H+2Hkv)*D*2*2 + B*D*4", ours, comp, None, note="replaces 2 copies + 2 rope + 2 kv writes"))
     return out

@@ -350,3 +350,157 @@ def kv_cache_write(new, cache, cache_len):
     k((min(-(-n // 256), 4096),), (256, 1, 1), (new, cache, *len_args, sb, st, db, dt, np.int32(T), np.int32(R),
                                                 np.int32(Lmax), np.int64(n)))
     return cache
+
+
+def _check_cache_len(cache_len, Lmax):
+    if _is_int(cache_len):
+        if not 0 <= int(cache_len) <= Lmax:
+            raise ValueError(f"cache_len: expected 0 <= cache_len <= max_len ({Lmax}); got {int(cache_len)}")
+    elif B._kind(cache_len) is not None:
+        B.check_dtype("cache_len", cache_len, (np.int32,))
+        if cache_len.ndim != 0:
+            raise ValueError(f"cache_len: expected a 0-d int32 array (a device scalar) or an int; got shape "
+                             f"{tuple(cache_len.shape)}")
+    else:
+        raise TypeError(f"cache_len: expected an int or a 0-d int32 array; got {type(cache_len).__name__}")
+
+
+def _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, cos, sin, positions, q_out):
+    B.check_dtype("qkv", qkv, B.FLOATS)
+    if qkv.ndim != 3:
+        raise ValueError(f"qkv: expected 3 dimensions [batch, T, (n_heads + 2 n_kv_heads) * head_dim]; got shape "
+                         f"{tuple(qkv.shape)}")
+    H = B.check_int("n_heads", n_heads, min=1)
+    Hkv = B.check_int("n_kv_heads", n_kv_heads, min=1)
+    Bsz, T, C = (int(s) for s in qkv.shape)
+    NH = H + 2 * Hkv
+    if C < NH or C % NH:
+        raise ValueError(f"qkv: the last axis ({C}) must be (n_heads + 2 n_kv_heads) * head_dim = {NH} * head_dim")
+    D = C // NH
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dtype != qkv.dtype:
+            raise TypeError(f"{name}: expected qkv's dtype {qkv.dtype}; got {c.dtype}")
+        if c.ndim != 4 or c.shape[0] != Bsz or c.shape[2:] != (Hkv, D):
+            raise ValueError(f"{name}: expected shape ({Bsz}, max_len, {Hkv}, {D}) = [batch, max_len, n_kv_heads, "
+                             f"head_dim]; got {tuple(c.shape)}")
+        B.check_writable(name, c)
+    B.check_shape("v_cache", v_cache, k_cache.shape, " (the shape of k_cache)")
+    Lmax = int(k_cache.shape[1])
+    if Lmax >= 2**31:
+        raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
+    _check_cache_len(cache_len, Lmax)
+    if (cos is None) != (sin is None):
+        raise ValueError("cos, sin: pass both (rotary embedding) or neither (no rotation)")
+    Lc, mode = 0, 0
+    if cos is None:
+        if positions is not None:
+            raise ValueError("positions: given without cos / sin (no rotation to position)")
+    else:
+        if D % 2:
+            raise ValueError(f"qkv: head_dim ({D}) must be even for the rotary embedding")
+        for name, t in (("cos", cos), ("sin", sin)):
+            B.check_dtype(name, t, (np.float32,))
+            if t.ndim != 2 or t.shape[1] != D // 2 or t.shape[0] < 1:
+                raise ValueError(f"{name}: expected shape (L, {D // 2}) = (positions, head_dim // 2) with L >= 1; "
+                                 f"got {tuple(t.shape)}")
+            B.check_contiguous(name, t)
+        if sin.shape != cos.shape:
+            raise ValueError(f"sin: expected shape {tuple(cos.shape)} (the shape of cos); got {tuple(sin.shape)}")
+        Lc = int(cos.shape[0])
+        if positions is None:
+            if T > Lc:
+                raise ValueError(f"cos: has {Lc} positions but qkv has T = {T} tokens (pass a longer table, or "
+                                 "positions=)")
+        else:
+            B.check_dtype("positions", positions, (np.int32, np.int64))
+            if tuple(positions.shape) == (T,):
+                mode = 1
+            elif tuple(positions.shape) == (Bsz, T):
+                mode = 2
+            else:
+                raise ValueError(f"positions: expected shape ({T},) or ({Bsz}, {T}); got {tuple(positions.shape)}")
+            B.check_contiguous("positions", positions)
+    if q_out is not None:
+        B.check_dtype("q_out", q_out, (qkv.dtype,))
+        B.check_shape("q_out", q_out, (Bsz, T, H, D), " ([batch, T, n_heads, head_dim])")
+        B.check_writable("q_out", q_out)
+    return Bsz, T, H, Hkv, D, Lmax, Lc, mode
+
+
+@B.interop
+def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=None, sin=None, positions=None,
+                  q_out=None):
+    """Split a packed QKV projection, rotate q and k (RoPE), and append k and v to a static cache: one kernel.
+
+    The same values as ``q = ck.rope(q, cos, sin, positions=positions)``, ``k = ck.rope(k, ...)``,
+    ``ck.kv_cache_write(k, k_cache, cache_len)``, ``ck.kv_cache_write(v, v_cache, cache_len)`` on the heads of
+    ``qkv`` (rotate-half layout, fp32 rotation, one rounding), in one launch instead of four (plus the two
+    contiguous copies of the packed q / k views that ``ck.rope`` needs).
+
+    Args:
+        qkv: ``[batch, T, (n_heads + 2 n_kv_heads) * head_dim]`` float32 or bfloat16: q heads, then k heads,
+            then v heads; the last axis contiguous, batch and token strides free (a view of a wider buffer).
+        n_heads, n_kv_heads: head counts (ints >= 1).
+        k_cache, v_cache: ``[batch, max_len, n_kv_heads, head_dim]`` of qkv's dtype (one layer's slice of a
+            ``[layers, B, max_len, Hkv, D]`` cache; batch and token strides free, a token's heads contiguous).
+        cache_len: the length after the append (an int, or a 0-d int32 device array, read by the kernel:
+            graph-capturable); token t lands at row ``cache_len - T + t``; rows outside ``[0, max_len)`` are
+            skipped.
+        cos, sin: float32 ``[L, head_dim // 2]`` from :func:`rope_cache`, or both None (no rotation: GPT-2).
+        positions: optional int32 / int64 ``[T]`` or ``[batch, T]``, as :func:`rope` takes it (default:
+            ``arange(T)``); the kernel clamps positions into the table, the NumPy path raises.
+        q_out: optional ``[batch, T, n_heads, head_dim]`` output (a token's heads contiguous, batch / token
+            strides free); may be the q part of ``qkv`` itself (rotated in place).
+
+    Returns:
+        ``q_out``: the rotated queries (a new C-contiguous array when not given).
+
+    Example::
+
+        >>> length += 1                                                  # device scalar
+        >>> q = ck.rope_kv_write(qkv, 32, 8, kc[layer], vc[layer], length, cos=cos, sin=sin, positions=pos)
+        >>> o = ck.decode_attention(q, kc[layer], vc[layer], length)
+    """
+    xp = B.array_module(qkv=qkv, k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin, positions=positions,
+                        q_out=q_out, cache_len=cache_len if B._kind(cache_len) is not None else None)
+    Bsz, T, H, Hkv, D, Lmax, Lc, mode = _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
+                                                          cos, sin, positions, q_out)
+    if q_out is None:
+        q_out = xp.empty((Bsz, T, H, D), dtype=qkv.dtype)
+    sb, st = _row_strides("qkv", qkv, 3)
+    qb, qt = _row_strides("q_out", q_out, 4)
+    kb, kt = _row_strides("k_cache", k_cache, 4)
+    vb, vt = _row_strides("v_cache", v_cache, 4)
+    if xp is np:
+        from .rope import rope as _rope
+
+        q = qkv[..., :H * D].reshape(Bsz, T, H, D)
+        k = qkv[..., H * D:(H + Hkv) * D].reshape(Bsz, T, Hkv, D)
+        v = qkv[..., (H + Hkv) * D:].reshape(Bsz, T, Hkv, D)
+        if cos is not None:
+            q = _rope(np.ascontiguousarray(q), cos, sin, positions=positions)
+            k = _rope(np.ascontiguousarray(k), cos, sin, positions=positions)
+        q_out[...] = q
+        kv_cache_write(k, k_cache, cache_len)
+        kv_cache_write(v, v_cache, cache_len)
+        return q_out
+    if Bsz * T == 0:
+        return q_out
+    rot = cos is not None
+    E = 16 // qkv.itemsize
+    isz = qkv.itemsize
+    vec = ((D // 2) % E == 0 if rot else D % E == 0) and B.aligned16(qkv, q_out, k_cache, v_cache) and all(
+        int(s) * isz % 16 == 0 for s in (sb, st, qb, qt, kb, kt, vb, vt))
+    cs_vec = rot and B.aligned16(cos, sin) and (D // 2) % 4 == 0
+    dev_len = B._kind(cache_len) is not None
+    len_args = (cache_len if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    ptag = B.DTYPE_TAG[positions.dtype] if positions is not None else "i32"
+    k = get_function(FAMILY, f"rope_kv_{B.DTYPE_TAG[qkv.dtype]}_{ptag}_{'v' if vec else 's'}")
+    units = Bsz * T * (H + 2 * Hkv) * (((D // 2) if rot else D) // (E if vec else 1))
+    grid = _launch.launch_grid(k, units)
+    k((grid,), (_launch.THREADS, 1, 1),
+      (_launch.ptr(qkv), sb, st, _launch.ptr(q_out), qb, qt, _launch.ptr(k_cache), kb, kt, _launch.ptr(v_cache), vb,
+       vt, *len_args, cos if rot else B.NULL, sin if rot else B.NULL,
+       positions if positions is not None else B.NULL, np.int32(Bsz), np.int32(T), np.int32(H), np.int32(Hkv),
+       np.int32(D), np.int32(Lc), np.int32(mode), np.int32(Lmax), np.bool_(cs_vec)))
+    return q_out
