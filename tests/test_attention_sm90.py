@@ -408,7 +408,10 @@ def test_gpu_matches_reference_and_mma_sync(rng, variant, case):
     mo, ml = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)
     close(o, mo, 1.6e-2, "o vs flash_attention")
     lse_equal(lse, ml, "lse vs flash_attention")
-    if Bsz * H * T * T <= 2 * 32 * 1000 * 1000 // 4:  # the NumPy reference on the smaller half of the grid
+    # The NumPy reference (seconds per call on the host) on the smaller shapes, once per case (the ping-pong
+    # variant); the larger ones and the serial variant are held to the mma.sync kernels, which test_attention.py
+    # holds to the same reference.
+    if variant == "" and Bsz * H * T * T <= 4_200_000:
         ro, rl = ck.flash_attention(q, k, v, causal=causal, return_lse=True)
         close(o, ro, 2e-2, "o vs reference")
         lse_equal(lse, rl, "lse vs reference")
@@ -529,7 +532,7 @@ def test_gpu_backward_matches_reference_and_mma_sync(rng, variant, case):
     b = ck.flash_attention_backward(W, Q, K, V, o, lse, causal=causal)
     for x, y, n in zip(a, b, ("dq", "dk", "dv")):
         close(x, y, 3e-2, n + " vs flash_attention_backward")
-    if Bsz * H * T * T <= 2 * 32 * 1000 * 1000 // 4:
+    if variant == "" and Bsz * H * T * T <= 4_200_000:  # as in the forward grid test
         ref = ck.flash_attention_backward(w, q, k, v, to_host(o), to_host(lse), causal=causal)
         for x, y, n in zip(a, ref, ("dq", "dk", "dv")):
             close(x, y, 3e-2, n + " vs reference")
