@@ -116,8 +116,11 @@ def precompile(names=None, workers: int | None = None) -> list[str]:
 
     import cupy
 
-    fams = list(names) if names else families()
     dev = cupy.cuda.Device().id
+    cc = cupy.cuda.Device(dev).compute_capability
+    # An ARCH family builds only for its own architecture (sm_90a code does not load on other GPUs): skipped on
+    # the others, named or not (the list returned says what was loaded).
+    fams = [f for f in (list(names) if names else families()) if f not in ARCH or ARCH[f][3:].rstrip("a") == cc]
 
     def one(f):
         with cupy.cuda.Device(dev):
