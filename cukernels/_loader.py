@@ -126,7 +126,7 @@ def precompile(names=None, workers: int | None = None) -> list[str]:
         with cupy.cuda.Device(dev):
             get_module(f)
 
-    with ThreadPoolExecutor(workers or min(len(fams), os.cpu_count() or 1)) as ex:
+    with ThreadPoolExecutor(workers or max(1, min(len(fams), os.cpu_count() or 1))) as ex:
         list(ex.map(one, fams))
     return fams
 
