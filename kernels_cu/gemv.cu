@@ -37,9 +37,12 @@
 //   xn (one LDS.128 per row for bf16): conflict-free (lanes read consecutive 16-byte chunks). B = 1 costs ~1
 //   FMA + 1 widening per W element: far under the issue rate. At B = 8 every 16-byte W pack needs 8 LDS.128
 //   (128 B of shared memory, the SM's whole 128 B/clock at the ~1 pack/clock/SM that 4.2 TB/s means), 64 FMAs
-//   and 64 + 8 bf16 -> fp32 widenings (integer pipe, 64/clock/SM): issue- and shared-bound near 60-70 % of the
-//   copy rate (NOTES.md; SwiGLU's two rows per warp halve the x traffic per W byte). The next lever there is
-//   more rows per warp, or mma.sync with x as the 8-column operand.
+//   and 64 + 8 bf16 -> fp32 widenings (integer pipe, 64/clock/SM): ~145 instructions a pack, issue- and
+//   shared-bound near 60-70 % of the copy rate. So from NB = 4 a warp takes G = 2 adjacent output columns
+//   (G = 1 kernels are kept for comparison, gemv.py PAIR_MIN_NB): every xn value read and widened serves two W
+//   rows, ~112 instructions and 64 B of shared memory a pack, at the price of half as many warps (N = 2048:
+//   128 blocks, one a SM). SwiGLU at G = 2 holds 4 rows a warp (2 columns x gate/up). Next lever: mma.sync
+//   m16n8k16 with x as the n = 8 operand.
 // - The warp reduction is a butterfly (every lane gets every sum); lane b then finishes row b's epilogue, so
 //   the B outputs of a warp are written by B lanes in parallel. Each output (and its residual) is read and
 //   written by one thread, so residual may be the very array out is (the in-place residual stream).
@@ -100,21 +103,30 @@ __device__ __forceinline__ Pack<W, E> ld_stream(const W* p) {
   return out;
 }
 
-// One chunk of a warp's W rows in registers: U = 8 / RPW loads per row per lane (16-byte packs when VEC, else
-// single elements widened on load: a 2-byte struct array made ptxas spill), then the FMAs against xn in shared
-// memory. CHUNK elements of each row per chunk (2048 bf16 / 1024 fp32 with 16-byte packs: one chunk covers a
-// LLaMA-1B K = 2048 bf16 row).
-template <typename T, typename W, int NB, int RPW, bool VEC>
+// One chunk of a warp's W rows in registers: RPW = G x HALVES rows (G adjacent output columns, each with its
+// up row N/2 further for SwiGLU), U = 4 / RPW loads per row per lane (16-byte packs when VEC, else single
+// elements widened on load: a 2-byte struct array made ptxas spill), then the FMAs against xn in shared
+// memory. Slot r = h * G + g holds W row (j G + g) + h N/2; a column past n_out (the last group of an odd
+// n_out) reads row n_out - 1 again and is never stored. CHUNK elements of each row per chunk.
+template <int G, int HALVES>
+__device__ __forceinline__ long long tile_row(long long j, int r, int half, int n_out) {
+  long long col = j * G + r % G;
+  if (col >= n_out) col = n_out - 1;
+  return col + (long long)(r / G) * half;
+}
+
+template <typename T, typename W, int NB, int G, int HALVES, bool VEC>
 struct WTile;
 
-template <typename T, typename W, int NB, int RPW>
-struct WTile<T, W, NB, RPW, true> {
-  static constexpr int E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
+template <typename T, typename W, int NB, int G, int HALVES>
+struct WTile<T, W, NB, G, HALVES, true> {
+  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
   Pack<W, E> v[RPW][U];
-  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int k0, int K, int lane) {
+  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
+                                       int lane) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const W* row = w + (j + (long long)r * half) * ldw;
+      const W* row = w + tile_row<G, HALVES>(j, r, half, n_out) * ldw;
 #pragma unroll
       for (int i = 0; i < U; ++i) {
         const int k = k0 + (lane + 32 * i) * E;
@@ -157,14 +169,15 @@ struct WTile<T, W, NB, RPW, true> {
   }
 };
 
-template <typename T, typename W, int NB, int RPW>
-struct WTile<T, W, NB, RPW, false> {
-  static constexpr int U = 4 / RPW, CHUNK = 32 * U;
+template <typename T, typename W, int NB, int G, int HALVES>
+struct WTile<T, W, NB, G, HALVES, false> {
+  static constexpr int RPW = G * HALVES, U = 4 / RPW, CHUNK = 32 * U;
   float v[RPW][U];
-  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int k0, int K, int lane) {
+  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
+                                       int lane) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-      const W* row = w + (j + (long long)r * half) * ldw;
+      const W* row = w + tile_row<G, HALVES>(j, r, half, n_out) * ldw;
 #pragma unroll
       for (int i = 0; i < U; ++i) {
         const int k = k0 + lane + 32 * i;
@@ -187,7 +200,7 @@ struct WTile<T, W, NB, RPW, false> {
   }
 };
 
-template <typename T, typename W, int NB, int RPW, bool VEC>
+template <typename T, typename W, int NB, int HALVES, int G, bool VEC>
 __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx, int Bn, int K,
                                           const W* __restrict__ w, long long ldw, const void* __restrict__ bias,
                                           const void* __restrict__ nw, const void* __restrict__ nb, float eps,
@@ -201,11 +214,15 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 
   // The warp's first chunk of W is requested before x is staged and normalised: those loads do not depend on
   // xn, so the prologue (an L2 round trip for x, two barriers, the statistics) hides under their DRAM latency.
-  using Tile = WTile<T, W, NB, RPW, VEC>;
+  // G = 2: two adjacent output columns a warp, so each xn value read from shared memory and widened serves two
+  // W rows (the launcher takes it from B = 3 up; see the header).
+  constexpr int RPW = G * HALVES;
+  using Tile = WTile<T, W, NB, G, HALVES, VEC>;
   Tile tile;
+  const long long ngroups = ((long long)n_out + G - 1) / G;
   const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
   const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
-  if (gw < n_out) tile.load(w, ldw, gw, half, 0, K, lane);
+  if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
 
   // ---- stage x (rows >= Bn and columns >= K are zeros: they add nothing to the dot products)
   constexpr int XE = 16 / sizeof(T);
@@ -284,7 +301,7 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
   float acc[RPW][NB];
   long long j = gw;
   int k0 = 0;
-  while (j < n_out) {  // warp-uniform
+  while (j < ngroups) {  // warp-uniform
     if (k0 == 0) {
 #pragma unroll
       for (int r = 0; r < RPW; ++r)
@@ -298,8 +315,8 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
       nk = 0;
       nj = j + nwg;
     }
-    if (nj < n_out) tile.load(w, ldw, nj, half, nk, K, lane);
-    const long long row = j;
+    if (nj < ngroups) tile.load(w, ldw, nj, half, n_out, nk, K, lane);
+    const long long grp = j;
     j = nj;
     k0 = nk;
     if (nk != 0) continue;  // more chunks of this row
@@ -310,50 +327,60 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
       for (int b = 0; b < NB; ++b) acc[r][b] = warp_sum(acc[r][b]);
 
     // ---- epilogue: lane b finishes batch row b (acc is indexed with compile-time b only: no local memory)
+    const bool of32 = flags & GEMV_OUT_F32;
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       if (lane != b || b >= Bn) continue;
-      float y[RPW];
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        y[r] = rmid ? round_bf16(acc[r][b]) : acc[r][b];
-        if (bias != nullptr) {
-          y[r] += ld_any(bias, row + (long long)r * half, flags & GEMV_BIAS_F32);
-          if (rmid) y[r] = round_bf16(y[r]);
+      for (int g = 0; g < G; ++g) {
+        const long long col = grp * G + g;
+        if (col >= n_out) continue;
+        float y[HALVES];
+#pragma unroll
+        for (int h = 0; h < HALVES; ++h) {
+          const float a = acc[h * G + g][b];
+          y[h] = rmid ? round_bf16(a) : a;
+          if (bias != nullptr) {
+            y[h] += ld_any(bias, col + (long long)h * half, flags & GEMV_BIAS_F32);
+            if (rmid) y[h] = round_bf16(y[h]);
+          }
         }
+        float v = y[0];
+        if (act != 0) {
+          if (HALVES == 2) v = gemv_silu(y[0]) * y[HALVES - 1];
+          else if (act == 2) v = gemv_gelu_tanh(y[0]);
+          else v = gemv_gelu_erf(y[0]);
+          if (rmid) v = round_bf16(v);
+        }
+        if (res != nullptr) v = ld_any(res, b * ldr + col, of32) + v;
+        if (of32) reinterpret_cast<float*>(out)[b * ldo + col] = v;
+        else reinterpret_cast<bf16*>(out)[b * ldo + col] = from_f32<bf16>(v);
       }
-      float v = y[0];
-      if (act != 0) {
-        if (RPW == 2) v = gemv_silu(y[0]) * y[RPW - 1];
-        else if (act == 2) v = gemv_gelu_tanh(y[0]);
-        else v = gemv_gelu_erf(y[0]);
-        if (rmid) v = round_bf16(v);
-      }
-      const bool of32 = flags & GEMV_OUT_F32;
-      if (res != nullptr) v = ld_any(res, b * ldr + row, of32) + v;
-      if (of32) reinterpret_cast<float*>(out)[b * ldo + row] = v;
-      else reinterpret_cast<bf16*>(out)[b * ldo + row] = from_f32<bf16>(v);
     }
   }
 }
 
-// Entry points: gemv_<x dtype>_<W dtype>_b<NB>_<r1|r2>_<v|s>. 256 threads a block (the launcher's THREADS).
+// Entry points: gemv_<x dtype>_<W dtype>_b<NB>_r<HALVES>_g<G>_<v|s> (HALVES 2: SwiGLU; G 2 only for NB 4 / 8).
+// 256 threads a block (the launcher's THREADS).
 // Register budget: 2 blocks a SM (<= 128 registers) for NB <= 4, 1 for NB = 8 (fp32 x with bf16 W hoists 8
 // rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped some kernels at 64 registers
 // and spilled (ptxas -v, sm_90; tests/test_compile.py).
-#define GEMV_ONE(T, W, TN, WN, NB, RPW, VEC, VS)                                                              \
-  extern "C" __global__ void __launch_bounds__(256, NB < 8 ? 2 : 1) gemv_##TN##_##WN##_b##NB##_r##RPW##_##VS(                  \
-      const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw,    \
-      const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,         \
-      int n_out, int half, int norm, int act, unsigned flags) {                                                \
-    gemv_body<T, W, NB, RPW, VEC>(x, ldx, Bn, K, w, ldw, bias, nw, nb, eps, inv_k, res, ldr, out, ldo, n_out,  \
-                                  half, norm, act, flags);                                                     \
+#define GEMV_ONE(T, W, TN, WN, NB, HALVES, G, VEC, VS)                                                         \
+  extern "C" __global__ void __launch_bounds__(256, NB < 8 ? 2 : 1)                                            \
+      gemv_##TN##_##WN##_b##NB##_r##HALVES##_g##G##_##VS(                                                       \
+          const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw, \
+          const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,      \
+          int n_out, int half, int norm, int act, unsigned flags) {                                             \
+    gemv_body<T, W, NB, HALVES, G, VEC>(x, ldx, Bn, K, w, ldw, bias, nw, nb, eps, inv_k, res, ldr, out, ldo,    \
+                                        n_out, half, norm, act, flags);                                         \
   }
-#define GEMV_NB(T, W, TN, WN, RPW, VEC, VS) \
-  GEMV_ONE(T, W, TN, WN, 1, RPW, VEC, VS)   \
-  GEMV_ONE(T, W, TN, WN, 2, RPW, VEC, VS)   \
-  GEMV_ONE(T, W, TN, WN, 4, RPW, VEC, VS)   \
-  GEMV_ONE(T, W, TN, WN, 8, RPW, VEC, VS)
+#define GEMV_NB(T, W, TN, WN, HALVES, VEC, VS)    \
+  GEMV_ONE(T, W, TN, WN, 1, HALVES, 1, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 2, HALVES, 1, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 4, HALVES, 1, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 8, HALVES, 1, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 4, HALVES, 2, VEC, VS)   \
+  GEMV_ONE(T, W, TN, WN, 8, HALVES, 2, VEC, VS)
 #define GEMV_ALL(T, W, TN, WN)          \
   GEMV_NB(T, W, TN, WN, 1, true, v)     \
   GEMV_NB(T, W, TN, WN, 2, true, v)     \

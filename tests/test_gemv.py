@@ -389,3 +389,22 @@ def test_gpu_zero_rows_and_captures(rng):
     g.launch(s)
     s.synchronize()
     assert np.array_equal(to_host(y).view(np.uint16), ref.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [True, False], ids=["G2", "G1"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("N", [7, 2049, 3072])
+@pytest.mark.parametrize("Bn", [3, 4, 8])
+def test_gpu_column_pairing_both_ways(rng, monkeypatch, Bn, N, dtype, pair):
+    """B >= 3 runs G = 2 adjacent columns a warp by default (PAIR_MIN_NB); both variants against the reference,
+    odd N (the last group's second column is computed from a clamped row and never stored), SwiGLU (N even: 4
+    W rows a warp) and plain, with bias and an in-place residual."""
+    from cukernels.ops import gemv as gmod
+
+    monkeypatch.setattr(gmod, "PAIR_MIN_NB", 4 if pair else 99)
+    K = 2048
+    for act in ([None, "swiglu"] if N % 2 == 0 else [None, "gelu"]):
+        x, _, kw = _inputs(rng, Bn, K, N, dtype, norm="rms", bias=True, act=act, res=True)
+        w = _weight(N, K, np.dtype(dtype))
+        _gpu_vs_ref(x, w, kw, np.dtype(dtype), n_ulp=3 if act == "swiglu" else 2, what=f"pair={pair} {act}")

@@ -11,11 +11,14 @@ Memory-bound on the weight: GB/s counts the weight bytes only (N * K * 2; x, out
 B = 8), the number the decode step's floor is made of. "x cupy": the unfused composition of our own ops
 (ck.rms_norm, ck.matmul on cuBLAS, ck.swiglu_packed, ck.add), the path the model's decode step takes today;
 "x torch": ``x @ W.T`` in torch bf16 (torch.mm with out=; no norm / activation / residual: the GEMV alone).
+At B = 8 each shape runs twice: the default (a warp takes G = 2 adjacent columns, gemv.PAIR_MIN_NB) and "G1"
+(one column a warp), to settle the choice on the device.
 """
 import numpy as np
 
 import cukernels as ck
 from bench_ops import Case
+from cukernels.ops import gemv as gmod
 from cukernels.ops.gemv import gemv
 
 H, I, V = 2048, 8192, 128256
@@ -67,4 +70,16 @@ def cases(ctx):
                                         f32out and "fp32 out") if p)
             out.append(Case(f"gemv {name}", f"B{Bn} {N}x{K}", "bf16", wbytes, "N*K*2 (weight only)", ours, comp,
                             tf, note=note, extra=dict(nsets=k_)))
+            if Bn >= 3:
+
+                def ours_g1(i, ours=ours):
+                    old = gmod.PAIR_MIN_NB
+                    gmod.PAIR_MIN_NB = 99  # one column a warp
+                    try:
+                        return ours(i)
+                    finally:
+                        gmod.PAIR_MIN_NB = old
+
+                out.append(Case(f"gemv {name} G1", f"B{Bn} {N}x{K}", "bf16", wbytes, "N*K*2 (weight only)", ours_g1,
+                                None, None, note=note + " (one column a warp)", extra=dict(nsets=k_)))
     return out

@@ -16,6 +16,11 @@ MAX_B = 8              # rows of x one kernel call takes (NB accumulators per wa
 # opt-in limit of both sm_80 (163 KB) and sm_90 (227 KB); fp32 x reaches K = 4096 at B = 8, K = 16384 at
 # B <= 2. Beyond it the launcher takes the unfused path (gemv.cu's header has the numbers).
 SMEM_CAP = 128 * 1024
+# From NB = 4 rows (B >= 3) a warp takes G = 2 adjacent output columns: each xn value it reads from shared memory
+# and widens serves two W rows, ~25 % fewer instructions per W byte where B = 8 is issue-bound (gemv.cu), at the
+# price of half the warps (N = 2048: 128 blocks). Kernels exist for NB 4 and 8 with G 1 and 2; a value > 8 turns
+# the pairing off (the benchmark compares both).
+PAIR_MIN_NB = 4
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
@@ -320,13 +325,16 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
     x_vec = K % Ex == 0 and _ptr_of(x) % 16 == 0 and (rows == 1 or (ldx * x.itemsize) % 16 == 0)
     nb = _nb(rows)
     swiglu = act == "swiglu"
-    name = f"gemv_{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[weight.dtype]}_b{nb}_r{2 if swiglu else 1}_{'v' if vec else 's'}"
+    G = 2 if nb >= PAIR_MIN_NB else 1
+    name = (f"gemv_{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[weight.dtype]}_b{nb}_r{2 if swiglu else 1}_g{G}_"
+            f"{'v' if vec else 's'}")
     k = get_function(FAMILY, name)
     key = id(k)
     if key not in _configured:  # a host-side attribute, set once per kernel (before any capture)
         k.max_dynamic_shared_size_bytes = SMEM_CAP
         _configured.add(key)
-    grid = max(1, min(-(-n_out // (THREADS // 32)), L.wave(k, THREADS, smem)))
+    groups = -(-n_out // G)
+    grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))
     flags = ((1 if odt == np.float32 else 0)
              | (2 if bias is not None and bias.dtype == np.float32 else 0)
              | (4 if norm_weight is not None and norm_weight.dtype == np.float32 else 0)
