@@ -89,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--prompts", default="128,2048")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--vs-hf", action="store_true", help="transformers generate at batch 1, prompt 128")
+    ap.add_argument("--generic", action="store_true",
+                    help="also batch 1, prompt 128 through the generic forward (model.fast_decode = False)")
     a = ap.parse_args(argv)
     import cupy as cp
     model = build(a.model, cp)
@@ -107,6 +109,12 @@ def main(argv=None):
             step_ms = B / tps * 1e3
             print(f"{B:5d} {T:6d} {pre:11.2f} {tps:13,.0f} {step_ms:8.3f} {100 * (1e3 / step_ms) / floor:9.1f}%",
                   flush=True)
+    if a.generic:  # the same step through the generic forward (no fused per-block decode), batch 1, prompt 128
+        model.fast_decode = False
+        pre, tps = ours(model, 1, 128, a.new, cp)
+        print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
+              f"(generic forward, fast_decode=False)", flush=True)
+        model.fast_decode = True
     if a.vs_hf:
         del model
         gc.collect()

@@ -31,7 +31,7 @@ if [ "$stage" = "profile" ]; then
 fi
 if [ "$stage" = "gen" ]; then
   timeout 280 python benchmarks/bench_generate.py --model llama ${1:+$1} 2>&1 | tee "$out/bench_generate_llama.log"
-  timeout 150 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 2>&1 | tee "$out/bench_generate_gpt2.log"
+  timeout 150 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 --generic 2>&1 | tee "$out/bench_generate_gpt2.log"
 fi
 if [ "$stage" = "gpt2" ]; then
   timeout 200 python benchmarks/bench_train.py --model gpt2 ${1:+--vs-torch $1} --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log"
@@ -50,4 +50,23 @@ if [ "$stage" = "genprof" ]; then  # where a decode step's time goes (eager kern
     | tee "$out/profile_generate_llama.log"
   timeout 60 python benchmarks/profile_generate.py --model gpt2 --top 15 2>&1 | grep -v "Warning\|warn(" \
     | tee "$out/profile_generate_gpt2.log"
+fi
+if [ "$stage" = "s4a" ]; then  # session 4, call A (2-GPU machine): wgmma smoke + tests, the GPU suite, 2-GPU bench
+  timeout 120 python -m pytest -q -p no:cacheprovider --tb=short tests/test_attention_sm90.py -k smoke 2>&1 \
+    | tee "$out/sm90_smoke.log" | tail -n 15
+  timeout 200 python -m pytest -q -p no:cacheprovider --tb=line -n 4 tests/test_attention_sm90.py 2>&1 \
+    | tee "$out/sm90_tests.log" | tail -n 12
+  timeout 330 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --ignore=tests/test_attention_sm90.py 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 60
+  timeout 150 python benchmarks/bench_train.py --configs b8t1024,b4t64 --nproc 2 --sm-margin ${1:-16} \
+    --json "$out/bench_2gpu.json" 2>&1 | tee "$out/bench_2gpu.log" | grep "ms/step"
+fi
+if [ "$stage" = "s4b" ]; then  # session 4, call B: kernel benches, generation vs transformers, the 1-GPU step
+  timeout 200 python benchmarks/bench_ops.py --no-startup --quick --only "${1:-rms_norm,layer_norm,softmax,activations,embedding,gemv,decode_attention,linear_cross_entropy,attention_sm90}" \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; tail -n 80 "$out/bench_ops.log"
+  timeout 170 python benchmarks/bench_generate.py --model llama --vs-hf --generic 2>&1 | tee "$out/bench_generate_llama.log"
+  timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 --generic 2>&1 \
+    | tee "$out/bench_generate_gpt2.log"
+  timeout 120 python benchmarks/bench_train.py --configs b4t64,b8t1024 --json "$out/bench_llama.json" 2>&1 \
+    | tee "$out/bench_llama.log" | grep -v "^    "
 fi
