@@ -650,3 +650,16 @@ def test_gpu_rope_kv_write_graph_replay_follows_the_device_length(rng):
                       positions=cp.array([row], dtype=cp.int32))
         _same_as_composition(hk[:, row:row + 1], ref, BF16, f"row {row}")
     assert np.isnan(hk[:, 8:].astype(np.float32)).all()
+
+
+def test_rope_kv_write_entry_points_compiled():
+    """CPU: the 8 rope_kv_<dtype>_<positions dtype>_<v|s> kernels the launcher names exist in the NVRTC build."""
+    import re
+
+    from cukernels import _nvrtc
+
+    if not _nvrtc.available():
+        pytest.skip("libnvrtc not installed")
+    entries = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("decode_attention", "sm_90")))
+    want = {f"rope_kv_{d}_{p}_{v}" for d in ("f32", "bf16") for p in ("i32", "i64") for v in "vs"}
+    assert want <= entries, sorted(want - entries)

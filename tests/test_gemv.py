@@ -408,3 +408,31 @@ def test_gpu_column_pairing_both_ways(rng, monkeypatch, Bn, N, dtype, pair):
         x, _, kw = _inputs(rng, Bn, K, N, dtype, norm="rms", bias=True, act=act, res=True)
         w = _weight(N, K, np.dtype(dtype))
         _gpu_vs_ref(x, w, kw, np.dtype(dtype), n_ulp=3 if act == "swiglu" else 2, what=f"pair={pair} {act}")
+
+
+def test_every_kernel_the_launcher_names_is_compiled():
+    """CPU: each (x dtype, W dtype, B, SwiGLU, vector path, pairing) the launcher can pick names an entry point
+    that the NVRTC build of gemv.cu has (the entry points are macro-generated)."""
+    import re
+
+    from cukernels import _nvrtc
+    from cukernels.ops import gemv as gmod
+
+    if not _nvrtc.available():
+        pytest.skip("libnvrtc not installed")
+    entries = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("gemv", "sm_90")))
+    names = set()
+    for pair in (4, 99):
+        old = gmod.PAIR_MIN_NB
+        gmod.PAIR_MIN_NB = pair
+        try:
+            for xd in DTYPES:
+                for wd in DTYPES:
+                    for rows in range(1, MAX_B + 1):
+                        for sw in (False, True):
+                            for vec in (False, True):
+                                names.add(gmod.kernel_name(xd, wd, rows, sw, vec)[0])
+        finally:
+            gmod.PAIR_MIN_NB = old
+    assert names <= entries, sorted(names - entries)
+    assert len(names) == len(entries) == 96  # and nothing compiled that no launch can reach

@@ -36,6 +36,15 @@ def _smem(rows: int, K: int, itemsize: int) -> int:
     return _nb(rows) * (-(-K // 8) * 8) * itemsize
 
 
+def kernel_name(x_dtype, w_dtype, rows: int, swiglu: bool, vec: bool):
+    """(entry point, columns a warp G) of the gemv kernel the launcher takes for these operands (B <= MAX_B)."""
+    nb = _nb(rows)
+    G = 2 if nb >= PAIR_MIN_NB else 1
+    name = (f"gemv_{B.DTYPE_TAG[np.dtype(x_dtype)]}_{B.DTYPE_TAG[np.dtype(w_dtype)]}_b{nb}_r{2 if swiglu else 1}"
+            f"_g{G}_{'v' if vec else 's'}")
+    return name, G
+
+
 def _ptr_of(a) -> int:
     return a.data.ptr if B._kind(a) is not np else a.__array_interface__["data"][0]
 
@@ -325,9 +334,7 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
     x_vec = K % Ex == 0 and _ptr_of(x) % 16 == 0 and (rows == 1 or (ldx * x.itemsize) % 16 == 0)
     nb = _nb(rows)
     swiglu = act == "swiglu"
-    G = 2 if nb >= PAIR_MIN_NB else 1
-    name = (f"gemv_{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[weight.dtype]}_b{nb}_r{2 if swiglu else 1}_g{G}_"
-            f"{'v' if vec else 's'}")
+    name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
     k = get_function(FAMILY, name)
     key = id(k)
     if key not in _configured:  # a host-side attribute, set once per kernel (before any capture)
