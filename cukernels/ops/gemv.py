@@ -281,9 +281,9 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
 
     B <= 8 rows with ``B x ceil8(K) x sizeof(x) <= 128 KiB`` (B rounded up to 1/2/4/8): one kernel that reads
     the weight once, graph-capturable and allocation-free when ``out`` is given. Otherwise (the crossover:
-    B >= 9, or fp32 x with B > 4 and K > 4096 ...) the unfused composition of ``ck.rms_norm`` / ``ck.layer_norm``,
-    ``ck.matmul``, ``ck.add``, ``ck.swiglu_packed`` / ``ck.gelu``: same results within rounding, but it
-    allocates its intermediates. At B >= 9 the weight-streaming GEMV's FMA and shared-memory issue exceed the
+    B >= 9; or xn over 128 KiB: fp32 x at B 5-8 with K > 4096, B 3-4 with K > 8192) the unfused composition
+    of ``ck.rms_norm`` / ``ck.layer_norm``, ``ck.matmul``, ``ck.add``, ``ck.swiglu_packed`` / ``ck.gelu``:
+    same results within rounding, but it allocates its intermediates. At B >= 9 the weight-streaming GEMV's FMA and shared-memory issue exceed the
     memory time (gemv.cu), where cuBLAS's tensor-core GEMM does not.
 
     Args:
