@@ -242,8 +242,9 @@ def test_chunk_plan_numbers():
 # ---------------------------------------------------------------- CPU: a padded weight (num_classes)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_reference_padded_weight_equals_unpadded(rng, reduction):
-    """weight = V class rows + padding rows (GPT-2's [50304, H] layout): the padding rows, even NaN, change
-    nothing; dweight is [V, H]; a target in [V, Vw) is out of range."""
+    """weight = V class rows + padding rows (GPT-2's [50304, H] layout): the reference never reads the padding rows,
+    even NaN ones (the GPU path needs them finite: see the GPU test); dweight is [V, H]; a target in [V, Vw) is out
+    of range."""
     N, H, V, Vw = 9, 5, 13, 16
     x, w, t = _case(rng, N, H, V, np.float32, zscale=2.0)
     wp = np.full((Vw, H), np.nan, np.float32)
@@ -367,15 +368,16 @@ def test_gpu_matches_reference(rng, N, H, V, chunk, dtype):
 @pytest.mark.parametrize("N, H, V, chunk", [(1, 64, 1000, None), (1000, 64, 50257, 256), (37, 33, 4099, 5)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_gpu_padded_weight_matches_reference(rng, N, H, V, chunk, dtype):
-    """num_classes: W in a [ceil(V/64)*64, H] buffer whose padding rows are NaN. The logits and dx GEMMs run over
-    the padded rows; a padding column that reached the loss or a padding dlogit left unzeroed poisons the result."""
+    """num_classes: W in a [ceil(V/64)*64, H] buffer whose padding rows hold large finite values (NaN rows are
+    refused by the contract: the dx GEMM multiplies them by zero gradients). The logits and dx GEMMs run over the
+    padded rows; a padding column that reached the loss or a padding dlogit left unzeroed changes the result."""
     import cupy as cp
 
     misalign = N == 37
     Vw = -(-V // 64) * 64 + (64 if V % 64 == 0 else 0)  # always some padding
     x, w, t = _case(rng, N, H, V, dtype)
     xd, td = device_copy(x, misalign), device_copy(t, misalign)
-    wp = cp.full((Vw, H), np.nan, dtype=np.float32).astype(dtype)
+    wp = cp.full((Vw, H), 1e3, dtype=np.float32).astype(dtype)  # padding logits ~1e3 x |x| would dominate
     wp[:V] = cp.asarray(w)
     for reduction in ("mean", "none"):
         ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1, chunk_rows=chunk)

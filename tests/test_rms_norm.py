@@ -586,6 +586,7 @@ def test_gpu_add_captures_in_a_graph(rng):
         g = s.end_capture()
     for a in (y, h, dx, dw):
         a.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the fills run on the legacy stream, which a non-blocking s does not wait for)
     g.launch(s)
     s.synchronize()
     y_ref, h_ref, rs_ref = add_rms_norm(to_host(x), to_host(r), to_host(w), return_rstd=True)

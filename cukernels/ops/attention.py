@@ -53,7 +53,7 @@ def _check_qkv(name, a, shape_hint):
 def _strides(name, a):
     """Element strides (batch, token, head) of a [B, T, heads, D] view the kernels can read in place."""
     isz = a.itemsize
-    if a.shape[3] > 1 and a.strides[3] != isz:
+    if a.size and a.shape[3] > 1 and a.strides[3] != isz:  # (CuPy gives an empty array strides of 0)
         raise ValueError(f"{name}: the last axis (head_dim) must be contiguous; got strides {a.strides}")
     if a.size and (a.data.ptr % 16 or any(s % 16 for s in a.strides[:3])):
         raise ValueError(f"{name}: the kernels read 16-byte chunks: the data pointer and the batch / token / head "

@@ -159,7 +159,9 @@ def _dense_rows(sk, sv, dout2, out, n, V, D):
     E = 16 // dout2.itemsize
     vec = D % E == 0 and B.aligned16(dout2)
     o_vec = (D * out.itemsize) % 16 == 0 and B.aligned16(out)
-    tpr, rpb = _row_plan(D // E if vec else D)
+    tpr, _ = _row_plan(D // E if vec else D)
+    tpr = min(tpr, 256)  # emb_bwd_dense is __launch_bounds__(256, 3); its loop strides a longer row by U * tpr
+    rpb = max(1, 256 // tpr)  # (the H200: 512 or 1024-thread blocks for rows >= 2048 units -> INVALID_VALUE)
     k = get_function(FAMILY, f"emb_bwd_dense_{B.DTYPE_TAG[dout2.dtype]}_{B.DTYPE_TAG[out.dtype]}_{'v' if vec else 's'}")
     k((min((V + rpb - 1) // rpb, 2**31 - 1),), (tpr, rpb, 1),
       (start, sv, dout2, out, np.int64(V), np.int32(D), np.bool_(o_vec)))

@@ -34,7 +34,8 @@ A padded weight (``num_classes`` V below the weight's row count Vw, e.g. GPT-2's
 align1 kernels whenever an odd V is the logits GEMM's N or the dx GEMM's K, whatever the leading dimension (GPT-2
 step 29.5 -> 19.9 ms once W was padded). So the logits and dx GEMMs run over all Vw rows (workspace [C, Vw]); the
 loss kernel reads only the first V columns; the Vw - V padding columns of dlogits are set to 0 per chunk (a
-C x 47 fill for GPT-2, ~3 us) so dx ignores whatever the padding rows hold; dW is the [V, H] gradient (its GEMM
+C x 47 fill for GPT-2, ~3 us) so dx ignores whatever finite values the padding rows hold (NaN or inf rows would
+give 0 x NaN: on the H200 a NaN-padded test weight made dx NaN); dW is the [V, H] gradient (its GEMM
 takes the first V workspace columns, M = V, which cuBLAS runs on an align8 kernel: 1.2 ms at N8192 for GPT-2).
 
 The weight gradient accumulates in fp32 straight from the GEMM (beta = 1) rather than through a bf16 per-chunk
@@ -193,8 +194,9 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         error: optional 0-d int32 device error word.
         num_classes: V, when ``weight`` holds V class rows followed by padding rows (``weight.shape[0] >= V``;
             e.g. GPT-2's 50257 classes in a [50304, H] buffer): the GEMMs run over every row (16-byte aligned
-            dimensions), the padding logits never enter the loss, their gradient is 0 (whatever the padding rows
-            hold), ``dweight`` is ``[V, H]``. Default ``weight.shape[0]``.
+            dimensions), the padding logits never enter the loss, their gradient is 0, ``dweight`` is ``[V, H]``.
+            The padding rows must be finite (any values; the model's are zeros): the dx GEMM multiplies them by
+            those zero gradients, and 0 x NaN is NaN. Default ``weight.shape[0]``.
 
     Returns:
         ``(loss, dx, dweight)``: loss a 0-d float32 array ("mean"/"sum") or float32 ``[N]`` ("none"); dx
