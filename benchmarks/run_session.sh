@@ -62,11 +62,15 @@ if [ "$stage" = "s4a" ]; then  # session 4, call A (2-GPU machine): wgmma smoke 
     --json "$out/bench_2gpu.json" 2>&1 | tee "$out/bench_2gpu.log" | grep "ms/step"
 fi
 if [ "$stage" = "s4b" ]; then  # session 4, call B: kernel benches, generation vs transformers, the 1-GPU step
-  timeout 200 python benchmarks/bench_ops.py --no-startup --quick --only "${1:-rms_norm,layer_norm,softmax,activations,embedding,gemv,decode_attention,linear_cross_entropy,attention_sm90}" \
+  timeout 75 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_gemv.py tests/test_embedding.py \
+    tests/test_linear_cross_entropy.py tests/test_attention_sm90.py "tests/test_decode_attention.py" \
+    "tests/test_rms_norm.py::test_gpu_add_captures_in_a_graph" 2>&1 | tee "$out/gpu_tests_rerun.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 170 python benchmarks/bench_ops.py --no-startup --quick --only "${1:-rms_norm,layer_norm,softmax,activations,embedding,gemv,decode_attention,linear_cross_entropy,attention_sm90}" \
     --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; tail -n 80 "$out/bench_ops.log"
-  timeout 170 python benchmarks/bench_generate.py --model llama --vs-hf --generic 2>&1 | tee "$out/bench_generate_llama.log"
-  timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 --generic 2>&1 \
+  timeout 150 python benchmarks/bench_generate.py --model llama --vs-hf --generic 2>&1 | tee "$out/bench_generate_llama.log"
+  timeout 40 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 --generic 2>&1 \
     | tee "$out/bench_generate_gpt2.log"
-  timeout 120 python benchmarks/bench_train.py --configs b4t64,b8t1024 --json "$out/bench_llama.json" 2>&1 \
+  timeout 110 python benchmarks/bench_train.py --configs b4t64,b8t1024 --json "$out/bench_llama.json" 2>&1 \
     | tee "$out/bench_llama.log" | grep -v "^    "
 fi
