@@ -607,3 +607,10 @@ def test_gpu_smoke(rng, variant, D):
     got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, ro, rl)))
     for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
         close(x, y, 3e-2, n)
+
+
+def test_registered_for_flash_attention_dispatch():
+    """ck.flash_attention finds the wgmma kernels through the registration (ops/attention.py must not import
+    attention_sm90: that would be an import cycle)."""
+    from cukernels.ops import attention as A
+    assert A._SM90_IMPL["module"] is A90

@@ -203,12 +203,15 @@ def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None, out=None
 # either backward. False: always the mma.sync kernels (to compare).
 WGMMA = True
 _SM90 = {}
+# ops/attention_sm90.py registers itself here when imported (cukernels/__init__ imports it): it builds on this
+# module's validation, so this module must not import it (no import cycle, lazy ones included).
+_SM90_IMPL = {}
 
 
 def _use_sm90(km, D):
-    if not WGMMA or km is not None or D not in (64, 128):
+    A90 = _SM90_IMPL.get("module")
+    if A90 is None or not WGMMA or km is not None or D not in (64, 128):
         return None
-    from . import attention_sm90 as A90  # (it imports this module)
     import cupy
     dev = cupy.cuda.Device().id
     if dev not in _SM90:

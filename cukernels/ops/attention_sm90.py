@@ -9,11 +9,13 @@ kernels.
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import attention as _attention_module
 from .attention import _strides, _validate
 from .attention import flash_attention as _flash_attention
 from .attention import flash_attention_backward as _flash_attention_backward
@@ -203,3 +205,7 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
 
 
 flash_attention_sm90_supported = supported
+
+
+# ck.flash_attention / flash_attention_backward dispatch here on Hopper (ops/attention.py, _use_sm90)
+_attention_module._SM90_IMPL["module"] = sys.modules[__name__]
