@@ -18,6 +18,18 @@ UNROLL = 4
 ROW_BLOCK = 256
 
 _waves: dict = {}
+_smem_limit: dict = {}
+
+
+def with_smem(kernel, smem: int):
+    """``kernel`` with its dynamic shared memory limit raised to at least ``smem`` bytes: a host-side attribute,
+    set once per kernel object (and again only for a larger size), before any capture. CUDA refuses a launch
+    with more than 48 KB of dynamic shared memory without it."""
+    key = id(kernel)
+    if _smem_limit.get(key, -1) < smem:
+        kernel.max_dynamic_shared_size_bytes = int(smem)
+        _smem_limit[key] = int(smem)
+    return kernel
 
 
 def wave(kernel, threads: int, smem: int = 0) -> int:

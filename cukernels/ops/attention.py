@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch
 
 FAMILY = "attention"
 THREADS = 128
@@ -28,20 +29,12 @@ def _smem(kind, D):
     return (2 * BM + 4 * bq) * row + 4 * bq * 4
 
 
-_configured: set = set()
-
-
 def _kernel(kind, D, masked=False):
     """The kernel and its dynamic shared memory; ``masked``: the key-padding-mask instantiation (``*_km``, same
     tiles, same shared memory, three more arguments: the mask, its row stride in elements, its entry size)."""
     name = f"attn_{'bwd_' if kind != 'fwd' else ''}{kind}_d{D}{'_km' if masked else ''}"
-    k = get_function(FAMILY, name)
     smem = _smem(kind, D)
-    key = (name, id(k))
-    if key not in _configured:  # a host-side attribute, set once before any capture
-        k.max_dynamic_shared_size_bytes = smem
-        _configured.add(key)
-    return k, smem
+    return _launch.with_smem(get_function(FAMILY, name), smem), smem
 
 
 def _check_qkv(name, a, shape_hint):
@@ -60,6 +53,18 @@ def _strides(name, a):
                          f"strides must be multiples of 16 bytes; got pointer offset {a.data.ptr % 16}, strides "
                          f"{a.strides} (use a contiguous copy)")
     return tuple(np.int64(s // isz) for s in a.strides[:3])
+
+
+def _check_saved(dout, q, out, lse, Bsz, H, Tq):
+    """The backward's extra inputs: dout like q, the forward's C-contiguous o and lse [batch, heads, seq_q]."""
+    _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
+    B.check_shape("dout", dout, q.shape, " (the shape of q)")
+    B.check_dtype("out", out, (B.bfloat16,))
+    B.check_shape("out", out, q.shape, " (the shape of q)")
+    B.check_contiguous("out", out)
+    B.check_dtype("lse", lse, (np.float32,))
+    B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
+    B.check_contiguous("lse", lse)
 
 
 def _check_scale(scale, D):
@@ -244,14 +249,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
     xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse, key_mask=key_mask)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
     km = _check_key_mask(key_mask, xp, Bsz, Tk)
-    _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
-    B.check_shape("dout", dout, q.shape, " (the shape of q)")
-    B.check_dtype("out", out, (B.bfloat16,))
-    B.check_shape("out", out, q.shape, " (the shape of q)")
-    B.check_contiguous("out", out)
-    B.check_dtype("lse", lse, (np.float32,))
-    B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
-    B.check_contiguous("lse", lse)
+    _check_saved(dout, q, out, lse, Bsz, H, Tq)
     G = H // Hkv
     if xp is np:
         s, _ = _ref_probs(q, k, causal, scale, key_mask)

@@ -15,8 +15,9 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch
 from . import attention as _attention_module
-from .attention import _strides, _validate
+from .attention import _check_saved, _strides, _validate
 from .attention import flash_attention as _flash_attention
 from .attention import flash_attention_backward as _flash_attention_backward
 
@@ -72,19 +73,12 @@ def supported() -> bool:
     return _cc(cupy.cuda.Device().id) == "90"
 
 
-_configured: set = set()
-
-
 def _kernel(D, variant, kind="fwd"):
     if kind == "fwd":
         k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D)
     else:
         k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}{variant}"), bwd_smem_bytes(kind, D)
-    key = (D, variant, kind, id(k))
-    if key not in _configured:  # a host-side attribute, set once before any capture
-        k.max_dynamic_shared_size_bytes = smem
-        _configured.add(key)
-    return k, smem
+    return _launch.with_smem(k, smem), smem
 
 
 @B.interop
@@ -172,16 +166,7 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
                          f"(flash_attention_backward takes 32 too)")
     if xp is np:  # the argument checks and the NumPy reference are flash_attention_backward's
         return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-    from .attention import _check_qkv
-
-    _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
-    B.check_shape("dout", dout, q.shape, " (the shape of q)")
-    B.check_dtype("out", out, (B.bfloat16,))
-    B.check_shape("out", out, q.shape, " (the shape of q)")
-    B.check_contiguous("out", out)
-    B.check_dtype("lse", lse, (np.float32,))
-    B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
-    B.check_contiguous("lse", lse)
+    _check_saved(dout, q, out, lse, Bsz, H, Tq)
     if out.size and out.data.ptr % 16:  # the dq kernel reads o in 16-byte chunks for delta
         raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
     _check_device()

@@ -10,6 +10,7 @@ import numpy as np
 from .. import _backend as B
 from .._loader import get_function
 from . import _launch
+from .rope import check_tables
 
 FAMILY = "decode_attention"
 HEAD_DIMS = (32, 64, 128)
@@ -37,17 +38,9 @@ def _smem(D, mtb):
     return q_bytes + max(kv_bytes, merge_bytes) + MASK_WORDS * 4
 
 
-_configured: set = set()
-
-
 def _split_kernel(D, mtb):
-    k = get_function(FAMILY, f"dattn_split_d{D}_m{mtb}")
     smem = _smem(D, mtb)
-    key = (id(k), smem)
-    if key not in _configured:  # a host-side attribute, set once (before any capture)
-        k.max_dynamic_shared_size_bytes = smem
-        _configured.add(key)
-    return k, smem
+    return _launch.with_smem(get_function(FAMILY, f"dattn_split_d{D}_m{mtb}"), smem), smem
 
 
 def _check_4d(name, a, hint):
@@ -90,16 +83,7 @@ def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
         raise ValueError(f"k_cache: kv_heads ({Hkv}) must divide the query heads ({H})")
     if Lmax >= 2**31:
         raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
-    if _is_int(cache_len):
-        if not 0 <= int(cache_len) <= Lmax:
-            raise ValueError(f"cache_len: expected 0 <= cache_len <= max_len ({Lmax}); got {int(cache_len)}")
-    elif B._kind(cache_len) is not None:
-        B.check_dtype("cache_len", cache_len, (np.int32,))
-        if cache_len.ndim != 0:
-            raise ValueError(f"cache_len: expected a 0-d int32 array (a device scalar) or an int; got shape "
-                             f"{tuple(cache_len.shape)}")
-    else:
-        raise TypeError(f"cache_len: expected an int or a 0-d int32 array; got {type(cache_len).__name__}")
+    _check_cache_len(cache_len, Lmax)
     if key_mask is not None:
         if key_mask.dtype not in MASK_DTYPES:
             raise TypeError(f"key_mask: expected a bool or integer dtype (nonzero = keep); got {key_mask.dtype}")
@@ -398,28 +382,7 @@ def _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, cos
     else:
         if D % 2:
             raise ValueError(f"qkv: head_dim ({D}) must be even for the rotary embedding")
-        for name, t in (("cos", cos), ("sin", sin)):
-            B.check_dtype(name, t, (np.float32,))
-            if t.ndim != 2 or t.shape[1] != D // 2 or t.shape[0] < 1:
-                raise ValueError(f"{name}: expected shape (L, {D // 2}) = (positions, head_dim // 2) with L >= 1; "
-                                 f"got {tuple(t.shape)}")
-            B.check_contiguous(name, t)
-        if sin.shape != cos.shape:
-            raise ValueError(f"sin: expected shape {tuple(cos.shape)} (the shape of cos); got {tuple(sin.shape)}")
-        Lc = int(cos.shape[0])
-        if positions is None:
-            if T > Lc:
-                raise ValueError(f"cos: has {Lc} positions but qkv has T = {T} tokens (pass a longer table, or "
-                                 "positions=)")
-        else:
-            B.check_dtype("positions", positions, (np.int32, np.int64))
-            if tuple(positions.shape) == (T,):
-                mode = 1
-            elif tuple(positions.shape) == (Bsz, T):
-                mode = 2
-            else:
-                raise ValueError(f"positions: expected shape ({T},) or ({Bsz}, {T}); got {tuple(positions.shape)}")
-            B.check_contiguous("positions", positions)
+        Lc, mode = check_tables(cos, sin, positions, Bsz, T, D, "qkv")
     if q_out is not None:
         B.check_dtype("q_out", q_out, (qkv.dtype,))
         B.check_shape("q_out", q_out, (Bsz, T, H, D), " ([batch, T, n_heads, head_dim])")

@@ -25,8 +25,6 @@ NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
 
-_configured: set = set()
-
 
 def _nb(rows: int) -> int:
     return 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8
@@ -335,11 +333,7 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
     nb = _nb(rows)
     swiglu = act == "swiglu"
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
-    k = get_function(FAMILY, name)
-    key = id(k)
-    if key not in _configured:  # a host-side attribute, set once per kernel (before any capture)
-        k.max_dynamic_shared_size_bytes = SMEM_CAP
-        _configured.add(key)
+    k = L.with_smem(get_function(FAMILY, name), SMEM_CAP)
     groups = -(-n_out // G)
     grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))
     flags = ((1 if odt == np.float32 else 0)

@@ -118,18 +118,6 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
 PIPE_THREADS = 512
 PIPE_STAGES = 3
 PIPE_MIN_TPR = 32
-_configured: set = set()
-
-
-def _pipe_kernel(name, smem):
-    """The pipelined kernel with its dynamic shared memory limit raised (host-side attribute, set once per kernel
-    object, before any capture; launches over 48 KB need it)."""
-    k = get_function(FAMILY, name)
-    key = (name, id(k))
-    if key not in _configured:
-        k.max_dynamic_shared_size_bytes = smem
-        _configured.add(key)
-    return k
 
 
 @B.interop
@@ -189,7 +177,7 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
         # SM; its partials are 2 x SMs rows instead of 2 x (one wave of 256-thread blocks).
         tpr, vpt, _ = plan
         smem = PIPE_STAGES * 2 * vpt * PIPE_THREADS * 16
-        k = _pipe_kernel(f"ln_bwdp_{_tag(x, gamma)}_{vpt}", smem)
+        k = L.with_smem(get_function(FAMILY, f"ln_bwdp_{_tag(x, gamma)}_{vpt}"), smem)
         slots = PIPE_THREADS // tpr
         nparts = min(-(-rows // slots), L.wave(k, PIPE_THREADS, smem))
         part = xp.empty((2 * nparts, C), dtype=np.float32)

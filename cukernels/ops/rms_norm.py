@@ -159,18 +159,6 @@ def _same_memory(a, b):
     return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
 
 
-_configured: set = set()
-
-
-def _pipe_kernel(name, smem):
-    """A pipelined backward kernel with its dynamic shared memory limit raised (a host-side attribute, set once per
-    kernel object before any capture: CUDA refuses launches over 48 KB without it)."""
-    k = get_function(FAMILY, name)
-    key = (name, id(k))
-    if key not in _configured:
-        k.max_dynamic_shared_size_bytes = smem
-        _configured.add(key)
-    return k
 
 
 # Pipelined backward (rms_bwd_pipe): threads per block by packs per thread. VPT <= 2: 512 threads (64
@@ -236,7 +224,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         # cp.async pipeline (rms_norm.cu, rms_bwd_pipe): the plan's threads per row, more row slots per block.
         nth = PIPE_THREADS[vpt]
         smem = PIPE_STAGES * (3 if add else 2) * vpt * nth * 16
-        k = _pipe_kernel(f"{'rms_addbwdp' if add else 'rms_bwdp'}_{tag}_{vpt}", smem)
+        k = L.with_smem(get_function(FAMILY, f"{'rms_addbwdp' if add else 'rms_bwdp'}_{tag}_{vpt}"), smem)
         slots = nth // tpr
         # A persistent grid of one wave: each block's partial dw row covers ~rows / (2 x SMs) rows.
         nparts = min(-(-rows // slots), L.wave(k, nth, smem))

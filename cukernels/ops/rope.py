@@ -123,6 +123,14 @@ def _validate(xn, x, cos, sin, positions):
     if D < 2 or D % 2:
         raise ValueError(f"{xn}: head_dim (last axis) must be even and >= 2; got shape {tuple(x.shape)}")
     B.check_contiguous(xn, x)
+    L, mode = check_tables(cos, sin, positions, Bsz, S, D, xn)
+    return Bsz, S, H, D, L, mode
+
+
+def check_tables(cos, sin, positions, Bsz, S, D, xn):
+    """Validate the rotary tables and positions for ``Bsz`` rows of ``S`` tokens of head_dim ``D`` (``xn``: the
+    input's name in messages). Returns ``(L, mode)``: the table length and how positions are read (0: none,
+    token s uses row s; 1: [S] shared by the batch; 2: [Bsz, S]). Shared by ``rope`` and ``rope_kv_write``."""
     for name, t in (("cos", cos), ("sin", sin)):
         B.check_dtype(name, t, (np.float32,))
         if t.ndim != 2 or t.shape[1] != D // 2 or t.shape[0] < 1:
@@ -135,17 +143,16 @@ def _validate(xn, x, cos, sin, positions):
     if positions is None:
         if S > L:
             raise ValueError(f"cos: has {L} positions but {xn} has seq = {S} (pass a longer cache, or positions=)")
-        mode = 0
+        return L, 0
+    B.check_dtype("positions", positions, (np.int32, np.int64))
+    if tuple(positions.shape) == (S,):
+        mode = 1
+    elif tuple(positions.shape) == (Bsz, S):
+        mode = 2
     else:
-        B.check_dtype("positions", positions, (np.int32, np.int64))
-        if tuple(positions.shape) == (S,):
-            mode = 1
-        elif tuple(positions.shape) == (Bsz, S):
-            mode = 2
-        else:
-            raise ValueError(f"positions: expected shape ({S},) or ({Bsz}, {S}); got {tuple(positions.shape)}")
-        B.check_contiguous("positions", positions)
-    return Bsz, S, H, D, L, mode
+        raise ValueError(f"positions: expected shape ({S},) or ({Bsz}, {S}); got {tuple(positions.shape)}")
+    B.check_contiguous("positions", positions)
+    return L, mode
 
 
 def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):

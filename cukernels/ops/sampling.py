@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from . import _launch
 
 FAMILY = "sampling"
 THREADS = 512
@@ -237,15 +238,12 @@ def reference_margins(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition
 
 
 # ------------------------------------------------------------------------------------------ the op
-_configured: set = set()
 
 
 def _kernel(dtype):
-    k = get_function(FAMILY, f"sample_tokens_{B.DTYPE_TAG[np.dtype(dtype)]}")
-    if id(k) not in _configured:  # room for the penalty bitmap of the largest vocabulary (host attribute, once)
-        k.max_dynamic_shared_size_bytes = (MAX_VOCAB + 31) // 32 * 4
-        _configured.add(id(k))
-    return k
+    # room for the penalty bitmap of the largest vocabulary
+    return _launch.with_smem(get_function(FAMILY, f"sample_tokens_{B.DTYPE_TAG[np.dtype(dtype)]}"),
+                             (MAX_VOCAB + 31) // 32 * 4)
 
 
 @B.interop

@@ -764,12 +764,9 @@ class ZeroAdamW:
         self._margin_off()
         self._reduced = True
 
-    def _sms(self):
-        return self.xp.cuda.Device().attributes["MultiProcessorCount"]
-
     def _margin_on(self):
         if self.sm_margin and self._comm is not None and self._sm_prev is None:
-            self._sm_prev = blas.set_sm_count_target(max(1, self._sms() - self.sm_margin))
+            self._sm_prev = blas.set_sm_count_target(max(1, B.sm_count() - self.sm_margin))
 
     def _margin_off(self):
         if self._sm_prev is not None:
@@ -834,7 +831,7 @@ class ZeroAdamW:
         if self._err is not None:
             kw["error"] = self._err
         if self.sm_margin and self._side() is not None:
-            kw["occupancy"] = max(0.05, 1.0 - self.sm_margin / self._sms())
+            kw["occupancy"] = max(0.05, 1.0 - self.sm_margin / B.sm_count())
         r = self.rank
         for gi, bi in self._order:
             g = self._groups[gi]
