@@ -280,6 +280,13 @@ def test_fused_decode_step_equals_the_generic_forward_numpy(family, monkeypatch)
     np.testing.assert_allclose(fast, slow, atol=0.02 * scale, rtol=0)
     att = m.model.layers[0].self_attn if family == "llama" else m.transformer.h[0].attn
     assert "qkv" in att.__dict__["_decode_packed"]
+    W = att.__dict__["_decode_packed"]["qkv"][0]
+    datas = [p.data for p in att.parameters()]
+    del att.__dict__["_decode_packed"]  # packing again finds the parameters already one after another: no copy
+    lins = [att.c_attn] if family == "gpt2" else [att.q_proj, att.k_proj, att.v_proj]
+    W2, _ = ck.nn.decode.packed(att, "qkv", lins)
+    assert np.shares_memory(W, W2) and W2.shape == W.shape
+    assert all(p.data is d for p, d in zip(att.parameters(), datas))
     if family == "llama":  # q/k/v now live one after another in one [(H + 2 Hkv) D, hidden] buffer
         q, k = att.q_proj.weight.data, att.k_proj.weight.data
         assert k.__array_interface__["data"][0] == q.__array_interface__["data"][0] + q.nbytes

@@ -51,58 +51,54 @@ def _ptr(a):
 
 
 def _contiguous_run(arrays):
-    """The arrays' rows as one [sum(rows), K] view when they already lie one after another in one buffer."""
+    """The arrays as one view stacked along axis 0 when they already lie one after another in one buffer (same
+    dtype and trailing shape, C-contiguous), else None."""
     first = arrays[0]
     base = first.base if first.base is not None else first
-    K, isz = first.shape[-1], first.itemsize
     ptr = _ptr(first)
     for a in arrays:
-        if _ptr(a) != ptr or a.shape[-1] != K or not a.flags.c_contiguous or a.dtype != first.dtype:
+        if _ptr(a) != ptr or a.shape[1:] != first.shape[1:] or not a.flags.c_contiguous or a.dtype != first.dtype:
             return None
-        ptr += a.size * isz
-    total = sum(a.shape[0] for a in arrays)
-    off = (_ptr(first) - _ptr(base)) // isz
-    if base.flags.c_contiguous and off + total * K <= base.size:
-        return base.reshape(-1)[off:off + total * K].reshape(total, K)
-    return None
+        ptr += a.size * a.itemsize
+    total = sum(a.size for a in arrays)
+    off = (_ptr(first) - _ptr(base)) // first.itemsize
+    if not base.flags.c_contiguous or off + total > base.size:
+        return None
+    return base.reshape(-1)[off:off + total].reshape((-1,) + first.shape[1:])
+
+
+def _pack(params):
+    """One array holding the parameters' arrays one after another along axis 0; the parameters become views of
+    it (no second copy). Arrays already laid out that way are used in place."""
+    arrays = [p.data for p in params]
+    if len(arrays) == 1:
+        return arrays[0]
+    run = _contiguous_run(arrays)
+    if run is not None:
+        return run
+    out = _xp(arrays[0]).concatenate(arrays, axis=0)
+    r = 0
+    for p in params:
+        n = p.data.shape[0]
+        p.data = out[r:r + n]
+        r += n
+    return out
 
 
 def packed(owner, key, linears):
-    """``(weight [sum(out), in], bias [sum(out)] or None)`` of Linears that read the same input. Copied once
-    into one buffer whose row views then become the parameters' data (inference weights only); reused while
-    the parameters still are those views."""
+    """``(weight [sum(out), in], bias [sum(out)] or None)`` of Linears that read the same input, packed once
+    (:func:`_pack`; inference weights only) and reused while the parameters still are those views."""
     cache = owner.__dict__.setdefault("_decode_packed", {})
-    ws = [lin.weight.data for lin in linears]
-    bs = [lin.bias.data if lin.bias is not None else None for lin in linears]
+    params = [lin.weight for lin in linears] + [lin.bias for lin in linears if lin.bias is not None]
     hit = cache.get(key)
-    if hit is not None and all(w is v for w, v in zip(ws, hit[2])) and all(
-            b is v for b, v in zip(bs, hit[3])):
+    if hit is not None and len(hit[2]) == len(params) and all(p.data is a for p, a in zip(params, hit[2])):
         return hit[0], hit[1]
-    W = ws[0] if len(ws) == 1 else _contiguous_run(ws)
-    if W is None:
-        W = _xp(ws[0]).concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=0)
-        r = 0
-        for lin in linears:
-            n = lin.weight.data.shape[0]
-            lin.weight.data = W[r:r + n]
-            r += n
-    b = None
-    if any(x is not None for x in bs):
-        if any(x is None for x in bs):
-            raise ValueError(f"{key}: some projections have a bias and some not")
-        b = bs[0] if len(bs) == 1 else _contiguous_run([x.reshape(1, -1) for x in bs])
-        if b is None:
-            b = _xp(bs[0]).concatenate(bs)
-            r = 0
-            for lin in linears:
-                n = lin.bias.data.shape[0]
-                lin.bias.data = b[r:r + n]
-                r += n
-        else:
-            b = b.reshape(-1)
-    ws = [lin.weight.data for lin in linears]
-    bs = [lin.bias.data if lin.bias is not None else None for lin in linears]
-    cache[key] = (W, b, ws, bs)
+    biases = [lin.bias for lin in linears]
+    if any(x is None for x in biases) and any(x is not None for x in biases):
+        raise ValueError(f"{key}: some projections have a bias and some not")
+    W = _pack([lin.weight for lin in linears])
+    b = None if biases[0] is None else _pack(biases)
+    cache[key] = (W, b, [p.data for p in params])
     return W, b
 
 
