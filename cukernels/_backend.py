@@ -204,6 +204,36 @@ def sm_count() -> int:
     return _sm_count(cupy.cuda.Device().id)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(dev: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(dev).compute_capability)
+
+
+def capability() -> int:
+    """The current device's compute capability as an integer (90 for Hopper)."""
+    import cupy
+
+    return _capability(cupy.cuda.Device().id)
+
+
+_LIBCUDA: list = []
+
+
+def libcuda():
+    """The CUDA driver library (ctypes), or None where there is none (a CPU machine). For the few driver entry
+    points CuPy does not expose: graph instantiation flags (graph.py), launch attributes (ops/_launch.py)."""
+    if not _LIBCUDA:
+        import ctypes
+
+        try:
+            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+        except OSError:
+            _LIBCUDA.append(None)
+    return _LIBCUDA[0]
+
+
 def blocks_per_sm(kernel, threads: int, smem: int = 0) -> int:
     """Resident blocks per SM for ``kernel`` at ``threads`` per block, from its register count (one wave)."""
     regs = max(1, int(kernel.num_regs))

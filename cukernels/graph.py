@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 
+from . import _backend as B
+
 # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: a kernel node keeps the priority of the stream it was captured
 # from. Without it every node runs at the priority of the stream the graph is launched into, and the NCCL
 # kernels that ZeroAdamW queues on its high-priority side stream wait, inside the graph, behind every block of
@@ -28,16 +30,6 @@ import ctypes
 # it (session 4: 2-GPU B8xT1024 135.7 ms vs 126.0 on one GPU). CuPy instantiates with no flags, so the graph is
 # instantiated here through the driver API (libcuda, always present where a GPU is).
 _USE_NODE_PRIORITY = 8
-_LIBCUDA = []
-
-
-def _libcuda():
-    if not _LIBCUDA:
-        try:
-            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
-        except OSError:
-            _LIBCUDA.append(None)
-    return _LIBCUDA[0]
 
 
 class _PriorityGraph:
@@ -76,7 +68,7 @@ def end_capture(stream):
     """End ``stream``'s capture; the graph instantiated with per-node stream priorities (driver API), or CuPy's
     own ``Graph`` where libcuda cannot be loaded (then every node runs at the launch stream's priority: correct,
     less overlap). CuPy's ``end_capture`` instantiates at once with no flags, so the driver ends the capture."""
-    lib = _libcuda()
+    lib = B.libcuda()
     if lib is None:
         return stream.end_capture()
     g = ctypes.c_void_p()

@@ -95,3 +95,76 @@ def row_plan(C: int, itemsize: int, vec: bool, *, max_tpr: int, target_vpt: int,
     if vpt > max_vpt or (max_elems is not None and vpt * E > max_elems(tpr)):
         return None
     return tpr, vpt, max(1, ROW_BLOCK // tpr)
+
+
+# Programmatic dependent launch (kernels_cu/common/pdl.cuh): Hopper lets a kernel start while the one before it
+# in the stream still runs, its pre-pdl_wait() part (a decode GEMV's first weight loads) overlapping the
+# other's tail. CuPy's launch takes no launch attributes, so a PDL launch goes through the driver's
+# cuLaunchKernelEx. Only kernels that call pdl_wait() before touching shared state may be launched so (the
+# launchers that pass pdl=True); PDL = False turns it off everywhere (an A/B switch for the benchmarks).
+PDL = True
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_pdl_state: list = []
+
+
+def _pdl_api():
+    """(cuLaunchKernelEx, config type, attribute type), or None where the driver lacks it."""
+    if not _pdl_state:
+        import ctypes
+
+        lib = B.libcuda()
+        fn = getattr(lib, "cuLaunchKernelEx", None) if lib is not None else None
+        if fn is None:
+            _pdl_state.append(None)
+        else:
+            class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 pad bytes, a 64-byte value union
+                _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                            ("rest", ctypes.c_char * 60)]
+
+            class Config(ctypes.Structure):  # CUlaunchConfig
+                _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                            ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)),
+                            ("num_attrs", ctypes.c_uint)]
+
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            _pdl_state.append((fn, Config, Attr))
+    return _pdl_state[0]
+
+
+def pdl_enabled() -> bool:
+    """Whether launch(..., pdl=True) takes the PDL path on the current device (sm_90+, a driver with
+    cuLaunchKernelEx, and PDL switched on)."""
+    return PDL and B.capability() >= 90 and _pdl_api() is not None
+
+
+def _dims(d):
+    d = tuple(int(v) for v in (d if isinstance(d, tuple) else (d,)))
+    return d + (1,) * (3 - len(d))
+
+
+def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False):
+    """``kernel(grid, block, args, shared_mem=...)`` on the current stream; with ``pdl`` (and pdl_enabled()) the
+    programmatic-serialization attribute is set, so the kernel may start before the previous one ends (it must
+    call pdl_wait(): kernels_cu/common/pdl.cuh). Arguments are NumPy scalars (the launchers' convention)."""
+    if not (pdl and pdl_enabled()):
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    import ctypes
+
+    import cupy
+
+    fn, Config, Attr = _pdl_api()
+    vals = [np.asarray(a) for a in args]
+    for a, v in zip(args, vals):
+        if v.ndim != 0 or v.dtype.kind not in "iuf":
+            raise TypeError(f"launch: kernel arguments must be NumPy scalars; got {type(a).__name__}")
+    params = (ctypes.c_void_p * max(1, len(vals)))(*[v.ctypes.data for v in vals])
+    attr = Attr(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    cfg = Config((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)), int(shared_mem),
+                 ctypes.c_void_p(cupy.cuda.get_current_stream().ptr), ctypes.pointer(attr), 1)
+    # CuPy's RawKernel holds the CUfunction in .kernel (a cupy.cuda.function.Function with .ptr)
+    handle = getattr(kernel, "kernel", kernel).ptr
+    r = fn(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
+    if r != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {r}) for a {_dims(grid)} x {_dims(block)} launch")
