@@ -48,9 +48,14 @@
 //   written by one thread, so residual may be the very array out is (the in-place residual stream).
 // - VEC = true: W rows 16-byte aligned (pointer and row stride) and K % (16 / sizeof(W)) == 0; VEC = false:
 //   element loads of W, any K, any alignment. x is staged with 16-byte loads when its rows allow (x_vec).
+// - Programmatic dependent launch (sm_90, inside ops/_launch.pdl_scope(): the fused decode step): the first W
+//   chunk is requested before pdl_wait(), so a GEMV's launch and first DRAM round trip overlap the tail of the
+//   kernel before it (~1.5-3 us of each of the ~100 launches of a LLaMA-1B step at B = 1). At NB = 1 a chunk
+//   is 8 / RPW packs a lane (a K = 2048 bf16 row whole: qkv and o need no second round trip).
 // - Deterministic: the order of every sum is fixed by the shape (no atomics), so reruns are bit-identical.
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
+#include "common/pdl.cuh"
 
 // The activations, with the very formulas of activations.cu (silu_f, gelu_f, gelu_erf_f), so that the fused
 // epilogue and ck.swiglu / ck.gelu agree bit for bit on the same rounded inputs.
@@ -118,9 +123,15 @@ __device__ __forceinline__ long long tile_row(long long j, int r, int half, int 
 template <typename T, typename W, int NB, int G, int HALVES, bool VEC>
 struct WTile;
 
+// Packs a lane has in flight per W row per chunk: 8 / RPW at NB = 1 (a 4 KB chunk a warp: a K = 2048 bf16 row
+// in one chunk, all of it requested before the kernel waits on its predecessor), else 4 / RPW (NB >= 2 needs the
+// registers for its accumulators and x values; 8 / RPW spilled at NB = 8).
+template <int NB, int RPW>
+__host__ __device__ constexpr int tile_u() { return (NB == 1 ? 8 : 4) / RPW; }
+
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, true> {
-  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
+  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = tile_u<NB, RPW>(), CHUNK = 32 * U * E;
   Pack<W, E> v[RPW][U];
   __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
                                        int lane) {
@@ -171,7 +182,7 @@ struct WTile<T, W, NB, G, HALVES, true> {
 
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, false> {
-  static constexpr int RPW = G * HALVES, U = 4 / RPW, CHUNK = 32 * U;
+  static constexpr int RPW = G * HALVES, U = tile_u<NB, RPW>(), CHUNK = 32 * U;
   float v[RPW][U];
   __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
                                        int lane) {
@@ -223,6 +234,11 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
   const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
   const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
   if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
+  // Everything above reads only W. Under programmatic dependent launch (the fused decode step: ops/_launch.py)
+  // the kernel gets here while the previous kernel still runs; x, the residual and out belong to it until the
+  // wait returns (common/pdl.cuh).
+  pdl_wait();
+  pdl_trigger();
 
   // ---- stage x (rows >= Bn and columns >= K are zeros: they add nothing to the dot products)
   constexpr int XE = 16 / sizeof(T);

@@ -314,3 +314,23 @@ def test_gpu_fused_decode_step_equals_the_generic_forward(family, monkeypatch):
     want = generate(m, prompt, 30, temperature=0)
     m.fast_decode = True
     _assert_greedy_equal(m, 7, got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gpu_fused_decode_is_bit_identical_with_and_without_pdl(family, monkeypatch):
+    """The fused step's kernels under programmatic dependent launch (each starts its weight loads while the
+    previous kernel finishes) give the very logits of plain launches, eagerly and in the captured engine."""
+    import cupy
+    from cukernels.ops import _launch
+
+    m = _peaked(cupy, family)
+    prompt = np.random.default_rng(11).integers(0, 301, size=(1, 9))
+    on, t_on = _decode_logits(m, cupy, prompt, 6, True)
+    got = generate(m, prompt, 24, temperature=0)
+    monkeypatch.setattr(_launch, "PDL", False)
+    off, t_off = _decode_logits(m, cupy, prompt, 6, True)
+    want = generate(m, prompt, 24, temperature=0)
+    np.testing.assert_array_equal(on, off)
+    np.testing.assert_array_equal(t_on, t_off)
+    np.testing.assert_array_equal(got, want)

@@ -25,6 +25,7 @@ from ..nn import (Attention, Dropout, KVCache, Module, Residual, StaticKVCache, 
                   project, weight_for_gemm)
 from ..nn import decode as _decode
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
+from ..ops import _launch
 from ..ops.gemv import gemv
 
 REGISTRY: dict = {}
@@ -302,11 +303,14 @@ class CausalLM(Module):
         pos = position_ids if position_ids.ndim == 2 else xp.broadcast_to(position_ids, (Bsz, 1))
         x = self.embed(ids, pos)
         x = xp.ascontiguousarray((x.data if isinstance(x, Tensor) else x).reshape(Bsz, -1))  # (fresh: in place)
-        for block, lc in zip(self.layers(), cache.layers):
-            block.decode(x, lc, cos=cos, sin=sin, positions=pos)
         _, w, b = self.output_weight()
-        logits = gemv(x, w.data, bias=b.data if b is not None else None,
-                              **_decode.norm_args(self.decode_final_norm()))
+        # Programmatic dependent launch for the step's kernels (ops/_launch.py): each may start its weight loads
+        # while the previous kernel finishes; no kernel here writes a weight (inference weights, no optimizer).
+        with _launch.pdl_scope():
+            for block, lc in zip(self.layers(), cache.layers):
+                block.decode(x, lc, cos=cos, sin=sin, positions=pos)
+            logits = gemv(x, w.data, bias=b.data if b is not None else None,
+                          **_decode.norm_args(self.decode_final_norm()))
         return Tensor(logits.reshape(Bsz, 1, -1))
 
     def head_loss(self, x, targets, ignore_index):

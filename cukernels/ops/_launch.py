@@ -6,6 +6,9 @@ memory) are cached per kernel object, so a captured step never queries them.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from .. import _backend as B
@@ -101,7 +104,10 @@ def row_plan(C: int, itemsize: int, vec: bool, *, max_tpr: int, target_vpt: int,
 # in the stream still runs, its pre-pdl_wait() part (a decode GEMV's first weight loads) overlapping the
 # other's tail. CuPy's launch takes no launch attributes, so a PDL launch goes through the driver's
 # cuLaunchKernelEx. Only kernels that call pdl_wait() before touching shared state may be launched so (the
-# launchers that pass pdl=True); PDL = False turns it off everywhere (an A/B switch for the benchmarks).
+# launchers that pass pdl=True), and only inside pdl_scope(): a kernel's pre-wait loads read weights, which
+# the code that opens the scope (the fused decode step) promises no kernel of the step writes -- an eager
+# ck.gemv right after an optimizer step updated its weight must not read them early. PDL = False turns it off
+# everywhere (an A/B switch for the benchmarks).
 PDL = True
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _pdl_state: list = []
@@ -132,6 +138,22 @@ def _pdl_api():
     return _pdl_state[0]
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def pdl_scope():
+    """Within this block, launch(..., pdl=True) uses programmatic dependent launch (where pdl_enabled()). The
+    caller vouches that the kernels' pre-wait reads (weights, tables) are not written by the kernels launched
+    in the block."""
+    prev = getattr(_scope, "on", False)
+    _scope.on = True
+    try:
+        yield
+    finally:
+        _scope.on = prev
+
+
 def pdl_enabled() -> bool:
     """Whether launch(..., pdl=True) takes the PDL path on the current device (sm_90+, a driver with
     cuLaunchKernelEx, and PDL switched on)."""
@@ -144,10 +166,11 @@ def _dims(d):
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False):
-    """``kernel(grid, block, args, shared_mem=...)`` on the current stream; with ``pdl`` (and pdl_enabled()) the
+    """``kernel(grid, block, args, shared_mem=...)`` on the current stream; with ``pdl`` (inside pdl_scope(),
+    where pdl_enabled()) the
     programmatic-serialization attribute is set, so the kernel may start before the previous one ends (it must
     call pdl_wait(): kernels_cu/common/pdl.cuh). Arguments are NumPy scalars (the launchers' convention)."""
-    if not (pdl and pdl_enabled()):
+    if not (pdl and getattr(_scope, "on", False) and pdl_enabled()):
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     import ctypes

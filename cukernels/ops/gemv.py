@@ -342,7 +342,7 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
              | (8 if _mid_dtype(x.dtype, odt) == B.bfloat16 else 0)
              | (16 if x_vec else 0))
     inv_k = np.float32(1.0) / np.float32(K)  # correctly rounded, as the kernels' 1.f / C
-    k((grid,), (THREADS, 1, 1),
+    L.launch(k, (grid,), (THREADS, 1, 1),
       (L.ptr(x), np.int64(ldx), np.int32(rows), np.int32(K), L.ptr(weight), np.int64(ldw),
        L.ptr(bias) if bias is not None else B.NULL,
        L.ptr(norm_weight) if norm_weight is not None else B.NULL,
@@ -351,5 +351,5 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
        L.ptr(residual) if residual is not None else B.NULL, np.int64(ldr),
        L.ptr(out), np.int64(ldo), np.int32(n_out), np.int32(n_out if swiglu else 0),
        np.int32(0 if norm is None else NORMS.index(norm) + 1), np.int32(ACTS.get(act, 0)), np.uint32(flags)),
-      shared_mem=smem)
+      smem, pdl=True)
     return out
