@@ -91,6 +91,8 @@ def main(argv=None):
     ap.add_argument("--vs-hf", action="store_true", help="transformers generate at batch 1, prompt 128")
     ap.add_argument("--generic", action="store_true",
                     help="also batch 1, prompt 128 through the generic forward (model.fast_decode = False)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="also batch 1, prompt 128 with programmatic dependent launch off")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.hf_worker:  # (a child of --vs-hf: transformers alone in this process)
@@ -113,6 +115,13 @@ def main(argv=None):
             step_ms = B / tps * 1e3
             print(f"{B:5d} {T:6d} {pre:11.2f} {tps:13,.0f} {step_ms:8.3f} {100 * (1e3 / step_ms) / floor:9.1f}%",
                   flush=True)
+    if a.pdl_ab:  # the same fused step with programmatic dependent launch off (plain launches)
+        from cukernels.ops import _launch
+        _launch.PDL = False
+        pre, tps = ours(model, 1, 128, a.new, cp)
+        print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
+              f"(programmatic dependent launch off)", flush=True)
+        _launch.PDL = True
     if a.generic:  # the same step through the generic forward (no fused per-block decode), batch 1, prompt 128
         model.fast_decode = False
         pre, tps = ours(model, 1, 128, a.new, cp)
