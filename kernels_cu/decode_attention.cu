@@ -1,5 +1,5 @@
-// Decode attention (flash-decoding, split-KV): a few new query tokens against a long static KV cache, bf16 in /
-// bf16 out, fp32 softmax and accumulation.
+// Decode attention (flash-decoding, split-KV, ONE launch): a few new query tokens against a long static KV cache,
+// bf16 in / bf16 out, fp32 softmax and accumulation.
 //
 // Math, per batch b, query token t (position p_t = L - Tq + t, L = cache_len read from device memory) and query
 // head h (K/V head j = h / G, G = H / Hkv):
@@ -7,14 +7,23 @@
 //   o[b, t, h] = sum_n softmax_n(s) v[b, n, j]       (no visible key: o = 0)
 // Split-KV: the key range [0, L) is cut into `splits` chunks; block (split, j, b) computes, for every row
 // (t, h of group j), the partial max m, sum l = sum exp(s - m) and acc = sum exp(s - m) v over its chunk
-// (log2 units: exp2 with scale * log2(e) folded into one FMA), into an fp32 workspace; the combine kernel then
-// forms o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, splits in order (deterministic,
-// no atomics).
+// (log2 units: exp2 with scale * log2(e) folded into one FMA), into an fp32 workspace. The LAST block of the
+// (b, j, row group) to finish -- found with an int counter per group at the end of the workspace (threadfence,
+// atomicAdd, the block that sees active - 1) -- then forms o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+// with M = max_s m_s, reading the partials splits in order (deterministic: the arithmetic of the former
+// separate combine kernel, expression for expression, so reruns are bit-identical whichever block is last),
+// and resets the counter to 0 for the next launch / graph replay. Float atomics: none.
 //
-// Why: at decode time one query token per sequence meets L cached keys. A grid of one block per (b, head) has
-// B * H blocks (32 at B1 for LLaMA-3.2-1B: a quarter of the 132 SMs, each streaming the whole cache through
-// one SM's load pipe). Splitting the keys gives B * Hkv * splits blocks (the host picks `splits` from L_max and
-// the SM count: about two waves), and the partials are small (Tq * H * (D + 2) floats per split).
+// Why one kernel: session 5's decode step profile (LLaMA-3.2-1B, B1, <= 384 cached keys) had the split kernel
+// at 4.4 us and the combine launch at 2.6 us per layer: the combine's work is ~6 KB of L2 reads, its cost was
+// the second launch and its DRAM / L2 round trips. Folded in, it costs the last block a fence, an atomic and
+// one pass over the partials (~1 us, three dependent L2 round trips).
+//
+// Why split: at decode time one query token per sequence meets L cached keys. A grid of one block per (b, K/V
+// head) has B * Hkv blocks (8 at B1 for LLaMA-3.2-1B, 6 % of the 132 SMs, each waiting for its stages one DRAM
+// round trip at a time). Splitting the keys gives B * Hkv * splits blocks; the host picks `splits` from
+// max_len with a latency / bandwidth model (decode_attention.py: _choose_splits), and the partials are small
+// (Tq * H * (D + 2) floats per split).
 //
 // Design:
 //   * One block = one (split, K/V head, batch) with ALL G query heads of that K/V head and all Tq queries as the
@@ -34,12 +43,21 @@
 //     its chunk's entries into bits in shared memory (<= 8192 + 128 keys per split, enforced by the launcher,
 //     1 KB), so the copy issue and the score mask read a bit, not global memory.
 //   * L comes from device memory (a captured decode step replays with the new length): the chunk length
-//     ceil(L / splits) rounded up to a stage is computed on the device, blocks whose chunk starts at or past L
-//     exit at once, the combine reads only the ceil(L / chunk) written splits.
-//   * splits == 1: the block normalises and writes o directly (no workspace, no combine launch).
+//     ceil(L / splits) rounded up to a stage is computed on the device; active = ceil(L / chunk) splits hold
+//     keys (1 when L = 0: split 0 then runs with no keys and the combine writes zeros); blocks of the other
+//     splits exit at once without touching the counter.
+//   * splits == 1: the block normalises and writes o directly (no workspace, no counter).
+//   * PDL (common/pdl.cuh): pdl_wait() first -- the kernel before it (rope_kv_write) writes q and the cache,
+//     and the workspace / counters / o may still be read by the kernels before -- then pdl_trigger().
+//
+// Workspace (splits > 1): acc [B, Hkv, splits, R, D] fp32, (m, l) [B, Hkv, splits, R, 2] fp32, then
+// counters int32 [B, Hkv * RG]. The counters must be zero before the first launch (decode_attention_workspace()
+// returns them zeroed; the launcher zeroes a pool temporary) and are zero again after every launch. Two
+// launches in flight at once must not share a workspace.
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 #include "common/pointwise.cuh"
+#include "common/pdl.cuh"
 
 namespace {
 
@@ -93,8 +111,8 @@ template <int D, int MTB> struct Layout {
 }  // namespace
 
 // ================================================================================================ split kernel
-// Grid (splits, Hkv * RG, B); 128 threads. Workspace (splits > 1): acc [B, Hkv, splits, R, D] fp32, then
-// (m, l) [B, Hkv, splits, R, 2] fp32, R = G * Tq, row rr = t * G + (h - j * G).
+// Grid (splits, Hkv * RG, B); 128 threads. Workspace rows (splits > 1): ((b * Hkv + j) * splits + split) * R + rr,
+// R = G * Tq, row rr = t * G + (h - j * G); counter of (b, j, row group rg): b * Hkv * RG + j * RG + rg.
 template <int D, int MTB>
 __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                             const bf16* __restrict__ v, const int* __restrict__ len_ptr,
@@ -102,7 +120,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
                                             int mask_esz, float* __restrict__ ws, bf16* __restrict__ out,
                                             long long qb, long long qt, long long qh, long long kb, long long kt,
                                             long long kh, long long vb, long long vt, long long vh, int Tq, int H,
-                                            int Hkv, int Lmax, int splits, int RG, float scale, bool direct) {
+                                            int Hkv, int Lmax, int splits, int RG, float scale, int direct) {
   using LY = Layout<D, MTB>;
   constexpr int LD = LY::LD, KG = LY::KG, STAGE = LY::STAGE, CH = D / 8;  // CH: 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -116,12 +134,20 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
   const int rt = warp % MTB, kg = warp / MTB;
 
+  // Everything below reads what the previous kernel may write (q, the cache, cache_len) or writes what the
+  // kernels before may still read (ws, o): wait for them first, then let the next PDL kernel be scheduled.
+  pdl_wait();
+  pdl_trigger();
+
   const int L = cache_length(len_ptr, len_val, Lmax);
   const int chunk = chunk_length(L, splits, STAGE);
   const long long k0l = (long long)split * chunk;
   const int k0 = (int)min(k0l, (long long)L);
   const int kend = (int)min(k0l + chunk, (long long)L);
-  if (!direct && k0l >= L) return;  // nothing of this split is in the cache: the combine skips it
+  // Splits that hold keys: ceil(L / chunk) (<= splits since chunk >= L / splits); with L == 0 split 0 still
+  // runs (no keys: m = -inf, l = 0) so that the combine writes the zeros.
+  const int active = chunk > 0 ? (L + chunk - 1) / chunk : 1;
+  if (!direct && split >= active) return;  // nothing of this split is in the cache: not counted, not combined
   const int ntiles = kend > k0 ? (kend - k0 + STAGE - 1) / STAGE : 0;
   const bool has_mask = mask != nullptr;
 
@@ -274,62 +300,59 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       }
     }
   }
-}
+  if (direct) return;
 
-// ================================================================================================ combine kernel
-// One warp per output row (b, t, h); 4 warps a block. Lane l owns columns [l * D / 32, (l + 1) * D / 32).
-template <int D>
-__device__ __forceinline__ void dattn_combine(const float* __restrict__ ws, bf16* __restrict__ out,
-                                              const int* __restrict__ len_ptr, int len_val, int Bsz, int Tq, int H,
-                                              int Hkv, int Lmax, int splits, int stage) {
-  constexpr int PER = D / 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long long row = (long long)blockIdx.x * NW + warp;  // (b * Tq + t) * H + h
-  const long long nrows = (long long)Bsz * Tq * H;
-  if (row >= nrows) return;
-  const int h = (int)(row % H), t = (int)((row / H) % Tq), b = (int)(row / ((long long)H * Tq));
-  const int G = H / Hkv, R = G * Tq, j = h / G, rr = t * G + h % G;
-  const int L = cache_length(len_ptr, len_val, Lmax);
-  const int chunk = chunk_length(L, splits, stage);
-  const int active = chunk > 0 ? min(splits, (L + chunk - 1) / chunk) : 0;
-
-  const long long nrow_total = (long long)Bsz * Hkv * splits * R;
-  const long long w0 = (((long long)b * Hkv + j) * splits) * R + rr;  // split s: w0 + s * R
-  const float* ml = ws + nrow_total * D;
-
-  float M = -CK_INF;
-  for (int s = lane; s < active; s += 32) M = fmaxf(M, ml[(w0 + (long long)s * R) * 2]);
-  M = warp_max(M);
-
-  float A[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) A[i] = 0.f;
-  float Ls = 0.f;
-#pragma unroll 4
-  for (int s = 0; s < active; ++s) {  // splits in order: deterministic
-    const long long wr = w0 + (long long)s * R;
-    const float m = ml[wr * 2];
-    const float sc = m == -CK_INF ? 0.f : ex2(m - M);
-    Ls += sc * ml[wr * 2 + 1];
-    const float* a = ws + wr * D + lane * PER;
-    if constexpr (PER == 4) {
-      const float4 x = *reinterpret_cast<const float4*>(a);
-      A[0] += sc * x.x;
-      A[1] += sc * x.y;
-      A[2] += sc * x.z;
-      A[3] += sc * x.w;
-    } else if constexpr (PER == 2) {
-      const float2 x = *reinterpret_cast<const float2*>(a);
-      A[0] += sc * x.x;
-      A[1] += sc * x.y;
-    } else {
-      A[0] += sc * a[0];
-    }
+  // ---- the last of the group's `active` blocks to get here combines them (threadFenceReduction pattern).
+  __shared__ int s_last;
+  __threadfence();   // this thread's partials are visible device-wide before the block is counted
+  __syncthreads();
+  int* cnt = reinterpret_cast<int*>(ws + nrow_total * (D + 2)) + (long long)b * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) {
+    const int seen = atomicAdd(cnt, 1);
+    const int last = seen == active - 1;
+    if (last) atomicExch(cnt, 0);  // every live block has counted: zero for the next launch / graph replay
+    __threadfence();  // (acquire side) the others' partials are read after the count that saw them
+    s_last = last;
   }
-  const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
-  bf16* o = out + row * D + lane * PER;
-#pragma unroll
-  for (int i = 0; i < PER; ++i) o[i] = from_f32<bf16>(A[i] * inv);
+  __syncthreads();
+  if (!s_last) return;
+
+  // One thread per (row, 4 columns); the splits in order, the former combine kernel's expressions (one warp
+  // lane per row there, the same per-element arithmetic). __ldcg: read through L2, never a stale L1 line.
+  const float* ml = ws + nrow_total * D;
+  const long long gbase = ((long long)b * Hkv + j) * splits * R;  // row rr of split s: gbase + s * R + rr
+  const int nr = min(MTB * 16, R - row0);
+  constexpr int Q4 = D / 4;
+  // Loads of AU splits in flight per thread (one L2 round trip, ~0.2 us, per AU splits); AU = 4 at D = 128
+  // spills under the 170-register cap of 3 blocks / SM (ptxas, sm_90), 2 does not.
+  constexpr int AU = D == 128 ? 2 : 4;
+  for (int u = threadIdx.x; u < nr * Q4; u += NT) {
+    const int rr = row0 + u / Q4, c = (u % Q4) * 4;
+    const long long w0 = gbase + rr;
+    float M = -CK_INF;
+#pragma unroll 8
+    for (int s = 0; s < active; ++s) M = fmaxf(M, __ldcg(ml + (w0 + (long long)s * R) * 2));
+    float A0 = 0.f, A1 = 0.f, A2 = 0.f, A3 = 0.f, Ls = 0.f;
+#pragma unroll AU
+    for (int s = 0; s < active; ++s) {  // splits in order: deterministic
+      const long long wr = w0 + (long long)s * R;
+      const float m = __ldcg(ml + wr * 2);
+      const float sc = m == -CK_INF ? 0.f : ex2(m - M);
+      Ls += sc * __ldcg(ml + wr * 2 + 1);
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(ws + wr * D + c));
+      A0 += sc * x.x;
+      A1 += sc * x.y;
+      A2 += sc * x.z;
+      A3 += sc * x.w;
+    }
+    const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
+    const int t = rr / G, h = j * G + rr % G;
+    bf16* o = out + (((long long)b * Tq + t) * H + h) * D + c;  // (out may sit 2 bytes off 8: scalar stores)
+    o[0] = from_f32<bf16>(A0 * inv);
+    o[1] = from_f32<bf16>(A1 * inv);
+    o[2] = from_f32<bf16>(A2 * inv);
+    o[3] = from_f32<bf16>(A3 * inv);
+  }
 }
 
 // ================================================================================================ entry points
@@ -340,18 +363,10 @@ __device__ __forceinline__ void dattn_combine(const float* __restrict__ ws, bf16
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
-      int Lmax, int splits, int RG, float scale, bool direct) {                                                 \
+      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
     dattn_split<D, MTB>(q, k, v, len_ptr, len_val, mask, mask_b, mask_esz, ws, out, qb, qt, qh, kb, kt, kh, vb, \
                         vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, direct);                                   \
   }
-#define DATTN_COMBINE(D)                                                                                         \
-  extern "C" __global__ void __launch_bounds__(NT) dattn_combine_d##D(const float* ws, bf16* out,             \
-                                                                        const int* len_ptr, int len_val, int Bsz, \
-                                                                        int Tq, int H, int Hkv, int Lmax,         \
-                                                                        int splits, int stage) {                  \
-    dattn_combine<D>(ws, out, len_ptr, len_val, Bsz, Tq, H, Hkv, Lmax, splits, stage);                         \
-  }
-
 DATTN_SPLIT(32, 1, 4)
 DATTN_SPLIT(32, 2, 4)
 DATTN_SPLIT(32, 4, 4)
@@ -361,9 +376,6 @@ DATTN_SPLIT(64, 4, 4)
 DATTN_SPLIT(128, 1, 3)
 DATTN_SPLIT(128, 2, 3)
 DATTN_SPLIT(128, 4, 3)
-DATTN_COMBINE(32)
-DATTN_COMBINE(64)
-DATTN_COMBINE(128)
 
 // ================================================================================================ cache append
 // kv_write_w<W>: the Tq new tokens' rows src [B, Tq, R] (W-byte words, R words per token: Hkv * D bf16 keys or

@@ -2,6 +2,7 @@
 Kernels: ``kernels_cu/decode_attention.cu``."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -106,39 +107,93 @@ def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
     return Bsz, Tq, H, Hkv, D, Lmax, scale
 
 
+# ---- split count: a latency / bandwidth model of one launch (NOTES.md "Decode attention in one kernel").
+# The blocks of one wave run concurrently, so a block's fixed cost is paid once on the critical path, not once per
+# block; what splitting buys is a shorter serial chain of K/V stages per block, until the blocks of one SM
+# share its bandwidth or spill into a second wave, plus the combine that any split count > 1 adds:
+#   t(s) = waves * (FIXED_US + stages * max(STAGE_US, k * stage_bytes / SM_GBS)) + [s > 1] (COMBINE_US + s * PART_US)
+# s splits of chunk = ceil(max_len / s) rounded up to a stage, n = ceil(max_len / chunk) of them live at full
+# length, N = units * n blocks (units = batch * kv_heads * row groups), k = min(ceil(N / SMs), blocks per SM)
+# blocks sharing an SM, waves = ceil(N / (SMs * blocks per SM)). Constants (H200, from session 4-5 numbers):
+FIXED_US = 2.0     # launch + the cache_len, key_mask / Q and first-stage DRAM round trips + merge + stores
+STAGE_US = 0.7     # a lone block's next 64-key stage: one loaded DRAM round trip (one stage in flight ahead)
+SM_GBS = 32.0e3    # bytes per us an SM gets when its blocks saturate HBM: 4232 GB/s copy / 132 SMs
+COMBINE_US = 1.0   # the last block's fence + counter atomic + partial re-read: three dependent L2 round trips
+PART_US = 0.02     # + per split in the combine's ordered loop (4 splits' loads in flight per L2 round trip)
+
+
+def _split_time(s, units, Lmax, stage, stage_bytes, sms, per_sm):
+    """Modelled microseconds of one launch with ``s`` splits at cache length ``Lmax`` (the model above)."""
+    chunk = -(-(-(-Lmax // s)) // stage) * stage
+    live = -(-Lmax // chunk)
+    n_blocks = units * live
+    k = min(-(-n_blocks // sms), per_sm)
+    waves = -(-n_blocks // (sms * per_sm))
+    t = waves * (FIXED_US + (chunk // stage) * max(STAGE_US, k * stage_bytes / SM_GBS))
+    return t + (COMBINE_US + s * PART_US if s > 1 else 0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_splits(units, Lmax, stage, stage_bytes, sms, per_sm, min_splits=1):
+    """The split count in [min_splits, ceil(Lmax / stage)] of least modelled time (ties: the fewest splits).
+    Pure host arithmetic (cached): units = batch * kv_heads * row groups, stage = keys per K/V stage,
+    stage_bytes = its K + V bytes, sms / per_sm = the device's SMs and this kernel's resident blocks per SM."""
+    if Lmax <= stage:
+        return max(1, min_splits)
+    best, best_t = None, None
+    for s in range(max(1, min_splits), max(min_splits, -(-Lmax // stage)) + 1):
+        t = _split_time(s, units, Lmax, stage, stage_bytes, sms, per_sm)
+        if best_t is None or t < best_t - 1e-9:
+            best, best_t = s, t
+    return best
+
+
 def _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits):
-    """Key splits per (batch, K/V head): about two waves of blocks, from max_len (the current length lives on
-    the device), at least one 16*KG-key stage per split; with key_mask at most MASK_CHUNK keys per split."""
-    mtb, rg = _row_tiles(G, Tq)
-    stage = (4 // mtb) * BN
+    """Key splits per (batch, K/V head): ``num_splits`` when given, else the model's choice from max_len (the
+    current length lives on the device); with key_mask at least ceil(max_len / MASK_CHUNK)."""
     if num_splits is not None:
         return int(num_splits)
+    mtb, rg = _row_tiles(G, Tq)
+    stage = (4 // mtb) * BN
     k, smem = _split_kernel(D, mtb)
-    wave = _launch.wave(k, THREADS, smem)
-    units = max(1, Bsz * Hkv * rg)
-    s = max(1, min(-(-2 * wave // units), -(-Lmax // stage)))
-    if key_mask is not None:
-        s = max(s, -(-Lmax // MASK_CHUNK))
-    return s
+    per_sm = B.blocks_per_sm(k, THREADS, smem)
+    min_s = -(-Lmax // MASK_CHUNK) if key_mask is not None else 1
+    return _choose_splits(max(1, Bsz * Hkv * rg), Lmax, stage, stage * D * 2 * 2, B.sm_count(), per_sm, min_s)
+
+
+def _partial_elems(Bsz, Hkv, G, Tq, D, splits):
+    """fp32 elements of the split partials (acc, then (m, l)); 0 with one split."""
+    return 0 if splits == 1 else Bsz * Hkv * splits * G * Tq * (D + 2)
 
 
 def _workspace_elems(Bsz, Hkv, G, Tq, D, splits):
-    return 0 if splits == 1 else Bsz * Hkv * splits * G * Tq * (D + 2)
+    """The partials plus one int32 counter per (batch, K/V head, row group) at the end (4 bytes each, as a
+    float32 element); 0 with one split."""
+    if splits == 1:
+        return 0
+    return _partial_elems(Bsz, Hkv, G, Tq, D, splits) + Bsz * Hkv * _row_tiles(G, Tq)[1]
 
 
 @B.interop
 def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None):
-    """A float32 buffer big enough for :func:`decode_attention`'s split partials with these shapes (and the same
-    ``key_mask`` / ``num_splits``), for a captured decode step that must not allocate: pass it as
-    ``workspace=``. Size: ``batch * kv_heads * splits * heads/kv_heads * new_tokens * (head_dim + 2)``."""
+    """A zero-initialised float32 buffer for :func:`decode_attention`'s split partials and its last-block
+    counters with these shapes (and the same ``key_mask`` / ``num_splits``), for a captured decode step that
+    must not allocate: pass it as ``workspace=``. Size: ``batch * kv_heads * splits * heads/kv_heads *
+    new_tokens * (head_dim + 2)`` partials plus ``batch * kv_heads * row_groups`` int32 counters at the end.
+
+    The counters must be zero when a launch starts; every launch leaves them zero again (the last block of each
+    group resets its counter), so the buffer may be reused by any number of calls one after the other on one
+    stream (e.g. every layer of a decode step, and every replay of its graph) -- but never by two calls that
+    may run at the same time (two streams, or two graphs in flight): they would count each other's blocks. If a
+    launch was aborted (a device error), zero the buffer again."""
     xp = B.array_module(q=q, k_cache=k_cache, key_mask=key_mask)
     Bsz, Tq, H, D = (int(s) for s in q.shape)
     Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
     if xp is np:
-        return np.empty((1,), dtype=np.float32)
+        return np.zeros((1,), dtype=np.float32)
     _validate(q, k_cache, k_cache, 0, None, key_mask, num_splits)
     s = _splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, key_mask, num_splits)
-    return xp.empty((max(1, _workspace_elems(Bsz, Hkv, H // Hkv, Tq, D, s)),), dtype=np.float32)
+    return xp.zeros((max(1, _workspace_elems(Bsz, Hkv, H // Hkv, Tq, D, s)),), dtype=np.float32)
 
 
 def _reference(q, k_cache, v_cache, L, scale, key_mask, o):
@@ -188,10 +243,12 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
     probabilities enter the P V product rounded to bf16 (tensor cores), as in :func:`flash_attention`.
 
     ``cache_len`` may be a 0-d int32 device array: the kernels read it on the device (clamped to
-    ``[0, max_len]``), so a decode step captured once in a CUDA graph stays valid as the length grows. The
-    key range is split across blocks (``num_splits``, chosen from ``max_len`` and the SM count: about two
-    waves of blocks) and the per-split partials are combined in a second kernel, splits in a fixed order
-    (bit-identical reruns); with one split the first kernel writes ``o`` directly.
+    ``[0, max_len]``), so a decode step captured once in a CUDA graph stays valid as the length grows. One
+    launch: the key range is split across blocks (``num_splits``, chosen from ``max_len``, the SM count and a
+    latency / bandwidth model) and the last block of each (batch, K/V head) to finish -- found with an int
+    counter in the workspace -- combines the per-split partials, splits in a fixed order (bit-identical
+    reruns); with one split each block writes ``o`` directly. On Hopper it is launched with programmatic
+    dependent launch inside ``_launch.pdl_scope()`` (the fused decode step).
 
     Args:
         q: bfloat16 ``[batch, new_tokens, heads, head_dim]``, head_dim 32, 64 or 128.
@@ -206,8 +263,10 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
         out: optional C-contiguous bfloat16 buffer of q's shape.
         num_splits: override the number of key splits (tests, tuning); with ``key_mask`` a split may cover at
             most 8192 keys.
-        workspace: optional float32 buffer from :func:`decode_attention_workspace` (same shapes and options):
-            without it the split partials take a memory-pool temporary, which a captured graph must not rely on.
+        workspace: optional float32 buffer from :func:`decode_attention_workspace` (same shapes and options;
+            its counters zero, as that function returns them and every launch leaves them; not shared by two
+            calls in flight at once): without it the split partials take a memory-pool temporary whose counters
+            are zeroed (a memset) before the launch, which a captured graph must not rely on.
 
     Returns:
         ``o``: C-contiguous bfloat16 ``[batch, new_tokens, heads, head_dim]``.
@@ -240,29 +299,28 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
         B.check_contiguous("workspace", workspace)
         if workspace.size < need or workspace.data.ptr % 16:
             raise ValueError(f"workspace: expected a 16-byte aligned float32 buffer of >= {need} elements "
-                             f"(decode_attention_workspace); got {workspace.size} at pointer offset "
-                             f"{workspace.data.ptr % 16}")
+                             f"(decode_attention_workspace: partials + counters); got {workspace.size} at "
+                             f"pointer offset {workspace.data.ptr % 16}")
         ws = workspace
+    elif need:
+        ws = xp.empty((need,), dtype=np.float32)
+        B.zero_(ws[_partial_elems(Bsz, Hkv, G, Tq, D, splits):])  # the counters start at zero
     else:
-        ws = xp.empty((max(1, need),), dtype=np.float32) if need else None
+        ws = None
     dev_len = B._kind(cache_len) is not None
-    len_args = (cache_len if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    len_args = (_launch.ptr(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
     if key_mask is not None:
         mrow = key_mask.strides[0] // key_mask.itemsize if Bsz > 1 else 0
-        mask_args = (key_mask, np.int64(mrow), np.int32(key_mask.itemsize))
+        mask_args = (_launch.ptr(key_mask), np.int64(mrow), np.int32(key_mask.itemsize))
     else:
         mask_args = (B.NULL, np.int64(0), np.int32(1))
     kern, smem = _split_kernel(D, mtb)
-    kern((splits, Hkv * rg, Bsz), (THREADS, 1, 1),
-         (q, k_cache, v_cache, *len_args, *mask_args, ws if ws is not None else B.NULL, o, *sq, *sk, *sv,
-          np.int32(Tq), np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
-          np.bool_(splits == 1)), shared_mem=smem)
-    if splits > 1:
-        rows = Bsz * Tq * H
-        comb = get_function(FAMILY, f"dattn_combine_d{D}")
-        comb((-(-rows // 4),), (THREADS, 1, 1),
-             (ws, o, *len_args, np.int32(Bsz), np.int32(Tq), np.int32(H), np.int32(Hkv), np.int32(Lmax),
-              np.int32(splits), np.int32((4 // mtb) * BN)))
+    _launch.launch(kern, (splits, Hkv * rg, Bsz), (THREADS, 1, 1),
+                   (_launch.ptr(q), _launch.ptr(k_cache), _launch.ptr(v_cache), *len_args, *mask_args,
+                    _launch.ptr(ws) if ws is not None else B.NULL, _launch.ptr(o), *sq, *sk, *sv, np.int32(Tq),
+                    np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
+                    np.int32(splits == 1)),
+                   shared_mem=smem, pdl=True)
     return o
 
 
