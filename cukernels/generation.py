@@ -25,7 +25,8 @@ from .models import CausalLM, from_pretrained, model_class
 from .graph import CapturedStep
 from .nn import init_context
 from .ops.decode_attention import kv_cache_write
-from .ops.sampling import sample_tokens
+from .ops import _launch
+from .ops.sampling import sample_tokens, sample_workspace
 
 
 def _host(a):
@@ -200,17 +201,20 @@ def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, to
     pos = cp.asarray(pos0[:, -1:] + 1)            # its position, per row
     offset = cp.zeros((), dtype=np.uint64)        # the sampler's Philox offset, one per token
     done = cp.zeros((Bsz,), dtype=np.bool_)
+    workspace = sample_workspace()                # greedy's per-row partials and counters (left at 0 by each step)
     eos_arr = None if eos is None else cp.asarray(np.int32(eos))
     skw = dict(temperature=float(temperature or 0.0), top_k=int(top_k or 0), top_p=1.0 if top_p is None else
                float(top_p), repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                prev_tokens=tokens if repetition_penalty not in (None, 1.0) else None,
                prev_len=cache.length if repetition_penalty not in (None, 1.0) else None,
                seed=(int(seed) if seed is not None else int(np.random.default_rng().integers(1 << 63)))
-               & ((1 << 64) - 1))  # (no seed: a fresh one per call, as the host sampler's default Generator)
+               & ((1 << 64) - 1),  # (no seed: a fresh one per call, as the host sampler's default Generator)
+               workspace=workspace)
 
     def pick(logits):
         """Sample into ``ids``, hold finished rows at eos, append to ``tokens`` at the cache length."""
-        sample_tokens(logits.data.reshape(Bsz, -1), offset=offset, out=ids.reshape(-1), **skw)
+        with _launch.pdl_scope():  # (sample_tokens reads nothing before its pdl_wait(): no promise to keep)
+            sample_tokens(logits.data.reshape(Bsz, -1), offset=offset, out=ids.reshape(-1), **skw)
         offset[...] += 1
         if eos_arr is not None:
             cp.copyto(ids.reshape(-1), eos_arr, where=done)

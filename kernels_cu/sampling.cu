@@ -34,6 +34,19 @@
 //     SM in flight: one row alone on an SM reads at ~100+ GB/s). Rows need not be 16-byte aligned (V = 50257):
 //     the pass runs over the aligned packs around the row; only the two partial end packs use element loads.
 //   * The penalty's token set is a V-bit bitmap in shared memory (16 KB at V = 128256), built per block.
+//
+// Greedy (temperature <= 0) has its own kernel, sample_greedy_*: one block per row reads 513 KB (fp32, V =
+// 128256) through one SM's load pipe at ~17 GB/s (29.8 us on the H200, session 5), while the argmax is a pure
+// streaming reduction. The row is cut into S slices of ~8 KB (S = 63 at fp32 V = 128256, chosen by the host:
+// cukernels/ops/sampling.py greedy_splits), grid B * S blocks of 256 threads; each block reduces its slice to
+// one (key, index) partial, stores it in a workspace, __threadfence() and bumps its row's int counter; the
+// block that sees S - 1 is the row's last: it reduces the S partials, writes the token and puts the counter
+// back to 0 (so the next launch or graph replay starts from zero without a memset). (key, index) is one
+// 64-bit code, key << 32 | ~index: the max of the codes is the largest key with the lowest index, a total
+// order, so the result is the same whatever order blocks finish in (no float atomics, integer max only).
+// PDL-ready: pdl_wait() before any global access (logits, prev_tokens, prev_len, the workspace), then
+// pdl_trigger(); nothing is read before the wait.
+#include "common/pdl.cuh"
 #include "common/vec.cuh"
 
 namespace {
@@ -118,6 +131,25 @@ template <typename T> struct RowView {
     n = off + V;
   }
   __device__ __forceinline__ int chunks() const { return (n + CH - 1) / CH; }
+  __device__ __forceinline__ int packs() const { return (n + E - 1) / E; }
+  // Pack q (positions [qE, qE + E)) and the bit mask of its valid elements; only a row's two end packs can
+  // be partial (element loads there).
+  __device__ __forceinline__ unsigned load_at(int q, Pack<T, E>& p) const {
+    const int j0 = q * E;
+    if (j0 >= off && j0 + E <= n) {
+      p = load_pack<T, E>(base + j0);
+      return (1u << E) - 1u;
+    }
+    unsigned vm = 0;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const int j = j0 + e;
+      const bool ok = j >= off && j < n;
+      if (ok) p.v[e] = base[j];
+      vm |= (unsigned)ok << e;
+    }
+    return vm;
+  }
   // Lane `lane`'s E raw values of chunk c (kept as storage type: 4 registers for 8 bf16) and the bit mask of
   // the valid ones.
   __device__ __forceinline__ unsigned load(int c, int lane, Pack<T, E>& p) const {
@@ -566,7 +598,132 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits, long lo
   if (threadIdx.x == 0) out[b] = tok;
 }
 
+// ------------------------------------------------------------------------------------------ greedy, split rows
+constexpr int GNT = 256;          // threads of a greedy block
+constexpr int GNW = GNT / 32;
+constexpr int GU = 4;             // 16-byte packs a thread keeps in flight (an 8 KB slice: 2 a thread, 1 pass)
+
+// (key, index) as one integer: a larger code is a larger key, or an equal key at a lower index. 0 (key 0 =
+// NaN at "index -1") is below every real element, so an empty slice contributes nothing.
+__device__ __forceinline__ unsigned long long gcode(unsigned key, int i) {
+  return ((unsigned long long)key << 32) | (unsigned)~i;
+}
+__device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Block (s, b) = blockIdx.x = b * S + s: the argmax of slice s of row b (packs [s * pps, (s + 1) * pps) of
+// the row's aligned packs, pps = ceil(packs / S)); with S > 1 the row's last block combines the S partials.
+// Workspace (int32): [0, 2 * slots) the partials as (code >> 32, code & 0xffffffff) pairs at b * S + s;
+// [2 * slots, 2 * slots + B) the per-row counters, 0 between launches.
+template <typename T>
+__device__ __forceinline__ void greedy_slice(const T* __restrict__ logits, long long ld, int V, int* __restrict__ out,
+                                             int* __restrict__ ws, int slots, int S, float pen, float inv_pen,
+                                             const int* __restrict__ prev, long long prev_ld, int prev_cols,
+                                             const int* __restrict__ prev_len_ptr, int prev_len_val) {
+  constexpr int E = RowView<T>::E;
+  extern __shared__ unsigned sbits[];  // the penalty's bitmap of this slice's tokens (bit i - t0)
+  __shared__ unsigned long long wred[GNW];
+  pdl_wait();  // the logits (and prev_len, the workspace) come from the kernels before this one
+  pdl_trigger();
+  const int b = blockIdx.x / S, s = blockIdx.x - b * S;
+  const RowView<T> rv(logits + b * ld, V);
+  const int npk = rv.packs(), pps = (npk + S - 1) / S;
+  const int p0 = s * pps, p1 = min(npk, p0 + pps);
+
+  // The first loads go out before the penalty's bitmap is built: its prev_tokens reads overlap them.
+  Pack<T, E> x[GU];
+  unsigned vm[GU];
+  int p = p0 + (int)threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < GU; ++u) vm[u] = p + u * GNT < p1 ? rv.load_at(p + u * GNT, x[u]) : 0u;
+
+  const bool use_pen = prev != nullptr;
+  const int t0 = max(p0 * E - rv.off, 0), t1 = min(p1 * E - rv.off, V);  // the slice's tokens [t0, t1)
+  if (use_pen) {  // (block-uniform)
+    const int nw = t1 > t0 ? (t1 - t0 + 31) >> 5 : 0;
+    for (int w = threadIdx.x; w < nw; w += GNT) sbits[w] = 0u;
+    __syncthreads();
+    int plen = prev_len_ptr != nullptr ? *prev_len_ptr : prev_len_val;
+    plen = min(max(plen, 0), prev_cols);
+    const int* pr = prev + b * prev_ld;
+    for (int i = threadIdx.x; i < plen; i += GNT) {
+      const int t = pr[i];
+      if (t >= t0 && t < t1) atomicOr(&sbits[(t - t0) >> 5], 1u << ((t - t0) & 31));
+    }
+    __syncthreads();
+  }
+
+  unsigned long long best = 0ull;
+  for (;;) {  // per-thread loop: no barrier inside
+#pragma unroll
+    for (int u = 0; u < GU; ++u)
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if ((vm[u] >> e) & 1u) {
+          const int i = (p + u * GNT) * E + e - rv.off;
+          float v = to_f32(x[u].v[e]);
+          if (use_pen && ((sbits[(i - t0) >> 5] >> ((i - t0) & 31)) & 1u)) v = __fmul_rn(v, v > 0.f ? inv_pen : pen);
+          const unsigned long long c = gcode(f2key(v), i);
+          best = c > best ? c : best;
+        }
+    p += GNT * GU;
+    if (p >= p1) break;
+#pragma unroll
+    for (int u = 0; u < GU; ++u) vm[u] = p + u * GNT < p1 ? rv.load_at(p + u * GNT, x[u]) : 0u;
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  best = warp_max_u64(best);
+  if (lane == 0) wred[warp] = best;
+  __syncthreads();
+  if (warp != 0) return;
+  best = warp_max_u64(lane < GNW ? wred[lane] : 0ull);
+  if (S == 1) {
+    if (lane == 0) out[b] = (int)~(unsigned)best;
+    return;
+  }
+  int* cnt = ws + 2 * slots + b;
+  unsigned last = 0u;
+  if (lane == 0) {
+    int* part = ws + 2 * (b * S + s);
+    part[0] = (int)(unsigned)(best >> 32);
+    part[1] = (int)(unsigned)best;
+    __threadfence();  // the partial is visible device-wide before the count says so
+    last = atomicAdd(cnt, 1) == S - 1 ? 1u : 0u;
+  }
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence();  // (acquire: the other blocks' partials, read from L2 below)
+  unsigned long long m = 0ull;
+  for (int t = lane; t < S; t += 32) {
+    const unsigned* q = reinterpret_cast<const unsigned*>(ws) + 2 * (b * S + t);
+    const unsigned long long c = ((unsigned long long)__ldcg(q) << 32) | __ldcg(q + 1);
+    m = c > m ? c : m;
+  }
+  m = warp_max_u64(m);  // a max: the same token whichever block came last
+  if (lane == 0) {
+    out[b] = (int)~(unsigned)m;
+    *cnt = 0;  // ready for the next launch / graph replay
+  }
+}
+
 }  // namespace
+
+#define GREEDY_KERNEL(TAG, T)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(GNT) sample_greedy_##TAG(                                     \
+      const T* logits, long long ld, int V, int* out, int* ws, int slots, int S, float pen, float inv_pen,       \
+      const int* prev, long long prev_ld, int prev_cols, const int* prev_len_ptr, int prev_len_val) {            \
+    greedy_slice<T>(logits, ld, V, out, ws, slots, S, pen, inv_pen, prev, prev_ld, prev_cols, prev_len_ptr,    \
+                    prev_len_val);                                                                             \
+  }
+
+GREEDY_KERNEL(f32, float)
+GREEDY_KERNEL(bf16, bf16)
 
 #define SAMPLE_KERNEL(TAG, T)                                                                                   \
   extern "C" __global__ void __launch_bounds__(NT) sample_tokens_##TAG(                                      \

@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 import cukernels as ck
-from cukernels.ops.sampling import NEAR_TIE, draw_bits, philox4x32_10, reference_margins, sample_tokens
+from cukernels.ops import _launch
+from cukernels.ops import sampling as S_
+from cukernels.ops.sampling import (NEAR_TIE, draw_bits, greedy_smem, greedy_splits, philox4x32_10, reference_margins,
+                                    sample_tokens, sample_workspace)
 from helpers import cp, device_copy, to_host
 
 BF16 = ck.bfloat16
@@ -199,6 +202,10 @@ def test_reference_sizes_and_out(rng):
         (dict(offset=np.array(3, np.float32)), TypeError, "offset: expected dtype"),
         (dict(out=np.zeros(2, np.int64)), TypeError, "out: expected dtype int32"),
         (dict(out=np.zeros(3, np.int32)), ValueError, "out: expected shape"),
+        (dict(workspace=[0] * 6000), TypeError, "workspace: expected a numpy.ndarray or cupy.ndarray"),
+        (dict(workspace=np.zeros(S_.WORKSPACE_INTS, np.int64)), TypeError, "workspace: expected dtype int32"),
+        (dict(workspace=np.zeros(100, np.int32)), ValueError, "workspace: expected a 1-D int32 array of at least"),
+        (dict(workspace=np.zeros((2, S_.WORKSPACE_INTS), np.int32)), ValueError, "workspace: expected a 1-D"),
     ],
 )
 def test_bad_input_messages(kw, exc, match):
@@ -257,7 +264,7 @@ def _logits(rng, kind, B, V, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("V", [1, 7, 1000, 50257, 128256])
-@pytest.mark.parametrize("B", [1, 8, 64])
+@pytest.mark.parametrize("B", [1, 3, 8, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_gpu_greedy_is_the_reference_argmax(rng, dtype, B, V, misalign):
     l = _logits(rng, "ties" if V < 100 else "normal", B, V, dtype)
@@ -373,3 +380,271 @@ def test_gpu_seed_offset_device_scalars_graph_replay_and_determinism(rng):
         assert_same_tokens(out, l, seed=2**40 + 17, offset=o, **kw)
         if o == 5:
             assert np.array_equal(to_host(out), first)
+
+
+# ---------------------------------------------------------------- greedy across blocks (session 5)
+def slices(V, off, E, S):
+    """The kernel's slicing of one row (sampling.cu greedy_slice): token ranges [t0, t1) of the S slices of a row
+    whose first element sits `off` elements into its 16-byte pack."""
+    npk = (off + V + E - 1) // E
+    pps = -(-npk // S)
+    out = []
+    for s in range(S):
+        p0, p1 = s * pps, min(npk, (s + 1) * pps)
+        out.append((max(p0 * E - off, 0), max(min(p1 * E - off, V), max(p0 * E - off, 0))))
+    return out
+
+
+@pytest.mark.parametrize("itemsize", [4, 2])
+def test_greedy_plan_covers_every_row_within_the_workspace(itemsize):
+    """For every batch, vocabulary and alignment: the slices tile [0, V) in order with no gap or overlap,
+    B * S partials fit the workspace (and B its counters when S > 1), the bitmap holds a slice's tokens, and
+    LLaMA-3's row splits into the 63 (fp32) / 32 (bf16) blocks NOTES.md's prediction assumes."""
+    E = 16 // itemsize
+    for Bsz in (1, 2, 3, 8, 31, 33, 64, 100, 1023, 1024, 1025, 4096, 70000):
+        for V in (1, 2, 7, 31, 1000, 4099, 50257, 128256, S_.MAX_VOCAB):
+            S = greedy_splits(Bsz, V, itemsize)
+            assert 1 <= S <= S_.GREEDY_MAX_SPLITS
+            assert S == 1 or (Bsz * S <= S_.WS_SLOTS and Bsz <= S_.WS_ROWS)
+            for off in range(E):
+                sl = slices(V, off, E, S)
+                assert sl[0][0] == 0 and sl[-1][1] == V
+                assert all(a[1] == b[0] for a, b in zip(sl, sl[1:]))
+                assert max(t1 - t0 for t0, t1 in sl) <= greedy_smem(V, itemsize, S) * 8
+                assert sl[0][1] > 0  # slice 0 is never empty (an all-empty row would have no candidate)
+    assert greedy_splits(1, 128256, 4) == 63 and greedy_splits(8, 128256, 4) == 63
+    assert greedy_splits(1, 128256, 2) == 32 and greedy_splits(1, 50257, 4) == 25
+    assert greedy_splits(1, 7, 4) == 1  # a one-pack row: one block, no workspace
+    assert greedy_smem(S_.MAX_VOCAB, 2, 1) >= greedy_smem(S_.MAX_VOCAB, 4, 1) >= S_.MAX_VOCAB // 8
+
+
+def test_greedy_workspace_is_ignored_on_the_reference_path(rng):
+    l = rng.standard_normal((3, 40)).astype(np.float32)
+    ws = np.zeros(S_.WORKSPACE_INTS, np.int32)
+    assert np.array_equal(sample_tokens(l, temperature=0, workspace=ws), l.argmax(1))
+    assert not ws.any()
+
+
+def _greedy_ref(l, **kw):
+    return sample_tokens(np.asarray(l), temperature=0.0, **kw)
+
+
+def _plant_tie(row, b, sl):
+    """Row b's max (50 + b, exact in bf16) planted at the last token of slice s, the first of slice s + 1 and the
+    first of the last slice (s from b): the lowest planted index must win. Returns it."""
+    assert len(sl) >= 4, "the tie test needs a split row"
+    s = 1 + b % (len(sl) - 2)
+    idx = [sl[s][1] - 1, sl[s + 1][0], sl[-1][0]]
+    row[idx] = np.float32(50.0 + b)
+    return min(idx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("V", [50257, 128256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_greedy_ties_across_slice_boundaries_lowest_index(rng, dtype, V, misalign):
+    c = cp()
+    Bsz = 8
+    l = _logits(rng, "normal", Bsz, V, np.float32)
+    E = 16 // np.dtype(dtype).itemsize
+    # device_copy(misalign=True) puts element 0 one element past an aligned address; V * itemsize keeps every
+    # row at that offset only when it is a multiple of 16
+    off = 1 if misalign and V * np.dtype(dtype).itemsize % 16 == 0 else None
+    if off is None and misalign:
+        pytest.skip("rows of this V start at different pack offsets: covered by the strided test")
+    sl = slices(V, off or 0, E, greedy_splits(Bsz, V, np.dtype(dtype).itemsize))
+    want = np.array([_plant_tie(l[b], b, sl) for b in range(Bsz)], np.int32)
+    l = l.astype(dtype)
+    assert np.array_equal(_greedy_ref(l), want)
+    got = sample_tokens(device_copy(l, misalign), temperature=0.0, out=c.full((Bsz,), -1, c.int32))
+    assert np.array_equal(to_host(got), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_greedy_strided_rows_each_at_its_own_alignment(rng, dtype):
+    """Rows of a wider buffer, stride V + 5: every row starts at another offset within its 16-byte pack, so its
+    slices (and partial end packs) differ; ties planted at each row's own slice boundaries."""
+    c = cp()
+    Bsz, V = 8, 128256
+    E = 16 // np.dtype(dtype).itemsize
+    wide = _logits(rng, "normal", Bsz, V + 5, np.float32)
+    buf = c.asarray(wide.astype(dtype))
+    view = buf[:, 3:3 + V]
+    host = wide[:, 3:3 + V].copy()
+    S = greedy_splits(Bsz, V, np.dtype(dtype).itemsize)
+    offs = [(view[b].data.ptr // np.dtype(dtype).itemsize) % E for b in range(Bsz)]
+    assert len(set(offs)) > 1
+    want = [_plant_tie(host[b], b, slices(V, offs[b], E, S)) for b in range(Bsz)]
+    view[...] = c.asarray(host.astype(dtype))
+    got = to_host(sample_tokens(view, temperature=0.0))
+    assert np.array_equal(got, np.array(want, np.int32))
+    assert np.array_equal(got, _greedy_ref(host.astype(dtype)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [7, 50257, 128256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_greedy_nan_inf_and_signed_zero_rows(rng, dtype, V):
+    c = cp()
+    Bsz = 9
+    l = _logits(rng, "normal", Bsz, V, np.float32)
+    l[0, :] = np.nan                                    # all NaN -> 0
+    l[1, :] = -np.inf                                   # all -inf -> 0
+    l[2, :] = np.nan
+    l[2, V - 1] = -np.inf                               # -inf beats NaN: the only non-NaN wins
+    l[3, ::3] = np.nan                                  # NaN never wins, wherever the max is
+    l[3, V // 2 + 1] = 100.0
+    l[4, [V // 3, V - 1]] = np.inf                      # +inf: the first one
+    l[5, :] = 0.0
+    l[5, : V // 2] = -0.0                               # -0 == +0: index 0
+    l[6, :] = -3.0e38
+    l[6, V - 1] = -1.0e38                               # extremes of the fp32 range
+    l[7, :] = 1e-39                                     # subnormals (in bf16 too), one larger
+    l[7, V * 2 // 3] = 3e-39
+    l[8, :] = np.nan
+    l[8, V // 2] = 0.0
+    l = l.astype(dtype)
+    want = _greedy_ref(l)
+    assert want[:3].tolist() == [0, 0, V - 1] and want[5] == 0
+    out = c.full((Bsz,), -1, c.int32)
+    assert np.array_equal(to_host(sample_tokens(device_copy(l), temperature=0.0, out=out)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [7, 50257, 128256])
+@pytest.mark.parametrize("B", [1, 3, 8, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_greedy_repetition_penalty_per_slice(rng, dtype, B, V):
+    """The penalty's membership test per slice: the best tokens, ids straddling slice boundaries, duplicates and
+    out-of-range ids in the history; penalty > 1 (pushes the best down) and < 1 (lifts penalised tokens); the
+    history length on the device and on the host."""
+    c = cp()
+    L = 400
+    l = _logits(rng, "llm", B, V, dtype)
+    prev = rng.integers(-5, V + 5, (B, L)).astype(np.int32)
+    k = min(V, 20)
+    prev[:, :k] = np.argsort(-l.astype(np.float32), axis=1)[:, :k]
+    S = greedy_splits(B, V, np.dtype(dtype).itemsize)
+    bounds = [t for t0, t1 in slices(V, 0, 16 // np.dtype(dtype).itemsize, S) for t in (t0, t1 - 1)]
+    prev[:, k:k + len(bounds)] = np.array(bounds[:L - k], np.int32)
+    ld = c.asarray(l)
+    pd = c.asarray(prev)
+    for pen in (1.3, 0.7):
+        for plen in (0, 9, L):
+            want = _greedy_ref(l, repetition_penalty=pen, prev_tokens=prev, prev_len=plen)
+            got_dev = sample_tokens(ld, temperature=0.0, repetition_penalty=pen, prev_tokens=pd,
+                                    prev_len=c.array(plen, c.int32))
+            got_host = sample_tokens(ld, temperature=0.0, repetition_penalty=pen, prev_tokens=pd, prev_len=plen)
+            assert np.array_equal(to_host(got_dev), want), (pen, plen)
+            assert np.array_equal(to_host(got_host), want), (pen, plen)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_one_block_rows_large_batch_with_penalty(rng):
+    """From B = WS_ROWS + 1 each row is one block (S = 1: whole-row bitmap, no workspace)."""
+    c = cp()
+    Bsz, V = S_.WS_ROWS + 7, 5003
+    assert greedy_splits(Bsz, V, 4) == 1
+    l = _logits(rng, "normal", Bsz, V, np.float32)
+    prev = rng.integers(0, V, (Bsz, 64)).astype(np.int32)
+    prev[:, 0] = l.argmax(1)
+    for kw in (dict(), dict(repetition_penalty=2.0, prev_tokens=prev)):
+        want = _greedy_ref(l, **kw)
+        dkw = dict(kw, prev_tokens=c.asarray(prev)) if kw else kw
+        assert np.array_equal(to_host(sample_tokens(device_copy(l, True), temperature=0.0, **dkw)), want)
+
+
+def _counters(ws):
+    return to_host(ws[2 * S_.WS_SLOTS:2 * S_.WS_SLOTS + S_.WS_ROWS])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_greedy_split_equals_one_block_kernel_and_reruns_bit_identical(rng, dtype, monkeypatch):
+    c = cp()
+    l = _logits(rng, "ties", 8, 128256, dtype)  # integer logits: thousands of exact ties at the max
+    ld = c.asarray(l)
+    ws = sample_workspace()
+    first = to_host(sample_tokens(ld, temperature=0.0, workspace=ws))
+    for _ in range(20):
+        assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0, workspace=ws)), first)
+        assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0)), first)  # the stream's cached one
+    assert not _counters(ws).any(), "a counter was left non-zero"
+    monkeypatch.setattr(S_, "GREEDY_SPLIT", False)
+    assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0)), first)
+    assert np.array_equal(first, _greedy_ref(l))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("B", [1, 8])
+def test_gpu_greedy_captured_graph_replays(rng, B, pdl):
+    """Capture greedy sampling (logits written by a kernel just before it: the PDL predecessor) with an explicit
+    workspace, with the stream's cached one, and on a fresh stream with none (the one-block fallback); replay
+    each several times with new logits: the reference's tokens every time, counters back at 0."""
+    c = cp()
+    if pdl and not _launch.pdl_enabled():
+        pytest.skip("programmatic dependent launch needs sm_90")
+    V = 128256
+    src = c.asarray(_logits(rng, "normal", B, V, np.float32))
+    scale = c.ones((), c.float32)
+    buf = c.empty_like(src)
+    ws = sample_workspace()
+    streams = []  # (kept alive: a destroyed stream's handle may come back for the next one)
+    for mode in ("explicit", "cached", "fresh"):
+        s = c.cuda.Stream(non_blocking=True)
+        streams.append(s)
+        key = (c.cuda.runtime.getDevice(), s.ptr)
+        S_._workspaces.pop(key, None)  # (a handle an earlier test's stream had: this stream has no workspace yet)
+        outs = c.full((B,), -1, c.int32)
+
+        def call():
+            c.multiply(src, scale, out=buf)  # the producer of the logits, right before the sampler
+            with _launch.pdl_scope() if pdl else _nullcontext():
+                sample_tokens(buf, temperature=0.0, out=outs, workspace=ws if mode == "explicit" else None)
+
+        with s:
+            if mode == "cached":
+                call()  # an eager call first: the stream's workspace exists before the capture
+            s.synchronize()
+            s.begin_capture()
+            call()
+            g = s.end_capture()
+        for rep in range(5):
+            scale.fill(np.float32(-1.0) if rep % 2 else np.float32(1.0 + rep))  # flips the argmax on odd replays
+            src_h = to_host(src) * to_host(scale)
+            outs.fill(-1)
+            c.cuda.Device().synchronize()
+            g.launch(s)
+            s.synchronize()
+            assert np.array_equal(to_host(outs), _greedy_ref(src_h)), (mode, rep)
+        assert not _counters(ws).any()
+        if mode == "cached":
+            assert not _counters(S_._workspaces[key]).any()
+        if mode == "fresh":  # the capture made no workspace (it took the one-block kernel)
+            assert key not in S_._workspaces
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_back_to_back_under_pdl_share_a_workspace(rng):
+    """Ten greedy launches in a row on one workspace under PDL, each on different logits: each waits for the one
+    before it (pdl_wait) before touching the counters, so every result is right."""
+    c = cp()
+    ls = [_logits(rng, "normal", 4, 128256, np.float32) for _ in range(10)]
+    lds = [c.asarray(x) for x in ls]
+    outs = [c.full((4,), -1, c.int32) for _ in ls]
+    ws = sample_workspace()
+    with _launch.pdl_scope():
+        for ld, o in zip(lds, outs):
+            sample_tokens(ld, temperature=0.0, out=o, workspace=ws)
+    for x, o in zip(ls, outs):
+        assert np.array_equal(to_host(o), _greedy_ref(x))
+    assert not _counters(ws).any()

@@ -9,6 +9,7 @@ last ulp): see :func:`sample_tokens`.
 from __future__ import annotations
 
 import numbers
+import threading
 
 import numpy as np
 
@@ -23,6 +24,20 @@ MASS_SCALE = np.float32(2.0**44)
 U64 = (1 << 64) - 1
 SEED_DTYPES = (np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int32))
 _SEED_KIND = {np.dtype(np.int64): 8, np.dtype(np.uint64): 8, np.dtype(np.int32): 4}
+# Greedy across blocks (sample_greedy_* in sampling.cu): a row is cut into slices of about GREEDY_SLICE_BYTES
+# (8 KB: S = 63 blocks at fp32 V = 128256, 32 at bf16, 25 at fp32 V = 50257; one 256-thread block reads its 8 KB
+# in one round of 2 x 16-byte loads a thread), at most GREEDY_MAX_SPLITS a row. The partials live in a workspace
+# of WS_SLOTS (key, index) pairs and WS_ROWS counters: B * S <= WS_SLOTS, so from B = 33 (fp32, V = 128256) the
+# split shrinks (B = 64: S = 32, 2048 blocks of 16 KB, bandwidth-bound anyway) and from B = WS_ROWS + 1 a row is
+# one block (S = 1: no workspace, the block writes the token). GREEDY_SPLIT = False: the one-block-per-row kernel
+# (the A/B switch of benchmarks/cases/sampling.py).
+GREEDY_SPLIT = True
+GREEDY_THREADS = 256
+GREEDY_SLICE_BYTES = 8192
+GREEDY_MAX_SPLITS = 256
+WS_SLOTS = 2048
+WS_ROWS = WS_SLOTS // 2
+WORKSPACE_INTS = 2 * WS_SLOTS + WS_ROWS  # 5120 int32 = 20 KB
 # Documented tolerance of reference vs kernel: a row may pick a different token only when the draw's target
 # or the top-p cut lies within this relative distance of a prefix sum of masses (CUDA's expf is within 2 ulp,
 # NumPy's float32 exp within ~2.5 ulp: a sum of masses moves by < 5e-7 of itself).
@@ -237,7 +252,79 @@ def reference_margins(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition
                       ov if oa is None else _host_u64(oa), details=True)
 
 
+# ------------------------------------------------------------------------------------------ greedy plan
+def greedy_splits(batch: int, V: int, itemsize: int, slice_bytes: int | None = None) -> int:
+    """Blocks per row of the greedy kernel: slices of about ``slice_bytes`` (GREEDY_SLICE_BYTES), at most
+    GREEDY_MAX_SPLITS, and B * S within the workspace's WS_SLOTS partials (1 from B = WS_ROWS + 1 on)."""
+    E = 16 // itemsize
+    packs = (V + 2 * E - 2) // E  # a row's 16-byte packs at the worst alignment
+    per = max(1, (GREEDY_SLICE_BYTES if slice_bytes is None else int(slice_bytes)) // 16)
+    S = min(-(-packs // per), GREEDY_MAX_SPLITS, WS_SLOTS // max(1, batch))
+    return max(1, S)
+
+
+def greedy_smem(V: int, itemsize: int, S: int) -> int:
+    """Dynamic shared memory of a greedy block with the penalty on: one bit per token of its slice (at most
+    ceil(packs / S) packs of E tokens; bit i - first token of the slice)."""
+    E = 16 // itemsize
+    packs = (V + 2 * E - 2) // E
+    return ((-(-packs // S)) * E + 31) // 32 * 4
+
+
+def sample_workspace():
+    """A zeroed int32 workspace of WORKSPACE_INTS entries for greedy :func:`sample_tokens` on the current device
+    (``workspace=``): the per-row counters must start at 0; each launch leaves them at 0 again. Any batch size
+    can use it; one workspace must not be used by two kernels at once (two streams in flight)."""
+    import cupy
+
+    return cupy.zeros(WORKSPACE_INTS, dtype=np.int32)
+
+
+# Workspaces of calls without workspace=: one per (device, stream). Kernels on one stream run in order, so a
+# stream's workspace is never used by two kernels at once (with PDL too: the next greedy kernel's pdl_wait()
+# waits for the previous one to complete). Taken from the default memory pool (never freed: 20 KB a stream,
+# a captured graph may hold its address) and zeroed by a memset on that stream, ordered before its first use.
+_workspaces: dict = {}
+
+
+def _stream_workspace():
+    """The current stream's cached workspace, or None while the stream is capturing a graph and has none yet
+    (the memset that zeroes a new one would run only inside the graph's replays, not before the eager calls
+    that follow: such a call takes the one-block-per-row kernel, which needs no workspace)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    # (cudaStreamPerThread, handle 2, is a different stream in each host thread)
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr) + ((threading.get_ident(),) if stream.ptr == 2 else ())
+    ws = _workspaces.get(key)
+    if ws is None:
+        if stream.is_capturing():
+            return None
+        mem = cupy.get_default_memory_pool().malloc(WORKSPACE_INTS * 4)
+        ws = B.zero_(cupy.ndarray((WORKSPACE_INTS,), dtype=np.int32, memptr=mem))
+        _workspaces[key] = ws
+    return ws
+
+
+def _check_workspace(workspace, xp):
+    if B._kind(workspace) is None:
+        raise TypeError(f"workspace: expected an int32 device array from sample_workspace(); got "
+                        f"{type(workspace).__name__}")
+    B.check_dtype("workspace", workspace, (np.int32,))
+    if workspace.ndim != 1 or workspace.shape[0] < WORKSPACE_INTS:
+        raise ValueError(f"workspace: expected a 1-D int32 array of at least {WORKSPACE_INTS} entries "
+                         f"(sample_workspace()); got shape {tuple(workspace.shape)}")
+    B.check_contiguous("workspace", workspace)
+    B.check_writable("workspace", workspace)
+
+
 # ------------------------------------------------------------------------------------------ the op
+
+
+def _greedy_kernel(dtype):
+    # room for the penalty bitmap of the largest vocabulary in one block (S = 1)
+    return _launch.with_smem(get_function(FAMILY, f"sample_greedy_{B.DTYPE_TAG[np.dtype(dtype)]}"),
+                             greedy_smem(MAX_VOCAB, 2, 1))
 
 
 def _kernel(dtype):
@@ -248,7 +335,7 @@ def _kernel(dtype):
 
 @B.interop
 def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, prev_tokens=None,
-                  prev_len=None, seed=0, offset=0, out=None):
+                  prev_len=None, seed=0, offset=0, out=None, workspace=None):
     """Pick one token per row of ``logits`` on the device: greedy, or a draw from the tempered, filtered softmax.
 
     Per row (Hugging Face's order: repetition penalty, temperature, top-k, top-p, then the draw):
@@ -276,6 +363,14 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
     ``seed``, ``offset`` and ``prev_len`` may be 0-d device arrays, so a captured decode step can advance
     ``offset`` (or pass its cache length) on the device.
 
+    Greedy rows are split over up to 63 blocks each (fp32, vocabulary 128256; :func:`greedy_splits`), whose
+    partial results meet in a small workspace with a counter per row that every launch leaves at 0: pass
+    ``workspace=sample_workspace()`` (allocated once, before a graph capture) to own it; without it each
+    (device, stream) gets a cached one on first use (a capture on a stream that has none yet takes the
+    one-block-per-row kernel instead). A workspace must not serve two streams in flight at once. Greedy is
+    launched with programmatic dependent launch inside ``ops._launch.pdl_scope()`` (it reads nothing before
+    its predecessor completes).
+
     Args:
         logits: ``[batch, vocab]`` float32 or bfloat16, last axis contiguous (any row stride, any alignment).
         temperature: a finite number; <= 0 is greedy.
@@ -287,6 +382,7 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
             array (clamped to ``[0, length]`` on the device).
         seed, offset: ints in ``[0, 2**64)`` or 0-d int64 / uint64 / int32 arrays (int32: sign-extended).
         out: optional int32 ``[batch]`` output.
+        workspace: optional int32 device array from :func:`sample_workspace` (greedy only; ignored otherwise).
 
     Returns:
         int32 ``[batch]`` token ids.
@@ -298,8 +394,11 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
     sa, sv = _seed_arg("seed", seed)
     oa, ov = _seed_arg("offset", offset)
     pl_arr = prev_len if (prev_len is not None and B._kind(prev_len) is not None) else None
-    xp = B.array_module(logits=logits, prev_tokens=prev_tokens, out=out, prev_len=pl_arr, seed=sa, offset=oa)
+    xp = B.array_module(logits=logits, prev_tokens=prev_tokens, out=out, prev_len=pl_arr, seed=sa, offset=oa,
+                        workspace=workspace)
     Bsz, V = _validate(logits, temperature, top_k, top_p, repetition_penalty, prev_tokens, prev_len)
+    if workspace is not None:
+        _check_workspace(workspace, xp)
     greedy, inv_t, k, tp, pen, inv_pen = _params(temperature, top_k, top_p, repetition_penalty, V)
     res = B.empty(xp, (Bsz,), np.int32, out)
     use_pen = prev_tokens is not None and pen != np.float32(1.0)
@@ -310,6 +409,9 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
                               prev_len, s, o)
         return res
     if Bsz == 0:
+        return res
+    if greedy and GREEDY_SPLIT and _greedy(logits, res, Bsz, V, pen, inv_pen, use_pen, prev_tokens, prev_len, pl_arr,
+                                           workspace):
         return res
     kern = _kernel(logits.dtype)
     L = int(prev_tokens.shape[1]) if use_pen else 0
@@ -329,3 +431,27 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
          (logits, np.int64(logits.strides[0] // logits.itemsize), np.int32(V), res, inv_t, np.bool_(greedy),
           np.int32(k), tp, pen, inv_pen, *pen_args, *seed_args, *off_args), shared_mem=smem)
     return res
+
+
+def _greedy(logits, res, Bsz, V, pen, inv_pen, use_pen, prev_tokens, prev_len, pl_arr, workspace):
+    """Launch the split-row greedy kernel; False when it cannot run (no workspace while capturing)."""
+    S = greedy_splits(Bsz, V, logits.itemsize)
+    ws = B.NULL
+    if S > 1:
+        w = workspace if workspace is not None else _stream_workspace()
+        if w is None:
+            return False
+        ws = _launch.ptr(w)
+    L = int(prev_tokens.shape[1]) if use_pen else 0
+    if use_pen and L:
+        smem = greedy_smem(V, logits.itemsize, S)
+        host_len = L if prev_len is None or pl_arr is not None else int(prev_len)
+        pen_args = (_launch.ptr(prev_tokens), np.int64(prev_tokens.strides[0] // 4), np.int32(L),
+                    _launch.ptr(pl_arr) if pl_arr is not None else B.NULL, np.int32(host_len))
+    else:
+        smem = 0
+        pen_args = (B.NULL, np.int64(0), np.int32(0), B.NULL, np.int32(0))
+    _launch.launch(_greedy_kernel(logits.dtype), (Bsz * S,), (GREEDY_THREADS,),
+                   (_launch.ptr(logits), np.int64(logits.strides[0] // logits.itemsize), np.int32(V), _launch.ptr(res),
+                    ws, np.int32(WS_SLOTS), np.int32(S), pen, inv_pen, *pen_args), smem, pdl=True)
+    return True
