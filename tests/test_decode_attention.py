@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 import cukernels as ck
+from cukernels.ops import _launch
+from cukernels.ops import decode_attention as DA
 from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace, rope_kv_write
-from helpers import cp, to_host
+from helpers import cp, poisoned, to_host
 
 BF16 = ck.bfloat16
 
@@ -333,6 +335,241 @@ def test_gpu_graph_replay_reads_the_new_length(rng, splits):
         g.launch(s)
         s.synchronize()
         close(out, decode_attention(q, k, v, L).astype(np.float32), what=f"graph replay at L={L}")
+
+
+# ---------------------------------------------------------------- one kernel: split partials + last-block combine
+# CPU: the split-count model (decode_attention.py: _choose_splits) on the H200's numbers: 132 SMs, 4 resident
+# blocks of dattn_split_d64_m1 per SM (121 registers), 64-key stages of 16 KB (K + V, D = 64).
+H200 = dict(stage=64, stage_bytes=64 * 64 * 2 * 2, sms=132, per_sm=4)
+
+
+def test_split_time_model_by_hand():
+    # B1 LLaMA-3.2-1B (8 K/V heads) at max_len 384, 6 splits: chunk 64, 48 blocks (one a SM), one stage each:
+    # 2.0 fixed + 1 x max(0.7 latency, 16384 B / 32 GB/s = 0.51) + combine 1.0 + 6 x 0.02 = 3.82 us
+    assert DA._split_time(6, 8, 384, **H200) == pytest.approx(3.82)
+    # one split: 6 stages of 0.7 us after the fixed 2.0, no combine
+    assert DA._split_time(1, 8, 384, **H200) == pytest.approx(6.2)
+    # B8 at max_len 2304, 4 splits: chunk 576 = 9 stages, 256 blocks = 2 a SM sharing its 32 GB/s:
+    # 2.0 + 9 x (2 x 0.512) + 1.0 + 0.08
+    assert DA._split_time(4, 64, 2304, **H200) == pytest.approx(2.0 + 9 * 2 * 16384 / 32e3 + 1.08)
+    # B8, 17 splits (the former two-wave rule): chunk ceil(2304 / 17) = 136 -> 192 keys = 3 stages, 12 live
+    # splits x 64 = 768 blocks > 132 x 4: two waves, 4 blocks a SM sharing it -> the fixed cost twice
+    assert DA._split_time(17, 64, 2304, **H200) == pytest.approx(2 * (2.0 + 3 * 4 * 16384 / 32e3) + 1.0 + 0.34)
+
+
+@pytest.mark.parametrize("units, Lmax, want", [
+    (8, 64, 1),        # one stage: nothing to split
+    (8, 128, 1),       # two stages (1.4 us) < one stage + the combine (1.7 us)
+    (8, 384, 6),       # the session-5 decode step (B1, 128 + 256): one 64-key stage a block, 48 blocks
+    (8, 2304, 36),     # B1 at 2048 + 256: 288 blocks, 3 a SM, one stage each
+    (64, 2304, 4),     # B8: 256 blocks of 9 stages (the former rule: 17 splits, 2 waves)
+    (512, 2304, 1),    # B64: 512 heads already fill the 528 slots of one wave
+    (8, 4352, 23),     # B1 at 4096 + 256: 184 blocks of 3 stages (68 splits would need 2 waves)
+])
+def test_choose_splits_on_h200_numbers(units, Lmax, want):
+    s = DA._choose_splits(units, Lmax, **H200)
+    assert s == want
+    chunk = -(-(-(-Lmax // s)) // 64) * 64
+    assert units * -(-Lmax // chunk) <= 132 * 4, "the chosen grid fits one wave"
+
+
+def test_choose_splits_edges():
+    assert DA._choose_splits(8, 0, **H200) == 1
+    assert DA._choose_splits(8, 1, **H200) == 1
+    # a key_mask needs ceil(max_len / 8192) splits (its bits live in shared memory): a floor, not a target
+    s = DA._choose_splits(1, 20000, **H200, min_splits=3)
+    assert s >= 3 and -(-20000 // s) <= DA.MASK_CHUNK
+    assert DA._choose_splits(1, 100, **H200, min_splits=2) == 2
+
+
+def test_workspace_size_includes_the_counters():
+    # B2, 8 K/V heads, G 4, Tq 1, D 64, 6 splits: partials 2 * 8 * 6 * 4 rows * 66 floats, then 2 * 8 counters
+    assert DA._partial_elems(2, 8, 4, 1, 64, 6) == 2 * 8 * 6 * 4 * 66
+    assert DA._workspace_elems(2, 8, 4, 1, 64, 6) == 2 * 8 * 6 * 4 * 66 + 2 * 8
+    # G 16, Tq 16: 256 rows = 4 row groups of 64 -> 4 counters per (b, K/V head)
+    assert DA._workspace_elems(1, 4, 16, 16, 64, 3) == 4 * 3 * 256 * 66 + 4 * 4
+    assert DA._workspace_elems(2, 8, 4, 1, 64, 1) == 0
+    assert not decode_attention_workspace(np.zeros((1, 1, 4, 32), BF16), np.zeros((1, 8, 1, 32), BF16)).any()
+
+
+def _counters(ws, Bsz, Hkv, G, Tq, D, splits):
+    """The int32 counters at the end of the partials (all zero between launches)."""
+    off = DA._partial_elems(Bsz, Hkv, G, Tq, D, splits)
+    n = Bsz * Hkv * DA._row_tiles(G, Tq)[1]
+    return to_host(ws[off:off + n].view(np.int32))
+
+
+def _bits(a):
+    return to_host(a).view(np.uint16)
+
+
+def _nan_rows(x, rows):
+    """x (host bf16 [B, Lmax, Hkv, D]) with NaN where rows[b, n] is True."""
+    return np.where(rows[:, :, None, None], np.float32(np.nan), x.astype(np.float32)).astype(BF16)
+
+
+LENS = (0, 1, 31, 63, 64, 65, 130, 200, 257)  # max_len 257: 64- and 32-key stage boundaries, L < Tq, L = max_len
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])  # 40: more splits than stages at every length (empty ones)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("Tq", [1, 5])  # G * Tq = 4 rows (MTB 1, 64-key stages), 20 rows (MTB 2, 32-key stages)
+@pytest.mark.parametrize("Bsz", [1, 3, 8])
+def test_gpu_one_kernel_combine_at_every_length(rng, splits, masked, Tq, Bsz):
+    """The one-launch split + combine against the reference for L from 0 to max_len (the cache tail and masked
+    rows hold NaN), outputs poisoned (one of them one element off 16 bytes); the workspace variant, the pool
+    variant and a rerun bit-identical to each other; the counters back at zero after every launch."""
+    c = cp()
+    H, Hkv, D, Lmax = 32, 8, 64, 257
+    G = H // Hkv
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    mask = None
+    if masked:
+        mask = rng.random((Bsz, Lmax)) > 0.3
+        mask[0, :40] = False           # left padding
+        mask[Bsz - 1, :] = False       # the last row keeps only key 62 (every query with L > 62 sees it alone)
+        mask[Bsz - 1, 62] = True
+    qd = c.asarray(q)
+    md = c.asarray(mask) if masked else None
+    ws = decode_attention_workspace(qd, c.asarray(k0), key_mask=md, num_splits=splits)
+    assert (splits == 1) == (ws.size == 1)
+    length = c.zeros((), c.int32)
+    for L in LENS:
+        hidden = np.zeros((Bsz, Lmax), bool)
+        hidden[:, L:] = True           # never read: past the length
+        if masked:
+            hidden |= ~mask            # never read: dropped by the mask
+        k, v = _nan_rows(k0, hidden), _nan_rows(v0, hidden)
+        kd, vd = c.asarray(k), c.asarray(v)
+        ref = decode_attention(q, k, v, L, key_mask=mask)
+        length.fill(L)
+        o_ws = poisoned(q.shape, BF16, misalign=bool(L % 2))
+        decode_attention(qd, kd, vd, length, key_mask=md, out=o_ws, num_splits=splits, workspace=ws)
+        if splits > 1:
+            assert not _counters(ws, Bsz, Hkv, G, Tq, D, splits).any(), f"L={L}: counters not reset"
+        o_pool = decode_attention(qd, kd, vd, length, key_mask=md, out=poisoned(q.shape, BF16), num_splits=splits)
+        o_again = decode_attention(qd, kd, vd, length, key_mask=md, num_splits=splits, workspace=ws)
+        what = f"splits={splits} L={L}"
+        close(o_ws, ref.astype(np.float32), what=what)
+        assert np.array_equal(_bits(o_ws), _bits(o_pool)), f"{what}: workspace and pool results differ"
+        assert np.array_equal(_bits(o_ws), _bits(o_again)), f"{what}: rerun not bit-identical"
+        if L < Tq:
+            assert not to_host(o_ws)[:, : Tq - L].astype(np.float32).any(), f"{what}: queries without keys"
+
+
+@pytest.mark.gpu
+def test_gpu_model_split_count_on_the_decode_step_shape(rng):
+    """B1, LLaMA-3.2-1B heads, max_len 384 (128 + 256) with the all-ones key_mask the fused step passes: the
+    model's split count, at the lengths a generation walks through, against the reference."""
+    c = cp()
+    Bsz, Tq, H, Hkv, D, Lmax = 1, 1, 32, 8, 64, 384
+    s = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, np.ones(1), None)
+    assert 1 <= s <= Lmax // 64
+    for L in (129, 192, 193, 300, 384):
+        _, _, _, ref, o = _gpu_case(rng, Bsz, Tq, H, Hkv, D, L, Lmax, mask=np.ones((Bsz, Lmax), np.bool_))
+        close(o, ref.astype(np.float32), what=f"model splits {s}, L={L}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("splits", [None, 3, 7])
+def test_gpu_graph_replays_with_growing_length_reset_the_counters(rng, splits, pdl):
+    """One captured decode step for three layers sharing one workspace: length += 1, then per layer the new
+    token's K/V appended at the device length (kv_cache_write) and decode_attention; replayed 12 times from
+    length 58 (crossing the 64-key chunk boundary: 1 -> 2 live splits at 7 splits). Every replay's outputs are
+    those of its length: a counter left non-zero by a launch would make the next launch's combine run early
+    (missing splits) or never (o left NaN)."""
+    c = cp()
+    if pdl and not _launch.pdl_enabled():
+        pytest.skip("programmatic dependent launch needs sm_90")
+    layers, Bsz, Tq, H, Hkv, D, Lmax, L0 = 3, 2, 1, 32, 8, 64, 384, 58
+    G = H // Hkv
+    q = rng.standard_normal((layers, Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k = rng.standard_normal((layers, Bsz, Lmax, Hkv, D), dtype=np.float32).astype(BF16)
+    v = rng.standard_normal((layers, Bsz, Lmax, Hkv, D), dtype=np.float32).astype(BF16)
+    knew = rng.standard_normal((layers, Bsz, 1, Hkv, D), dtype=np.float32).astype(BF16)
+    vnew = rng.standard_normal((layers, Bsz, 1, Hkv, D), dtype=np.float32).astype(BF16)
+    k[:, :, L0:] = np.nan  # rows past the length: NaN until a replay appends there
+    v[:, :, L0:] = np.nan
+    mask = np.ones((Bsz, Lmax), np.bool_)
+    mask[1, :3] = False  # row 1 left-padded by 3
+    qd, kd, vd, knd, vnd, md = (c.asarray(x) for x in (q, k, v, knew, vnew, mask))
+    ws = decode_attention_workspace(qd[0], kd[0], key_mask=md, num_splits=splits)
+    outs = [c.empty((Bsz, Tq, H, D), BF16) for _ in range(layers)]
+    length = c.array(L0, dtype=c.int32)
+
+    def step():
+        c.add(length, 1, out=length)
+        for i in range(layers):
+            ck.kv_cache_write(knd[i], kd[i], length)
+            ck.kv_cache_write(vnd[i], vd[i], length)
+            with (_launch.pdl_scope() if pdl else _nullcontext()):
+                decode_attention(qd[i], kd[i], vd[i], length, key_mask=md, out=outs[i], num_splits=splits,
+                                 workspace=ws)
+
+    s = c.cuda.Stream(non_blocking=True)
+    with s:  # compile + warm up every kernel of the step outside the capture (the append on a scratch cache)
+        ck.kv_cache_write(knd[0], c.empty_like(kd[0]), length)
+        c.add(length, 0, out=length)
+        decode_attention(qd[0], kd[0], vd[0], length, key_mask=md, out=outs[0], workspace=ws, num_splits=splits)
+        s.synchronize()
+        s.begin_capture()
+        step()
+        g = s.end_capture()
+    for rep in range(12):
+        L = L0 + rep + 1
+        k[:, :, L - 1], v[:, :, L - 1] = knew[:, :, 0], vnew[:, :, 0]
+        for o in outs:
+            o.fill(np.nan)
+        c.cuda.Device().synchronize()
+        g.launch(s)
+        s.synchronize()
+        assert int(length) == L
+        for i in range(layers):
+            ref = decode_attention(q[i], k[i], v[i], L, key_mask=mask)
+            close(outs[i], ref.astype(np.float32), what=f"replay {rep} (L={L}) layer {i}")
+    if ws.size > 1:
+        assert not _counters(ws, Bsz, Hkv, G, Tq, D, DA._splits(Bsz, Hkv, D, Lmax, G, Tq, md, splits)).any()
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_under_pdl_share_a_workspace(rng):
+    """Ten launches in a row on one workspace under PDL (each may start while the one before runs: pdl_wait
+    before it reads or writes anything), each with its own query and length: every result right, counters 0."""
+    c = cp()
+    Bsz, Tq, H, Hkv, D, Lmax = 3, 2, 32, 8, 64, 700
+    k, v = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    kd, vd = c.asarray(k), c.asarray(v)
+    qs = [rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16) for _ in range(10)]
+    lens = [int(x) for x in rng.integers(0, Lmax + 1, 10)]
+    lds = [c.array(L, c.int32) for L in lens]
+    ws = decode_attention_workspace(c.asarray(qs[0]), kd, num_splits=5)
+    qds = [c.asarray(q) for q in qs]
+    outs = [poisoned(qs[0].shape, BF16) for _ in qs]
+    c.cuda.Device().synchronize()
+    with _launch.pdl_scope():
+        for qd, ld, o in zip(qds, lds, outs):
+            decode_attention(qd, kd, vd, ld, out=o, num_splits=5, workspace=ws)
+    for q, L, o in zip(qs, lens, outs):
+        close(o, decode_attention(q, k, v, L).astype(np.float32), what=f"L={L}")
+    assert not _counters(ws, Bsz, Hkv, H // Hkv, Tq, D, 5).any()
+
+
+@pytest.mark.gpu
+def test_gpu_workspace_too_small_for_the_counters_is_refused():
+    c = cp()
+    q, kc = c.zeros((2, 1, 32, 64), BF16), c.zeros((2, 512, 8, 64), BF16)
+    need = DA._workspace_elems(2, 8, 4, 1, 64, 4)
+    with pytest.raises(ValueError, match=f"workspace: expected a 16-byte aligned float32 buffer of >= {need}"):
+        decode_attention(q, kc, kc, 5, num_splits=4, workspace=c.zeros((need - 1,), np.float32))
 
 
 # ------------------------------------------------------------------------------------- kv_cache_write
