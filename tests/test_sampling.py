@@ -418,6 +418,29 @@ def test_greedy_plan_covers_every_row_within_the_workspace(itemsize):
     assert greedy_smem(S_.MAX_VOCAB, 2, 1) >= greedy_smem(S_.MAX_VOCAB, 4, 1) >= S_.MAX_VOCAB // 8
 
 
+def test_greedy_kernel_getter_raises_the_limit_to_the_largest_bitmap(monkeypatch):
+    class Fake:
+        def __init__(self, name):
+            self.name, self.sets = name, []
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            return self.sets[-1]
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, v):
+            self.sets.append(v)
+
+    made = {}
+    monkeypatch.setattr(S_, "get_function", lambda fam, name: made.setdefault(name, Fake(name)))
+    monkeypatch.setattr(_launch, "_smem_limit", {})  # (keyed by id(): a dead fake's id may come back)
+    for dtype, tag in ((np.float32, "f32"), (BF16, "bf16")):
+        k = S_._greedy_kernel(dtype)
+        assert k.name == f"sample_greedy_{tag}" and k.sets == [greedy_smem(S_.MAX_VOCAB, 2, 1)]
+        # every launch fits: the largest per-block bitmap is a whole row at S = 1
+        assert all(greedy_smem(V, np.dtype(dtype).itemsize, 1) <= k.sets[0] for V in (1, 128256, S_.MAX_VOCAB))
+
+
 def test_greedy_workspace_is_ignored_on_the_reference_path(rng):
     l = rng.standard_normal((3, 40)).astype(np.float32)
     ws = np.zeros(S_.WORKSPACE_INTS, np.int32)
