@@ -1,10 +1,15 @@
 """Benchmark cases for decode_attention (kernels_cu/decode_attention.cu): one new token per sequence against a
-static bf16 KV cache of max_len 2304 (a 2048-token prompt + 256 new tokens), at cache_len 128 and 2048.
+static bf16 KV cache -- the session-5 decode step's shape (B1, max_len 384 = a 128-token prompt + 256 new, at
+cache_len 128 and 384), max_len 2304 (a 2048-token prompt + 256 new) at cache_len 128 and 2048, B 1 / 8 / 64.
+One launch: split partials and the last-block combine (no combine kernel since session 5). The "splits=N" rows
+at B1 len384/384 force the split count (1: no combine; 2, 3) against the model's choice (the unmarked row),
+the A/B that calibrates decode_attention.py's split-count model (NOTES "Decode attention in one kernel").
 
 Memory-bound: the bytes are the valid K and V rows read once, 2 * B * cache_len * Hkv * D * 2, plus q and o
 (B * H * D * 2 each). "x cupy": the materialised path on the same cache slice (grouped GEMM, softmax, GEMM in
 CuPy); "x torch": PyTorch's scaled_dot_product_attention on the [:cache_len] slice (what a static-cache
-decode step runs). The length lives on the device, as in a captured decode step.
+decode step runs). The length lives on the device, as in a captured decode step. The B1 rows' K/V (0.26-4.2 MB
+a set, at most 8 sets) stay in the 60 MB L2 between calls: an L2 figure, where the decode step reads DRAM.
 
 rope_kv_write (one token per sequence, LLaMA-3.2-1B heads 32/8 x 64, positions on the device): bytes are qkv
 read once, q written, k and v rows written, the cos/sin rows read (B * D * 4); "x cupy" is the path it
@@ -14,30 +19,36 @@ import math
 
 import cukernels as ck
 from bench_ops import Case
+from cukernels.ops.decode_attention import _splits
 from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace, rope_kv_write
 
 L_MAX = 2304
-SHAPES = [(B, L, H, Hkv, 64) for (H, Hkv) in ((32, 8), (12, 12)) for B in (1, 8, 64) for L in (128, 2048)]
+# (batch, cache_len, max_len, H, Hkv, D, forced splits or None)
+STEP = [(1, 128, 384, 32, 8, 64, None), (1, 384, 384, 32, 8, 64, None)] + \
+       [(1, 384, 384, 32, 8, 64, s) for s in (1, 2, 3)]
+SHAPES = STEP + [(B, L, L_MAX, H, Hkv, 64, None) for (H, Hkv) in ((32, 8), (12, 12)) for B in (1, 8, 64)
+                 for L in (128, 2048)]
+QUICK = STEP + [s for s in SHAPES[len(STEP):] if s[0] == 8 or (s[0] == 1 and s[3:5] == (32, 8))]
 
 
 def cases(ctx):
     cp, torch = ctx.cp, ctx.torch
     out = []
-    shapes = [s for s in SHAPES if s[0] == 8] if ctx.quick else SHAPES
-    for Bsz, L, H, Hkv, D in shapes:
+    for Bsz, L, Lmax, H, Hkv, D, forced in (QUICK if ctx.quick else SHAPES):
         G = H // Hkv
         r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
         k_ = ctx.nsets(2 * Bsz * L * Hkv * D * 2)
         qs = [r(Bsz, 1, H, D) for _ in range(k_)]
-        kc = [r(Bsz, L_MAX, Hkv, D) for _ in range(k_)]
-        vc = [r(Bsz, L_MAX, Hkv, D) for _ in range(k_)]
+        kc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
+        vc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
         length = cp.array(L, dtype=cp.int32)
-        ws = decode_attention_workspace(qs[0], kc[0])
+        ws = decode_attention_workspace(qs[0], kc[0], num_splits=forced)
         os_ = [cp.empty_like(q) for q in qs]
         scale = 1.0 / math.sqrt(D)
+        splits = _splits(Bsz, Hkv, D, Lmax, G, 1, None, forced)
 
-        def ours(i, qs=qs, kc=kc, vc=vc, length=length, ws=ws, os_=os_):
-            return decode_attention(qs[i], kc[i], vc[i], length, out=os_[i], workspace=ws)
+        def ours(i, qs=qs, kc=kc, vc=vc, length=length, ws=ws, os_=os_, forced=forced):
+            return decode_attention(qs[i], kc[i], vc[i], length, out=os_[i], workspace=ws, num_splits=forced)
 
         def comp(i, qs=qs, kc=kc, vc=vc, Bsz=Bsz, L=L, H=H, Hkv=Hkv, G=G, D=D, scale=scale):
             q = qs[i].reshape(Bsz, Hkv, G, D).astype(cp.float32)
@@ -48,7 +59,7 @@ def cases(ctx):
             return (cp.matmul(p / p.sum(-1, keepdims=True), v)).astype(ck.bfloat16)
 
         tf = None
-        if torch is not None:
+        if torch is not None and forced is None:
             import torch.nn.functional as Fn
 
             tq = [ctx.t(q).transpose(1, 2) for q in qs]                    # [B, H, 1, D]
@@ -60,8 +71,11 @@ def cases(ctx):
                     return Fn.scaled_dot_product_attention(tq[i], tk[i], tv[i], enable_gqa=True)
 
         nbytes = 2 * Bsz * L * Hkv * D * 2 + 2 * Bsz * H * D * 2
-        out.append(Case("decode_attention", f"B{Bsz} len{L}/{L_MAX} {H}/{Hkv}x{D}", "bf16", nbytes,
-                        "2*B*len*Hkv*D*2 + q,o", ours, comp, tf, extra=dict(nsets=k_)))
+        live = -(-L // (-(-(-(-L // splits)) // 64) * 64)) if L else 1  # splits holding keys at this length
+        note = f"{'forced ' if forced else ''}splits={splits} ({live} live), one launch"
+        out.append(Case("decode_attention", f"B{Bsz} len{L}/{Lmax} {H}/{Hkv}x{D}" + (f" s{forced}" if forced else ""),
+                        "bf16", nbytes, "2*B*len*Hkv*D*2 + q,o", ours, comp if forced is None else None, tf,
+                        note=note, extra=dict(nsets=k_)))
     out += _rope_kv_cases(ctx)
     return out
 
