@@ -135,13 +135,17 @@ def _split_time(s, units, Lmax, stage, stage_bytes, sms, per_sm):
 
 @functools.lru_cache(maxsize=1024)
 def _choose_splits(units, Lmax, stage, stage_bytes, sms, per_sm, min_splits=1):
-    """The split count in [min_splits, ceil(Lmax / stage)] of least modelled time (ties: the fewest splits).
+    """The split count in [min_splits, min(ceil(Lmax / stage), two waves)] of least modelled time (ties: the
+    fewest splits).
     Pure host arithmetic (cached): units = batch * kv_heads * row groups, stage = keys per K/V stage,
     stage_bytes = its K + V bytes, sms / per_sm = the device's SMs and this kernel's resident blocks per SM."""
     if Lmax <= stage:
         return max(1, min_splits)
+    # Past two full waves of blocks every extra split adds a wave's fixed cost for stages the SMs' shared
+    # bandwidth already bounds: the search stops there (a bounded loop for any max_len < 2^31).
+    top = min(-(-Lmax // stage), -(-2 * sms * per_sm // units))
     best, best_t = None, None
-    for s in range(max(1, min_splits), max(min_splits, -(-Lmax // stage)) + 1):
+    for s in range(max(1, min_splits), max(min_splits, top) + 1):
         t = _split_time(s, units, Lmax, stage, stage_bytes, sms, per_sm)
         if best_t is None or t < best_t - 1e-9:
             best, best_t = s, t
