@@ -437,6 +437,9 @@ __device__ __forceinline__ void rope_kv(const T* qkv, long long sb, long long st
   const int Du = rot ? half / E : D / E;  // units per head
   const int NH = H + 2 * Hkv;
   const long long n = (long long)Bsz * Tn * NH * Du;
+  // PDL (common/pdl.cuh): qkv comes from the GEMV before; the cache and the length from earlier kernels
+  pdl_wait();
+  pdl_trigger();
   const int L = len_ptr ? *len_ptr : len_val;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
     const int cu = (int)(i % Du);

@@ -50,12 +50,13 @@
 //   element loads of W, any K, any alignment. x is staged with 16-byte loads when its rows allow (x_vec).
 // - Programmatic dependent launch (sm_90, inside ops/_launch.pdl_scope(): the fused decode step): the first W
 //   chunk is requested before pdl_wait(), so a GEMV's launch and first DRAM round trip overlap the tail of the
-//   kernel before it (~1.5-3 us of each of the ~100 launches of a LLaMA-1B step at B = 1). At NB = 1 a chunk
-//   is 8 / RPW packs a lane (a K = 2048 bf16 row whole: qkv and o need no second round trip).
+//   kernel before it. (8 / RPW packs a lane at NB = 1 was tried, session 5: 110 registers, 2 blocks a SM, qkv
+//   8.9 -> 9.7 us: fewer resident warps outweighed the deeper chunk.)
 // - Deterministic: the order of every sum is fixed by the shape (no atomics), so reruns are bit-identical.
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 #include "common/pdl.cuh"
+#include "common/mma.cuh"
 
 // The activations, with the very formulas of activations.cu (silu_f, gelu_f, gelu_erf_f), so that the fused
 // epilogue and ck.swiglu / ck.gelu agree bit for bit on the same rounded inputs.
@@ -123,15 +124,9 @@ __device__ __forceinline__ long long tile_row(long long j, int r, int half, int 
 template <typename T, typename W, int NB, int G, int HALVES, bool VEC>
 struct WTile;
 
-// Packs a lane has in flight per W row per chunk: 8 / RPW at NB = 1 (a 4 KB chunk a warp: a K = 2048 bf16 row
-// in one chunk, all of it requested before the kernel waits on its predecessor), else 4 / RPW (NB >= 2 needs the
-// registers for its accumulators and x values; 8 / RPW spilled at NB = 8).
-template <int NB, int RPW>
-__host__ __device__ constexpr int tile_u() { return (NB == 1 ? 8 : 4) / RPW; }
-
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, true> {
-  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = tile_u<NB, RPW>(), CHUNK = 32 * U * E;
+  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
   Pack<W, E> v[RPW][U];
   __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
                                        int lane) {
@@ -182,7 +177,7 @@ struct WTile<T, W, NB, G, HALVES, true> {
 
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, false> {
-  static constexpr int RPW = G * HALVES, U = tile_u<NB, RPW>(), CHUNK = 32 * U;
+  static constexpr int RPW = G * HALVES, U = 4 / RPW, CHUNK = 32 * U;
   float v[RPW][U];
   __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
                                        int lane) {
@@ -211,36 +206,42 @@ struct WTile<T, W, NB, G, HALVES, false> {
   }
 };
 
-template <typename T, typename W, int NB, int HALVES, int G, bool VEC>
-__device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx, int Bn, int K,
-                                          const W* __restrict__ w, long long ldw, const void* __restrict__ bias,
-                                          const void* __restrict__ nw, const void* __restrict__ nb, float eps,
-                                          float inv_k, const void* res, long long ldr, void* out, long long ldo,
-                                          int n_out, int half, int norm, int act, unsigned flags) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
+// The epilogue of output column ``col`` of batch row b from its fp32 dot products y[h] (W rows col + h * half):
+// bias, activation, residual, with the rounding points of the unfused composition (the header).
+template <int HALVES>
+__device__ __forceinline__ void gemv_store(const float (&acc)[HALVES], long long col, int b, const void* bias,
+                                           const void* res, long long ldr, void* out, long long ldo, int half,
+                                           int act, unsigned flags) {
+  const bool rmid = flags & GEMV_ROUND_MID, of32 = flags & GEMV_OUT_F32;
+  float y[HALVES];
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+    y[h] = rmid ? round_bf16(acc[h]) : acc[h];
+    if (bias != nullptr) {
+      y[h] += ld_any(bias, col + (long long)h * half, flags & GEMV_BIAS_F32);
+      if (rmid) y[h] = round_bf16(y[h]);
+    }
+  }
+  float v = y[0];
+  if (act != 0) {
+    if (HALVES == 2) v = gemv_silu(y[0]) * y[HALVES - 1];
+    else if (act == 2) v = gemv_gelu_tanh(y[0]);
+    else v = gemv_gelu_erf(y[0]);
+    if (rmid) v = round_bf16(v);
+  }
+  if (res != nullptr) v = ld_any(res, b * ldr + col, of32) + v;
+  if (of32) reinterpret_cast<float*>(out)[b * ldo + col] = v;
+  else reinterpret_cast<bf16*>(out)[b * ldo + col] = from_f32<bf16>(v);
+}
+
+// Stage NB rows of x into shared memory xs (rows Kp apart; rows >= Bn and columns >= K are zeros: they add
+// nothing to the dot products), then the norm prologue in place. Ends with a barrier.
+template <typename T, int NB>
+__device__ __forceinline__ void gemv_stage_x(T* xs, int Kp, const T* __restrict__ x, long long ldx, int Bn, int K,
+                                             const void* __restrict__ nw, const void* __restrict__ nb, float eps,
+                                             float inv_k, int norm, unsigned flags) {
   __shared__ float stat[2][NB];
-  T* xs = reinterpret_cast<T*>(gemv_smem);
-  const int Kp = (K + 7) & ~7;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-
-  // The warp's first chunk of W is requested before x is staged and normalised: those loads do not depend on
-  // xn, so the prologue (an L2 round trip for x, two barriers, the statistics) hides under their DRAM latency.
-  // G = 2: two adjacent output columns a warp, so each xn value read from shared memory and widened serves two
-  // W rows (the launcher takes it from B = 3 up; see the header).
-  constexpr int RPW = G * HALVES;
-  using Tile = WTile<T, W, NB, G, HALVES, VEC>;
-  Tile tile;
-  const long long ngroups = ((long long)n_out + G - 1) / G;
-  const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
-  const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
-  if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
-  // Everything above reads only W. Under programmatic dependent launch (the fused decode step: ops/_launch.py)
-  // the kernel gets here while the previous kernel still runs; x, the residual and out belong to it until the
-  // wait returns (common/pdl.cuh).
-  pdl_wait();
-  pdl_trigger();
-
-  // ---- stage x (rows >= Bn and columns >= K are zeros: they add nothing to the dot products)
   constexpr int XE = 16 / sizeof(T);
   if (flags & GEMV_X_VEC) {
     const int units = Kp / XE;  // K % XE == 0 here, so Kp / XE covers K plus zero packs
@@ -309,11 +310,41 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
     }
   }
   __syncthreads();
+}
+
+template <typename T, typename W, int NB, int HALVES, int G, bool VEC>
+__device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx, int Bn, int K,
+                                          const W* __restrict__ w, long long ldw, const void* __restrict__ bias,
+                                          const void* __restrict__ nw, const void* __restrict__ nb, float eps,
+                                          float inv_k, const void* res, long long ldr, void* out, long long ldo,
+                                          int n_out, int half, int norm, int act, unsigned flags) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  T* xs = reinterpret_cast<T*>(gemv_smem);
+  const int Kp = (K + 7) & ~7;
+  const int tid = threadIdx.x, lane = tid & 31;
+
+  // The warp's first chunk of W is requested before x is staged and normalised: those loads do not depend on
+  // xn, so the prologue (an L2 round trip for x, two barriers, the statistics) hides under their DRAM latency.
+  // G = 2: two adjacent output columns a warp, so each xn value read from shared memory and widened serves two
+  // W rows (the launcher takes it from B = 3 up; see the header).
+  constexpr int RPW = G * HALVES;
+  using Tile = WTile<T, W, NB, G, HALVES, VEC>;
+  Tile tile;
+  const long long ngroups = ((long long)n_out + G - 1) / G;
+  const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
+  const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
+  if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
+  // Everything above reads only W. Under programmatic dependent launch (the fused decode step: ops/_launch.py)
+  // the kernel gets here while the previous kernel still runs; x, the residual and out belong to it until the
+  // wait returns (common/pdl.cuh).
+  pdl_wait();
+  pdl_trigger();
+
+  gemv_stage_x<T, NB>(xs, Kp, x, ldx, Bn, K, nw, nb, eps, inv_k, norm, flags);
 
   // ---- the dot products: warp per output row (pair), grid-stride over (row, chunk) steps. The next step's
   // loads are issued as soon as this chunk's FMAs have read the registers, so they are in flight through the
   // reduction and epilogue of a finished row.
-  const bool rmid = flags & GEMV_ROUND_MID;
   float acc[RPW][NB];
   long long j = gw;
   int k0 = 0;
@@ -343,7 +374,6 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
       for (int b = 0; b < NB; ++b) acc[r][b] = warp_sum(acc[r][b]);
 
     // ---- epilogue: lane b finishes batch row b (acc is indexed with compile-time b only: no local memory)
-    const bool of32 = flags & GEMV_OUT_F32;
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       if (lane != b || b >= Bn) continue;
@@ -353,28 +383,134 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
         if (col >= n_out) continue;
         float y[HALVES];
 #pragma unroll
-        for (int h = 0; h < HALVES; ++h) {
-          const float a = acc[h * G + g][b];
-          y[h] = rmid ? round_bf16(a) : a;
-          if (bias != nullptr) {
-            y[h] += ld_any(bias, col + (long long)h * half, flags & GEMV_BIAS_F32);
-            if (rmid) y[h] = round_bf16(y[h]);
-          }
-        }
-        float v = y[0];
-        if (act != 0) {
-          if (HALVES == 2) v = gemv_silu(y[0]) * y[HALVES - 1];
-          else if (act == 2) v = gemv_gelu_tanh(y[0]);
-          else v = gemv_gelu_erf(y[0]);
-          if (rmid) v = round_bf16(v);
-        }
-        if (res != nullptr) v = ld_any(res, b * ldr + col, of32) + v;
-        if (of32) reinterpret_cast<float*>(out)[b * ldo + col] = v;
-        else reinterpret_cast<bf16*>(out)[b * ldo + col] = from_f32<bf16>(v);
+        for (int h = 0; h < HALVES; ++h) y[h] = acc[h * G + g][b];
+        gemv_store<HALVES>(y, col, b, bias, res, ldr, out, ldo, half, act, flags);
       }
     }
   }
 }
+
+// ---- B = 1 streaming kernel (gemv1_*): the weight through a cp.async ring in shared memory.
+// Why (session 5, H200, LLaMA-1B decode at B = 1): the warp-per-row kernel above holds its in-flight W in
+// registers (110 registers a thread at 8 packs a lane: 2 blocks a SM), so a 8-12 MB qkv / o GEMV ran at 30-37 %
+// of copy bandwidth (9.7 / 5.4 us) and a running GEMV left no room on the SM for the next kernel's blocks, which
+// made programmatic dependent launch worth only 46 us a step. Here the bytes in flight live in shared memory:
+// one block a SM (grid = SM count), each block a contiguous range of output rows [r0, r1) (balanced to one
+// row), streamed in stages of RS rows (R = HALVES x RS stage rows, <= 8; a stage is ~16 KB), NS = 4 stages in
+// flight (64 KB a SM: Little's law asks ~50 KB at 32 GB/s a SM x ~1.5 us). 256 threads copy with 16-byte
+// cp.async (no registers held while the bytes fly), the first NS - 1 stages before pdl_wait() -- W is read-only
+// in the decode step -- so a GEMV's DRAM traffic starts while the kernel before it finishes. A block takes
+// ~70-80 KB of shared memory and ~40 registers a thread, so the next kernel's block fits beside it.
+// Compute: stage row sr has KS = 8 / R warps, each a strided share of its 16-byte packs (x from shared memory
+// too), a warp sum, then thread t < RS adds the KS partials in order (deterministic) and runs the epilogue.
+constexpr int G1_NS = 4;  // stages in flight (gemv.py: B1_STAGES)
+
+template <typename T, typename W, int HALVES>
+__device__ __forceinline__ void gemv1_issue(W* buf, const W* __restrict__ w, long long ldw, long long row0, int rows,
+                                            int RS, int K, int half) {
+  constexpr int E = 16 / sizeof(W);
+  const int upr = K / E;  // 16-byte units a row (K % E == 0: the launcher's VEC condition)
+  const int total = HALVES * rows * upr;
+  for (int u = threadIdx.x; u < total; u += blockDim.x) {
+    const int r = u / upr, c = u - r * upr;  // stage row r = h * rows + i
+    const int h = r / rows, i = r - h * rows;
+    cp_async16(buf + (long long)(h * RS + i) * K + c * E, w + (row0 + i + (long long)h * half) * ldw + c * E, true);
+  }
+}
+
+template <typename T, typename W, int HALVES>
+__device__ __forceinline__ void gemv1_body(const T* __restrict__ x, int K, const W* __restrict__ w, long long ldw,
+                                           const void* __restrict__ bias, const void* __restrict__ nw,
+                                           const void* __restrict__ nb, float eps, float inv_k, const void* res,
+                                           void* out, int n_out, int half, int norm, int act, unsigned flags,
+                                           int RS) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  __shared__ float red[8][8];
+  constexpr int E = 16 / sizeof(W);
+  const int Kp = (K + 7) & ~7;
+  T* xs = reinterpret_cast<T*>(gemv_smem);
+  W* ring = reinterpret_cast<W*>(gemv_smem + (((long long)Kp * sizeof(T) + 15) & ~15LL));
+  const long long stage_elems = (long long)HALVES * RS * K;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // this block's rows [r0, r1): n_out split into gridDim.x ranges that differ by at most one row
+  const long long r0 = (long long)n_out * blockIdx.x / gridDim.x, r1 = (long long)n_out * (blockIdx.x + 1) / gridDim.x;
+  const int nst = (int)((r1 - r0 + RS - 1) / RS);
+  auto rows_of = [&](int st) { return (int)min((long long)RS, r1 - r0 - (long long)st * RS); };
+
+#pragma unroll
+  for (int st = 0; st < G1_NS - 1; ++st) {
+    if (st < nst) gemv1_issue<T, W, HALVES>(ring + st * stage_elems, w, ldw, r0 + (long long)st * RS, rows_of(st), RS, K, half);
+    cp_async_commit();
+  }
+  // W only so far; x, the residual and out belong to the previous kernel until the wait returns (common/pdl.cuh)
+  pdl_wait();
+  pdl_trigger();
+  gemv_stage_x<T, 1>(xs, Kp, x, 0, 1, K, nw, nb, eps, inv_k, norm, flags);
+
+  const int R = HALVES * RS, KS = 8 / R;
+  const int sr = warp / KS, ks = warp - sr * KS;  // this warp's stage row and its share of the row
+  const int units = K / E;
+  for (int st = 0; st < nst; ++st) {
+    const int nx = st + G1_NS - 1;
+    if (nx < nst) gemv1_issue<T, W, HALVES>(ring + (nx % G1_NS) * stage_elems, w, ldw, r0 + (long long)nx * RS, rows_of(nx), RS, K, half);
+    cp_async_commit();
+    cp_async_wait<G1_NS - 1>();
+    __syncthreads();  // every thread's copies of stage st have landed
+    const W* buf = ring + (st % G1_NS) * stage_elems;
+    const int rows = rows_of(st);
+    const int h = sr / RS, i = sr - h * RS;
+    float acc = 0.f;
+    if (sr < R && i < rows) {
+      const W* wr = buf + (long long)(h * RS + i) * K;
+      for (int u = lane + 32 * ks; u < units; u += 32 * KS) {
+        const Pack<W, E> wp = load_pack<W, E>(wr + u * E);
+        float xf[E];
+        if constexpr (E * sizeof(T) >= 16) {
+          constexpr int XP = 16 / sizeof(T);
+#pragma unroll
+          for (int c = 0; c < E / XP; ++c) {
+            const Pack<T, XP> xv = load_pack<T, XP>(xs + u * E + c * XP);
+#pragma unroll
+            for (int q = 0; q < XP; ++q) xf[c * XP + q] = to_f32(xv.v[q]);
+          }
+        } else {
+          const Pack<T, E> xv = load_pack<T, E>(xs + u * E);
+#pragma unroll
+          for (int q = 0; q < E; ++q) xf[q] = to_f32(xv.v[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < E; ++q) acc = fmaf(to_f32(wp.v[q]), xf[q], acc);
+      }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) red[sr < 8 ? sr : 7][ks] = acc;
+    __syncthreads();
+    if (tid < rows) {
+      float y[HALVES];
+#pragma unroll
+      for (int hh = 0; hh < HALVES; ++hh) {
+        float a = 0.f;
+        for (int k2 = 0; k2 < KS; ++k2) a += red[hh * RS + tid][k2];
+        y[hh] = a;
+      }
+      gemv_store<HALVES>(y, r0 + (long long)st * RS + tid, 0, bias, res, 0, out, 0, half, act, flags);
+    }
+    __syncthreads();  // red and this stage's buffer are free again
+  }
+  cp_async_wait<0>();
+}
+
+#define GEMV1_ONE(T, W, TN, WN, HALVES)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) gemv1_##TN##_##WN##_r##HALVES(                            \
+      const T* x, int K, const W* w, long long ldw, const void* bias, const void* nw, const void* nb, float eps, \
+      float inv_k, const void* res, void* out, int n_out, int half, int norm, int act, unsigned flags, int RS) { \
+    gemv1_body<T, W, HALVES>(x, K, w, ldw, bias, nw, nb, eps, inv_k, res, out, n_out, half, norm, act, flags, RS); \
+  }
+#define GEMV1_ALL(T, W, TN, WN) GEMV1_ONE(T, W, TN, WN, 1) GEMV1_ONE(T, W, TN, WN, 2)
+GEMV1_ALL(bf16, bf16, bf16, bf16)
+GEMV1_ALL(bf16, float, bf16, f32)
+GEMV1_ALL(float, bf16, f32, bf16)
+GEMV1_ALL(float, float, f32, f32)
 
 // Entry points: gemv_<x dtype>_<W dtype>_b<NB>_r<HALVES>_g<G>_<v|s> (HALVES 2: SwiGLU; G 2 only for NB 4 / 8).
 // 256 threads a block (the launcher's THREADS).

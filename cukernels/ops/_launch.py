@@ -180,7 +180,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False)
     fn, Config, Attr = _pdl_api()
     vals = [np.asarray(a) for a in args]
     for a, v in zip(args, vals):
-        if v.ndim != 0 or v.dtype.kind not in "iuf":
+        if v.ndim != 0 or v.dtype.kind not in "iufb":
             raise TypeError(f"launch: kernel arguments must be NumPy scalars; got {type(a).__name__}")
     params = (ctypes.c_void_p * max(1, len(vals)))(*[v.ctypes.data for v in vals])
     attr = Attr(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)

@@ -523,9 +523,11 @@ def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=
     k = get_function(FAMILY, f"rope_kv_{B.DTYPE_TAG[qkv.dtype]}_{ptag}_{'v' if vec else 's'}")
     units = Bsz * T * (H + 2 * Hkv) * (((D // 2) if rot else D) // (E if vec else 1))
     grid = _launch.launch_grid(k, units)
-    k((grid,), (_launch.THREADS, 1, 1),
-      (_launch.ptr(qkv), sb, st, _launch.ptr(q_out), qb, qt, _launch.ptr(k_cache), kb, kt, _launch.ptr(v_cache), vb,
-       vt, *len_args, cos if rot else B.NULL, sin if rot else B.NULL,
-       positions if positions is not None else B.NULL, np.int32(Bsz), np.int32(T), np.int32(H), np.int32(Hkv),
-       np.int32(D), np.int32(Lc), np.int32(mode), np.int32(Lmax), np.bool_(cs_vec)))
+    P = _launch.ptr
+    _launch.launch(k, (grid,), (_launch.THREADS, 1, 1),
+                   (P(qkv), sb, st, P(q_out), qb, qt, P(k_cache), kb, kt, P(v_cache), vb, vt,
+                    P(len_args[0]) if dev_len else B.NULL, len_args[1], P(cos) if rot else B.NULL,
+                    P(sin) if rot else B.NULL, P(positions) if positions is not None else B.NULL, np.int32(Bsz),
+                    np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(Lc), np.int32(mode),
+                    np.int32(Lmax), np.bool_(cs_vec)), 0, pdl=True)
     return q_out
