@@ -395,14 +395,16 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 // registers (110 registers a thread at 8 packs a lane: 2 blocks a SM), so a 8-12 MB qkv / o GEMV ran at 30-37 %
 // of copy bandwidth (9.7 / 5.4 us) and a running GEMV left no room on the SM for the next kernel's blocks, which
 // made programmatic dependent launch worth only 46 us a step. Here the bytes in flight live in shared memory:
-// one block a SM (grid = SM count), each block a contiguous range of output rows [r0, r1) (balanced to one
-// row), streamed in stages of RS rows (R = HALVES x RS stage rows, <= 8; a stage is ~16 KB), NS = 4 stages in
+// B1_BLOCKS_PER_SM blocks a SM, each a contiguous range of output rows [r0, r1) (balanced to one row), streamed
+// in stages of RS rows (R = HALVES x RS stage rows, <= 8; a stage is ~16 KB), NS = 4 stages in
 // flight (64 KB a SM: Little's law asks ~50 KB at 32 GB/s a SM x ~1.5 us). 256 threads copy with 16-byte
 // cp.async (no registers held while the bytes fly), the first NS - 1 stages before pdl_wait() -- W is read-only
 // in the decode step -- so a GEMV's DRAM traffic starts while the kernel before it finishes. A block takes
 // ~70-80 KB of shared memory and ~40 registers a thread, so the next kernel's block fits beside it.
 // Compute: stage row sr has KS = 8 / R warps, each a strided share of its 16-byte packs (x from shared memory
-// too), a warp sum, then thread t < RS adds the KS partials in order (deterministic) and runs the epilogue.
+// too), a warp sum, then thread t < RS adds the KS partials in order (deterministic) into shared memory; the
+// epilogue runs for the block's whole row range after the loop (its global loads in parallel, not one round
+// trip a stage).
 constexpr int G1_NS = 4;  // stages in flight (gemv.py: B1_STAGES)
 
 template <typename T, typename W, int HALVES>
@@ -431,6 +433,7 @@ __device__ __forceinline__ void gemv1_body(const T* __restrict__ x, int K, const
   T* xs = reinterpret_cast<T*>(gemv_smem);
   W* ring = reinterpret_cast<W*>(gemv_smem + (((long long)Kp * sizeof(T) + 15) & ~15LL));
   const long long stage_elems = (long long)HALVES * RS * K;
+  float* ys = reinterpret_cast<float*>(ring + G1_NS * stage_elems);  // the row range's dot products
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // this block's rows [r0, r1): n_out split into gridDim.x ranges that differ by at most one row
   const long long r0 = (long long)n_out * blockIdx.x / gridDim.x, r1 = (long long)n_out * (blockIdx.x + 1) / gridDim.x;
@@ -484,20 +487,29 @@ __device__ __forceinline__ void gemv1_body(const T* __restrict__ x, int K, const
     }
     acc = warp_sum(acc);
     if (lane == 0) red[sr < 8 ? sr : 7][ks] = acc;
-    __syncthreads();
+    __syncthreads();  // red is complete, and every warp is done with this stage's buffer (the next issue reuses it)
+    // The dot products go to shared memory; the epilogue (bias, residual: global loads, a DRAM or L2 round trip
+    // each) runs once for the whole row range after the loop. In the loop it cost a round trip a stage: the
+    // first version ran qkv at 13 us and gate_up at 55 us (session 5).
     if (tid < rows) {
-      float y[HALVES];
 #pragma unroll
       for (int hh = 0; hh < HALVES; ++hh) {
         float a = 0.f;
         for (int k2 = 0; k2 < KS; ++k2) a += red[hh * RS + tid][k2];
-        y[hh] = a;
+        ys[(st * RS + tid) * HALVES + hh] = a;
       }
-      gemv_store<HALVES>(y, r0 + (long long)st * RS + tid, 0, bias, res, 0, out, 0, half, act, flags);
     }
-    __syncthreads();  // red and this stage's buffer are free again
+    // (no barrier: red is rewritten only after the next stage's first barrier, which these threads reach after
+    // reading it)
   }
   cp_async_wait<0>();
+  __syncthreads();
+  for (int r = tid; r < (int)(r1 - r0); r += blockDim.x) {
+    float y[HALVES];
+#pragma unroll
+    for (int hh = 0; hh < HALVES; ++hh) y[hh] = ys[r * HALVES + hh];
+    gemv_store<HALVES>(y, r0 + r, 0, bias, res, 0, out, 0, half, act, flags);
+  }
 }
 
 #define GEMV1_ONE(T, W, TN, WN, HALVES)                                                                        \

@@ -473,8 +473,8 @@ def test_gpu_batch1_streaming_kernel_and_warp_rows_kernel(rng, monkeypatch, N, K
     if act == "swiglu":
         N += N % 2
     halves = 2 if act == "swiglu" else 1
-    if stream:
-        assert gmod.b1_plan(K, np.dtype(dtype).itemsize, np.dtype(dtype).itemsize, halves) is not None
+    if stream and K <= 2048 and dtype == BF16:  # (the decode shapes must take it; longer fp32 rows may not)
+        assert gmod.b1_plan(K, 2, 2, halves, N // halves, 264) is not None
     x, _, kw = _inputs(rng, 1, K, N, dtype, norm="rms", bias=True, act=act, res=True, xscale=2.0)
     w = _weight(N, K, np.dtype(dtype))
     got, _ = _gpu_vs_ref(x, w, kw, np.dtype(dtype), n_ulp=3 if act == "swiglu" else 2, what=f"N{N} K{K} {act}")
