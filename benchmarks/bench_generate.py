@@ -92,8 +92,7 @@ def main(argv=None):
     ap.add_argument("--generic", action="store_true",
                     help="also batch 1, prompt 128 through the generic forward (model.fast_decode = False)")
     ap.add_argument("--pdl-ab", action="store_true",
-                    help="also batch 1, prompt 128 with programmatic dependent launch off, and with the "
-                         "warp-per-row GEMV at B = 1 (gemv.B1_STREAM off)")
+                    help="also batch 1, prompt 128 with programmatic dependent launch off")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.hf_worker:  # (a child of --vs-hf: transformers alone in this process)
@@ -123,12 +122,6 @@ def main(argv=None):
         print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
               f"(programmatic dependent launch off)", flush=True)
         _launch.PDL = True
-        from cukernels.ops import gemv as gmod
-        gmod.B1_STREAM = False
-        pre, tps = ours(model, 1, 128, a.new, cp)
-        print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
-              f"(B = 1 GEMVs on the warp-per-row kernel, gemv.B1_STREAM off)", flush=True)
-        gmod.B1_STREAM = True
     if a.generic:  # the same step through the generic forward (no fused per-block decode), batch 1, prompt 128
         model.fast_decode = False
         pre, tps = ours(model, 1, 128, a.new, cp)

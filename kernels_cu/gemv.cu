@@ -56,7 +56,6 @@
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 #include "common/pdl.cuh"
-#include "common/mma.cuh"
 
 // The activations, with the very formulas of activations.cu (silu_f, gelu_f, gelu_erf_f), so that the fused
 // epilogue and ck.swiglu / ck.gelu agree bit for bit on the same rounded inputs.
@@ -81,6 +80,7 @@ constexpr unsigned GEMV_BIAS_F32 = 2u;   // bias is fp32, else bf16
 constexpr unsigned GEMV_NW_F32 = 4u;     // norm_weight / norm_bias are fp32, else bf16
 constexpr unsigned GEMV_ROUND_MID = 8u;  // intermediates rounded to bf16 (x and out both bf16)
 constexpr unsigned GEMV_X_VEC = 16u;     // x rows 16-byte aligned with K % (16 / sizeof(T)) == 0
+constexpr long long GEMV_PREFETCH = 8192;  // bytes of its first rows a warp asks into L2 up front
 // norm: 0 none, 1 rms, 2 layer.   act: 0 none, 1 swiglu, 2 gelu (tanh), 3 gelu (erf).
 
 __device__ __forceinline__ float ld_any(const void* p, long long i, bool f32) {
@@ -334,6 +334,22 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
   const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
   const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
   if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
+  // ... and the rest of the warp's first rows, up to GEMV_PREFETCH bytes a warp, is asked into L2 (a hint: no
+  // register holds it). The second chunk of a K = 2048 row (and a warp's second row) then comes from L2, not
+  // DRAM: at B = 1 a qkv / o GEMV is a chain of 2-4 dependent round trips a warp (session 5: ~4-5 us fixed a
+  // GEMV), and under PDL these prefetches go out while the previous kernel still runs. 8 KB x ~2-3K warps is
+  // 17-25 MB in flight in the 50 MB L2.
+  {
+    const long long rowbytes = (long long)K * sizeof(W);
+    long long left = GEMV_PREFETCH;
+    for (long long jj = gw; jj < ngroups && left > 0; jj += nwg, left -= RPW * rowbytes)
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const char* row = reinterpret_cast<const char*>(w + tile_row<G, HALVES>(jj, r, half, n_out) * ldw);
+        for (long long off = (long long)lane * 128; off < rowbytes && off < left; off += 32 * 128)
+          prefetch_l2(row + off);
+      }
+  }
   // Everything above reads only W. Under programmatic dependent launch (the fused decode step: ops/_launch.py)
   // the kernel gets here while the previous kernel still runs; x, the residual and out belong to it until the
   // wait returns (common/pdl.cuh).
@@ -389,140 +405,6 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
     }
   }
 }
-
-// ---- B = 1 streaming kernel (gemv1_*): the weight through a cp.async ring in shared memory.
-// Why (session 5, H200, LLaMA-1B decode at B = 1): the warp-per-row kernel above holds its in-flight W in
-// registers (110 registers a thread at 8 packs a lane: 2 blocks a SM), so a 8-12 MB qkv / o GEMV ran at 30-37 %
-// of copy bandwidth (9.7 / 5.4 us) and a running GEMV left no room on the SM for the next kernel's blocks, which
-// made programmatic dependent launch worth only 46 us a step. Here the bytes in flight live in shared memory:
-// B1_BLOCKS_PER_SM blocks a SM, each a contiguous range of output rows [r0, r1) (balanced to one row), streamed
-// in stages of RS rows (R = HALVES x RS stage rows, <= 8; a stage is ~16 KB), NS = 4 stages in
-// flight (64 KB a SM: Little's law asks ~50 KB at 32 GB/s a SM x ~1.5 us). 256 threads copy with 16-byte
-// cp.async (no registers held while the bytes fly), the first NS - 1 stages before pdl_wait() -- W is read-only
-// in the decode step -- so a GEMV's DRAM traffic starts while the kernel before it finishes. A block takes
-// ~70-80 KB of shared memory and ~40 registers a thread, so the next kernel's block fits beside it.
-// Compute: stage row sr has KS = 8 / R warps, each a strided share of its 16-byte packs (x from shared memory
-// too), a warp sum, then thread t < RS adds the KS partials in order (deterministic) into shared memory; the
-// epilogue runs for the block's whole row range after the loop (its global loads in parallel, not one round
-// trip a stage).
-constexpr int G1_NS = 4;  // stages in flight (gemv.py: B1_STAGES)
-
-template <typename T, typename W, int HALVES>
-__device__ __forceinline__ void gemv1_issue(W* buf, const W* __restrict__ w, long long ldw, long long row0, int rows,
-                                            int RS, int K, int half) {
-  constexpr int E = 16 / sizeof(W);
-  const int upr = K / E;  // 16-byte units a row (K % E == 0: the launcher's VEC condition)
-  const int total = HALVES * rows * upr;
-  for (int u = threadIdx.x; u < total; u += blockDim.x) {
-    const int r = u / upr, c = u - r * upr;  // stage row r = h * rows + i
-    const int h = r / rows, i = r - h * rows;
-    cp_async16(buf + (long long)(h * RS + i) * K + c * E, w + (row0 + i + (long long)h * half) * ldw + c * E, true);
-  }
-}
-
-template <typename T, typename W, int HALVES>
-__device__ __forceinline__ void gemv1_body(const T* __restrict__ x, int K, const W* __restrict__ w, long long ldw,
-                                           const void* __restrict__ bias, const void* __restrict__ nw,
-                                           const void* __restrict__ nb, float eps, float inv_k, const void* res,
-                                           void* out, int n_out, int half, int norm, int act, unsigned flags,
-                                           int RS) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  __shared__ float red[8][8];
-  constexpr int E = 16 / sizeof(W);
-  const int Kp = (K + 7) & ~7;
-  T* xs = reinterpret_cast<T*>(gemv_smem);
-  W* ring = reinterpret_cast<W*>(gemv_smem + (((long long)Kp * sizeof(T) + 15) & ~15LL));
-  const long long stage_elems = (long long)HALVES * RS * K;
-  float* ys = reinterpret_cast<float*>(ring + G1_NS * stage_elems);  // the row range's dot products
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // this block's rows [r0, r1): n_out split into gridDim.x ranges that differ by at most one row
-  const long long r0 = (long long)n_out * blockIdx.x / gridDim.x, r1 = (long long)n_out * (blockIdx.x + 1) / gridDim.x;
-  const int nst = (int)((r1 - r0 + RS - 1) / RS);
-  auto rows_of = [&](int st) { return (int)min((long long)RS, r1 - r0 - (long long)st * RS); };
-
-#pragma unroll
-  for (int st = 0; st < G1_NS - 1; ++st) {
-    if (st < nst) gemv1_issue<T, W, HALVES>(ring + st * stage_elems, w, ldw, r0 + (long long)st * RS, rows_of(st), RS, K, half);
-    cp_async_commit();
-  }
-  // W only so far; x, the residual and out belong to the previous kernel until the wait returns (common/pdl.cuh)
-  pdl_wait();
-  pdl_trigger();
-  gemv_stage_x<T, 1>(xs, Kp, x, 0, 1, K, nw, nb, eps, inv_k, norm, flags);
-
-  const int R = HALVES * RS, KS = 8 / R;
-  const int sr = warp / KS, ks = warp - sr * KS;  // this warp's stage row and its share of the row
-  const int units = K / E;
-  for (int st = 0; st < nst; ++st) {
-    const int nx = st + G1_NS - 1;
-    if (nx < nst) gemv1_issue<T, W, HALVES>(ring + (nx % G1_NS) * stage_elems, w, ldw, r0 + (long long)nx * RS, rows_of(nx), RS, K, half);
-    cp_async_commit();
-    cp_async_wait<G1_NS - 1>();
-    __syncthreads();  // every thread's copies of stage st have landed
-    const W* buf = ring + (st % G1_NS) * stage_elems;
-    const int rows = rows_of(st);
-    const int h = sr / RS, i = sr - h * RS;
-    float acc = 0.f;
-    if (sr < R && i < rows) {
-      const W* wr = buf + (long long)(h * RS + i) * K;
-      for (int u = lane + 32 * ks; u < units; u += 32 * KS) {
-        const Pack<W, E> wp = load_pack<W, E>(wr + u * E);
-        float xf[E];
-        if constexpr (E * sizeof(T) >= 16) {
-          constexpr int XP = 16 / sizeof(T);
-#pragma unroll
-          for (int c = 0; c < E / XP; ++c) {
-            const Pack<T, XP> xv = load_pack<T, XP>(xs + u * E + c * XP);
-#pragma unroll
-            for (int q = 0; q < XP; ++q) xf[c * XP + q] = to_f32(xv.v[q]);
-          }
-        } else {
-          const Pack<T, E> xv = load_pack<T, E>(xs + u * E);
-#pragma unroll
-          for (int q = 0; q < E; ++q) xf[q] = to_f32(xv.v[q]);
-        }
-#pragma unroll
-        for (int q = 0; q < E; ++q) acc = fmaf(to_f32(wp.v[q]), xf[q], acc);
-      }
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) red[sr < 8 ? sr : 7][ks] = acc;
-    __syncthreads();  // red is complete, and every warp is done with this stage's buffer (the next issue reuses it)
-    // The dot products go to shared memory; the epilogue (bias, residual: global loads, a DRAM or L2 round trip
-    // each) runs once for the whole row range after the loop. In the loop it cost a round trip a stage: the
-    // first version ran qkv at 13 us and gate_up at 55 us (session 5).
-    if (tid < rows) {
-#pragma unroll
-      for (int hh = 0; hh < HALVES; ++hh) {
-        float a = 0.f;
-        for (int k2 = 0; k2 < KS; ++k2) a += red[hh * RS + tid][k2];
-        ys[(st * RS + tid) * HALVES + hh] = a;
-      }
-    }
-    // (no barrier: red is rewritten only after the next stage's first barrier, which these threads reach after
-    // reading it)
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int r = tid; r < (int)(r1 - r0); r += blockDim.x) {
-    float y[HALVES];
-#pragma unroll
-    for (int hh = 0; hh < HALVES; ++hh) y[hh] = ys[r * HALVES + hh];
-    gemv_store<HALVES>(y, r0 + r, 0, bias, res, 0, out, 0, half, act, flags);
-  }
-}
-
-#define GEMV1_ONE(T, W, TN, WN, HALVES)                                                                        \
-  extern "C" __global__ void __launch_bounds__(256) gemv1_##TN##_##WN##_r##HALVES(                            \
-      const T* x, int K, const W* w, long long ldw, const void* bias, const void* nw, const void* nb, float eps, \
-      float inv_k, const void* res, void* out, int n_out, int half, int norm, int act, unsigned flags, int RS) { \
-    gemv1_body<T, W, HALVES>(x, K, w, ldw, bias, nw, nb, eps, inv_k, res, out, n_out, half, norm, act, flags, RS); \
-  }
-#define GEMV1_ALL(T, W, TN, WN) GEMV1_ONE(T, W, TN, WN, 1) GEMV1_ONE(T, W, TN, WN, 2)
-GEMV1_ALL(bf16, bf16, bf16, bf16)
-GEMV1_ALL(bf16, float, bf16, f32)
-GEMV1_ALL(float, bf16, f32, bf16)
-GEMV1_ALL(float, float, f32, f32)
 
 // Entry points: gemv_<x dtype>_<W dtype>_b<NB>_r<HALVES>_g<G>_<v|s> (HALVES 2: SwiGLU; G 2 only for NB 4 / 8).
 // 256 threads a block (the launcher's THREADS).

@@ -448,42 +448,7 @@ def test_every_kernel_the_launcher_names_is_compiled():
                         for sw in (False, True):
                             for vec in (False, True):
                                 names.add(gmod.kernel_name(xd, wd, rows, sw, vec)[0])
-                            names.add(gmod.b1_kernel_name(xd, wd, sw))
         finally:
             gmod.PAIR_MIN_NB = old
     assert names <= entries, sorted(names - entries)
-    assert len(names) == len(entries) == 96 + 8  # and nothing compiled that no launch can reach
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stream", [True, False], ids=["gemv1", "warp_rows"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("N,K", [(1, 2048), (7, 768), (131, 64), (3072, 2048), (2048, 8192), (50257, 768),
-                                 (263, 3072)])
-@pytest.mark.parametrize("act", [None, "swiglu", "gelu_tanh"])
-def test_gpu_batch1_streaming_kernel_and_warp_rows_kernel(rng, monkeypatch, N, K, act, dtype, stream):
-    """B = 1 takes the streaming kernel (gemv1_*: W through a cp.async ring, one block a SM, contiguous row
-    ranges per block, stages of RS rows; b1_plan) or, switched off, the warp-per-row kernel: both against the
-    reference with the rms prologue, bias, activation and an in-place residual, N below the SM count, N not a
-    multiple of the stage rows, K from one 16-byte pack a lane to 8192; a padded row stride (the head's), and
-    bit-identical reruns."""
-    from cukernels.ops import gemv as gmod
-
-    monkeypatch.setattr(gmod, "B1_STREAM", stream)
-    if act == "swiglu":
-        N += N % 2
-    halves = 2 if act == "swiglu" else 1
-    if stream and K <= 2048 and dtype == BF16:  # (the decode shapes must take it; longer fp32 rows may not)
-        assert gmod.b1_plan(K, 2, 2, halves, N // halves, 264) is not None
-    x, _, kw = _inputs(rng, 1, K, N, dtype, norm="rms", bias=True, act=act, res=True, xscale=2.0)
-    w = _weight(N, K, np.dtype(dtype))
-    got, _ = _gpu_vs_ref(x, w, kw, np.dtype(dtype), n_ulp=3 if act == "swiglu" else 2, what=f"N{N} K{K} {act}")
-    again, _ = _gpu_vs_ref(x, w, kw, np.dtype(dtype), n_ulp=3 if act == "swiglu" else 2, what="rerun")
-    assert np.array_equal(to_host(got).view(np.uint8), to_host(again).view(np.uint8))
-    # a padded row stride: W rows 8 elements further apart than K (a padded head), 16-byte aligned rows
-    wp = np.zeros((N, K + 8), dtype=w.dtype)
-    wp[:, :K] = w
-    wd = device_copy(wp)[:, :K]
-    kw2 = {k: (device_copy(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items() if k != "residual"}
-    ref = gemv(x, w, **{k: v for k, v in kw.items() if k != "residual"})
-    _check(gemv(device_copy(x), wd, **kw2), ref, np.dtype(dtype), 3 if act == "swiglu" else 2, what="padded ldw")
+    assert len(names) == len(entries) == 96  # and nothing compiled that no launch can reach

@@ -11,8 +11,7 @@ Memory-bound on the weight: GB/s counts the weight bytes only (N * K * 2; x, out
 B = 8), the number the decode step's floor is made of. "x cupy": the unfused composition of our own ops
 (ck.rms_norm, ck.matmul on cuBLAS, ck.swiglu_packed, ck.add), the path the model's decode step takes today;
 "x torch": ``x @ W.T`` in torch bf16 (torch.mm with out=; no norm / activation / residual: the GEMV alone).
-At B = 1 each shape runs twice: the streaming kernel (gemv1_*, the default, gemv.B1_STREAM) and "W" (the
-warp-per-row kernel). At B = 8 each shape runs twice: the default (a warp takes G = 2 adjacent columns, gemv.PAIR_MIN_NB) and "G1"
+At B = 8 each shape runs twice: the default (a warp takes G = 2 adjacent columns, gemv.PAIR_MIN_NB) and "G1"
 (one column a warp), to settle the choice on the device.
 """
 import numpy as np
@@ -71,18 +70,6 @@ def cases(ctx):
                                         f32out and "fp32 out") if p)
             out.append(Case(f"gemv {name}", f"B{Bn} {N}x{K}", "bf16", wbytes, "N*K*2 (weight only)", ours, comp,
                             tf, note=note, extra=dict(nsets=k_)))
-            if Bn == 1:
-
-                def ours_w(i, ours=ours):
-                    old = gmod.B1_STREAM
-                    gmod.B1_STREAM = False  # the warp-per-row kernel
-                    try:
-                        return ours(i)
-                    finally:
-                        gmod.B1_STREAM = old
-
-                out.append(Case(f"gemv {name} W", f"B{Bn} {N}x{K}", "bf16", wbytes, "N*K*2 (weight only)", ours_w,
-                                None, None, note=note + " (warp-per-row kernel)", extra=dict(nsets=k_)))
             if Bn >= 3:
 
                 def ours_g1(i, ours=ours):

@@ -21,14 +21,6 @@ SMEM_CAP = 128 * 1024
 # price of half the warps (N = 2048: 128 blocks). Kernels exist for NB 4 and 8 with G 1 and 2; a value > 8 turns
 # the pairing off (the benchmark compares both).
 PAIR_MIN_NB = 4
-# B = 1 (the decode step at batch 1) takes the streaming kernel gemv1_* (gemv.cu: the weight through a cp.async
-# ring in shared memory, one block a SM) when its ring fits: stages of ~B1_STAGE_BYTES, B1_STAGES in flight.
-# B1_STREAM = False keeps the warp-per-row kernel (the benchmark's A/B).
-B1_STREAM = True
-B1_STAGES = 4            # gemv.cu G1_NS
-B1_STAGE_BYTES = 16 * 1024
-B1_SMEM_MAX = 100 * 1024  # x + the ring + the row range's sums; the next kernel's block still fits beside
-B1_BLOCKS_PER_SM = 2     # grid = this x the SM count (2: 128 KB of W in flight a SM)
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
@@ -40,29 +32,6 @@ def _nb(rows: int) -> int:
 
 def _smem(rows: int, K: int, itemsize: int) -> int:
     return _nb(rows) * (-(-K // 8) * 8) * itemsize
-
-
-def b1_plan(K: int, w_itemsize: int, x_itemsize: int, halves: int, n_out: int, grid: int):
-    """``(RS output rows a stage, shared memory bytes)`` of the B = 1 streaming kernel, or None when x + its ring
-    + the row range's fp32 sums would exceed B1_SMEM_MAX (rows longer than ~20 KB, or more than ~4000 output
-    rows a block: the warp-per-row kernel takes them). RS is the largest power of two with HALVES x RS <= 8
-    stage rows (one warp each at least) and a stage <= B1_STAGE_BYTES."""
-    row = K * w_itemsize
-    rs = 1
-    while halves * rs * 2 <= 8 and halves * rs * 2 * row <= B1_STAGE_BYTES:
-        rs *= 2
-    smem = ((-(-K // 8) * 8 * x_itemsize + 15) // 16 * 16 + B1_STAGES * halves * rs * row
-            + -(-n_out // grid) * halves * 4)
-    return (rs, smem) if smem <= B1_SMEM_MAX else None
-
-
-def b1_grid(n_out: int) -> int:
-    return max(1, min(B1_BLOCKS_PER_SM * B.sm_count(), n_out))
-
-
-def b1_kernel_name(x_dtype, w_dtype, swiglu: bool) -> str:
-    """The B = 1 streaming kernel for these operands (gemv.cu gemv1_*)."""
-    return (f"gemv1_{B.DTYPE_TAG[np.dtype(x_dtype)]}_{B.DTYPE_TAG[np.dtype(w_dtype)]}_r{2 if swiglu else 1}")
 
 
 def kernel_name(x_dtype, w_dtype, rows: int, swiglu: bool, vec: bool):
@@ -369,24 +338,6 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
              | (8 if _mid_dtype(x.dtype, odt) == B.bfloat16 else 0)
              | (16 if x_vec else 0))
     inv_k = np.float32(1.0) / np.float32(K)  # correctly rounded, as the kernels' 1.f / C
-    plan = None
-    if rows == 1 and vec and B1_STREAM:
-        grid1 = b1_grid(n_out)
-        plan = b1_plan(K, weight.itemsize, x.itemsize, 2 if swiglu else 1, n_out, grid1)
-    if plan is not None:
-        rs, smem1 = plan
-        k = L.with_smem(get_function(FAMILY, b1_kernel_name(x.dtype, weight.dtype, swiglu)), smem1)
-        L.launch(k, (grid1,), (THREADS, 1, 1),
-                 (L.ptr(x), np.int32(K), L.ptr(weight), np.int64(ldw),
-                  L.ptr(bias) if bias is not None else B.NULL,
-                  L.ptr(norm_weight) if norm_weight is not None else B.NULL,
-                  L.ptr(norm_bias) if norm_bias is not None else B.NULL,
-                  np.float32(eps), inv_k, L.ptr(residual) if residual is not None else B.NULL, L.ptr(out),
-                  np.int32(n_out), np.int32(n_out if swiglu else 0),
-                  np.int32(0 if norm is None else NORMS.index(norm) + 1), np.int32(ACTS.get(act, 0)),
-                  np.uint32(flags), np.int32(rs)),
-                 smem1, pdl=True)
-        return out
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
     k = L.with_smem(get_function(FAMILY, name), SMEM_CAP)
     groups = -(-n_out // G)

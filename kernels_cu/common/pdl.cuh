@@ -5,7 +5,8 @@
 //     kernel may still read (out, residual, caches, workspaces): griddepcontrol.wait returns once every
 //     prerequisite grid has completed and its memory is visible.
 //   * Before pdl_wait() it may only read what no kernel of the step writes (weights, tables): those loads are
-//     what overlaps the previous kernel's tail -- a decode GEMV's first weight chunk, ~1-2 us a launch.
+//     what overlaps the previous kernel's tail -- a decode GEMV's first weight chunk, ~1-2 us a launch. L2
+//     prefetch hints (prefetch_l2 below) may touch anything in the allocations: they change no value read.
 //   * pdl_trigger() lets the next PDL kernel be scheduled; called right after pdl_wait(), so at most one grid
 //     waits ahead of the running one (its blocks take SM slots while they wait).
 // Both are no-ops below sm_90, and pdl_wait() returns at once when the kernel was launched without the attribute
@@ -23,3 +24,12 @@ __device__ __forceinline__ void pdl_trigger() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// A hint that the 128-byte line holding p be brought into L2 (no register holds the data, no fault semantics
+// the kernel relies on: p must still point into an allocation). Before pdl_wait() it lets a kernel start its
+// DRAM traffic while the previous kernel runs, also for data the previous kernel may be writing: L2 is where
+// those writes land, and the reads after the wait see them.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
