@@ -120,7 +120,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
                                             int mask_esz, float* __restrict__ ws, bf16* __restrict__ out,
                                             long long qb, long long qt, long long qh, long long kb, long long kt,
                                             long long kh, long long vb, long long vt, long long vh, int Tq, int H,
-                                            int Hkv, int Lmax, int splits, int RG, float scale, int direct) {
+                                            int Hkv, int Lmax, int splits, int RG, float scale, int mode) {
   using LY = Layout<D, MTB>;
   constexpr int LD = LY::LD, KG = LY::KG, STAGE = LY::STAGE, CH = D / 8;  // CH: 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,13 +133,14 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   const int G = H / Hkv, R = G * Tq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
   const int rt = warp % MTB, kg = warp / MTB;
+  const bool direct = mode & 1;  // mode bit 0: one split (o written here); bit 1: the L2 prefetch below
 
   // Before the wait: this block's K/V rows asked into L2 (prefetch_l2, a hint). The length read here may be
   // stale or in flight -- it only chooses which lines to prefetch (clamped to the cache); everything is read
   // again after the wait, the newest row (written by rope_kv_write just before) included. In the decode step
   // the chain after the wait was ~6 dependent round trips (session 5: 7.8 us a layer); this takes the K/V
   // stages' DRAM latency off it and overlaps it with the previous kernel.
-  {
+  if (mode & 2) {
     const int Lh = cache_length(len_ptr, len_val, Lmax);
     const int ch = chunk_length(Lh, splits, STAGE);
     const long long a0 = (long long)split * ch;
@@ -382,9 +383,9 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
-      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
+      int Lmax, int splits, int RG, float scale, int mode) {                                                    \
     dattn_split<D, MTB>(q, k, v, len_ptr, len_val, mask, mask_b, mask_esz, ws, out, qb, qt, qh, kb, kt, kh, vb, \
-                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, direct);                                   \
+                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, mode);                                     \
   }
 DATTN_SPLIT(32, 1, 4)
 DATTN_SPLIT(32, 2, 4)

@@ -80,7 +80,7 @@ constexpr unsigned GEMV_BIAS_F32 = 2u;   // bias is fp32, else bf16
 constexpr unsigned GEMV_NW_F32 = 4u;     // norm_weight / norm_bias are fp32, else bf16
 constexpr unsigned GEMV_ROUND_MID = 8u;  // intermediates rounded to bf16 (x and out both bf16)
 constexpr unsigned GEMV_X_VEC = 16u;     // x rows 16-byte aligned with K % (16 / sizeof(T)) == 0
-constexpr long long GEMV_PREFETCH = 8192;  // bytes of its first rows a warp asks into L2 up front
+// flags bits 8-15: KB of its first rows a warp asks into L2 before the wait (gemv.py PREFETCH_KB)
 // norm: 0 none, 1 rms, 2 layer.   act: 0 none, 1 swiglu, 2 gelu (tanh), 3 gelu (erf).
 
 __device__ __forceinline__ float ld_any(const void* p, long long i, bool f32) {
@@ -334,14 +334,14 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
   const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
   const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
   if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
-  // ... and the rest of the warp's first rows, up to GEMV_PREFETCH bytes a warp, is asked into L2 (a hint: no
+  // ... and the rest of the warp's first rows, up to PREFETCH_KB a warp (flags), is asked into L2 (a hint: no
   // register holds it). The second chunk of a K = 2048 row (and a warp's second row) then comes from L2, not
   // DRAM: at B = 1 a qkv / o GEMV is a chain of 2-4 dependent round trips a warp (session 5: ~4-5 us fixed a
-  // GEMV), and under PDL these prefetches go out while the previous kernel still runs. 8 KB x ~2-3K warps is
-  // 17-25 MB in flight in the 50 MB L2.
+  // GEMV), and under PDL these prefetches go out while the previous kernel still runs. 8 KB x ~2-3K warps would
+  // be 17-25 MB in flight in the 50 MB L2.
   {
     const long long rowbytes = (long long)K * sizeof(W);
-    long long left = GEMV_PREFETCH;
+    long long left = (long long)((flags >> 8) & 255u) * 1024;
     for (long long jj = gw; jj < ngroups && left > 0; jj += nwg, left -= RPW * rowbytes)
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {

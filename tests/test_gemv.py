@@ -452,3 +452,22 @@ def test_every_kernel_the_launcher_names_is_compiled():
             gmod.PAIR_MIN_NB = old
     assert names <= entries, sorted(names - entries)
     assert len(names) == len(entries) == 96  # and nothing compiled that no launch can reach
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Bn", [1, 3])
+def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
+    """The L2 prefetch before the wait (PREFETCH_KB: 0, 4, 255 KB a warp) is a hint: the outputs are bit-identical
+    whatever its size, with the rms prologue, SwiGLU and an in-place residual, K = 2048 and 8192."""
+    from cukernels.ops import gemv as gmod
+
+    for K, N, act in ((2048, 3072, None), (2048, 4096, "swiglu"), (8192, 2048, None)):
+        x, _, kw = _inputs(rng, Bn, K, N, BF16, norm="rms", act=act, res=True)
+        w = device_copy(_weight(N, K, BF16))
+        dkw = {k: (device_copy(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+        xd = device_copy(x)
+        outs = []
+        for kb in (0, 4, 255):
+            monkeypatch.setattr(gmod, "PREFETCH_KB", kb)
+            outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
+        assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} {act}"

@@ -21,6 +21,9 @@ SMEM_CAP = 128 * 1024
 # price of half the warps (N = 2048: 128 blocks). Kernels exist for NB 4 and 8 with G 1 and 2; a value > 8 turns
 # the pairing off (the benchmark compares both).
 PAIR_MIN_NB = 4
+# KB of its first rows each warp asks into L2 before it waits on the previous kernel (gemv.cu; 0: none). A hint:
+# the results do not depend on it.
+PREFETCH_KB = 4
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
@@ -336,7 +339,8 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
              | (2 if bias is not None and bias.dtype == np.float32 else 0)
              | (4 if norm_weight is not None and norm_weight.dtype == np.float32 else 0)
              | (8 if _mid_dtype(x.dtype, odt) == B.bfloat16 else 0)
-             | (16 if x_vec else 0))
+             | (16 if x_vec else 0)
+             | (min(255, max(0, int(PREFETCH_KB))) << 8))
     inv_k = np.float32(1.0) / np.float32(K)  # correctly rounded, as the kernels' 1.f / C
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
     k = L.with_smem(get_function(FAMILY, name), SMEM_CAP)
