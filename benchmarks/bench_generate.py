@@ -128,7 +128,8 @@ def main(argv=None):
         for what, mod, attr, val in (("gemv.PREFETCH_KB = 0", gmod, "PREFETCH_KB", 0),
                                      ("gemv.PREFETCH_KB = 2", gmod, "PREFETCH_KB", 2),
                                      ("gemv.PREFETCH_KB = 8", gmod, "PREFETCH_KB", 8),
-                                     ("decode_attention.PREFETCH = False", dmod, "PREFETCH", False)):
+                                     ("decode_attention.PREFETCH = False", dmod, "PREFETCH", False),
+                                     ("gemv.MAX_BLOCKS_PER_SM = 2", gmod, "MAX_BLOCKS_PER_SM", 2)):
             old = getattr(mod, attr)
             setattr(mod, attr, val)
             pre, tps = ours(model, 1, 128, a.new, cp)

@@ -24,6 +24,10 @@ PAIR_MIN_NB = 4
 # KB of its first rows each warp asks into L2 before it waits on the previous kernel (gemv.cu; 0: none). A hint:
 # the results do not depend on it.
 PREFETCH_KB = 4
+# Blocks a SM the grid may take (None: a full wave, 2-3 blocks of 256 threads a SM at 70-110 registers). Fewer
+# leave room for the next kernel's blocks under programmatic dependent launch, at the price of fewer warps with
+# loads in flight (the benchmark's A/B).
+MAX_BLOCKS_PER_SM = None
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
@@ -345,7 +349,10 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
     k = L.with_smem(get_function(FAMILY, name), SMEM_CAP)
     groups = -(-n_out // G)
-    grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))
+    wave = L.wave(k, THREADS, smem)
+    if MAX_BLOCKS_PER_SM:
+        wave = min(wave, int(MAX_BLOCKS_PER_SM) * B.sm_count())
+    grid = max(1, min(-(-groups // (THREADS // 32)), wave))
     L.launch(k, (grid,), (THREADS, 1, 1),
       (L.ptr(x), np.int64(ldx), np.int32(rows), np.int32(K), L.ptr(weight), np.int64(ldw),
        L.ptr(bias) if bias is not None else B.NULL,
