@@ -21,7 +21,7 @@ from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write, rope_kv_write
 from .ops.gemv import gemv
 from .ops.attention_sm90 import flash_attention_backward_sm90, flash_attention_sm90, flash_attention_sm90_supported
-from .ops.sampling import sample_tokens
+from .ops.sampling import sample_tokens, sample_workspace
 from .autograd import Function, Tensor, no_grad, tensor
 from .amp import autocast
 from . import distributed, functional, graph, io, nn, optim
