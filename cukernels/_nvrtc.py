@@ -94,7 +94,10 @@ def _compile(family: str, arch_opt: str, extra: tuple[str, ...]) -> tuple[str, s
     if rc != 0:
         raise RuntimeError(f"nvrtcCreateProgram failed ({rc}) for {family}.cu")
     try:
-        opts = [o.encode() for o in (*OPTIONS, arch_opt, *extra)]
+        # -ftz=true: what CuPy adds to every NVRTC compile (cupy/cuda/compiler.py), so the PTX and ptxas's report
+        # here are those of the kernels that run (flush-to-zero float math: session 5 found a float compare of
+        # a subnormal with 0 true on the device).
+        opts = [o.encode() for o in (*OPTIONS, "-ftz=true", arch_opt, *extra)]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
