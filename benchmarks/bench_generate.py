@@ -92,8 +92,8 @@ def main(argv=None):
     ap.add_argument("--generic", action="store_true",
                     help="also batch 1, prompt 128 through the generic forward (model.fast_decode = False)")
     ap.add_argument("--pdl-ab", action="store_true",
-                    help="also batch 1, prompt 128 with programmatic dependent launch off, and with the L2 "
-                         "prefetch sizes varied (gemv.PREFETCH_KB, decode_attention.PREFETCH)")
+                    help="also batch 1, prompt 128 with programmatic dependent launch off, and with the GEMV's "
+                         "L2 prefetch varied (gemv.PREFETCH_KB)")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.hf_worker:  # (a child of --vs-hf: transformers alone in this process)
@@ -123,13 +123,10 @@ def main(argv=None):
         print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
               f"(programmatic dependent launch off)", flush=True)
         _launch.PDL = True
-        from cukernels.ops import decode_attention as dmod
         from cukernels.ops import gemv as gmod
         for what, mod, attr, val in (("gemv.PREFETCH_KB = 0", gmod, "PREFETCH_KB", 0),
                                      ("gemv.PREFETCH_KB = 2", gmod, "PREFETCH_KB", 2),
-                                     ("gemv.PREFETCH_KB = 8", gmod, "PREFETCH_KB", 8),
-                                     ("decode_attention.PREFETCH = False", dmod, "PREFETCH", False),
-                                     ("gemv.MAX_BLOCKS_PER_SM = 2", gmod, "MAX_BLOCKS_PER_SM", 2)):
+                                     ("gemv.PREFETCH_KB = 8", gmod, "PREFETCH_KB", 8)):
             old = getattr(mod, attr)
             setattr(mod, attr, val)
             pre, tps = ours(model, 1, 128, a.new, cp)

@@ -74,3 +74,69 @@ if [ "$stage" = "s4b" ]; then  # session 4, call B: kernel benches, generation v
   timeout 110 python benchmarks/bench_train.py --configs b4t64,b8t1024 --json "$out/bench_llama.json" 2>&1 \
     | tee "$out/bench_llama.log" | grep -v "^    "
 fi
+if [ "$stage" = "s5a" ]; then  # session 5, call A: the GPU suite on HEAD, the fused decode profile, unmeasured rows
+  timeout 330 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 60
+  timeout 90 python benchmarks/profile_generate.py --model llama --top 30 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+  timeout 200 python benchmarks/bench_ops.py --no-startup --only gemv,softmax,linear_cross_entropy \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -v "^ *$" "$out/bench_ops.log" | tail -n 60
+fi
+if [ "$stage" = "s5b" ]; then  # session 5, call B: PDL + the B = 1 GEMV tiles (tests, kernel rows, the step)
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_launch.py tests/test_gemv.py \
+    tests/test_generate.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 30
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only gemv --json "$out/bench_ops.json" \
+    > "$out/bench_ops.log" 2>&1; grep -E "^gemv" "$out/bench_ops.log"
+  timeout 120 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 --pdl-ab --generic 2>&1 \
+    | tee "$out/bench_generate_llama.log"
+  timeout 90 python benchmarks/profile_generate.py --model llama --top 14 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
+if [ "$stage" = "s5c" ]; then  # session 5, call C: the one-launch decode attention, greedy across blocks, gemv1
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_launch.py tests/test_gemv.py \
+    tests/test_generate.py tests/test_decode_attention.py tests/test_sampling.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 40
+  timeout 150 python benchmarks/bench_ops.py --no-startup --quick --only gemv,decode_attention,sampling \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^(gemv|decode|sample)" "$out/bench_ops.log"
+  timeout 120 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 --pdl-ab 2>&1 \
+    | tee "$out/bench_generate_llama.log"
+  timeout 90 python benchmarks/profile_generate.py --model llama --top 14 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
+if [ "$stage" = "s5d1" ]; then  # session 5, call D1: the whole GPU suite, the GEMV / sampling / attention rows
+  timeout 280 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 50
+  timeout 90 python benchmarks/bench_ops.py --no-startup --only gemv --json "$out/bench_gemv.json" \
+    > "$out/bench_gemv.log" 2>&1; grep -E "^gemv .*B1" "$out/bench_gemv.log"
+  timeout 60 python benchmarks/bench_ops.py --no-startup --quick --only sampling,decode_attention \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "greedy  |B1 len" "$out/bench_ops.log"
+fi
+if [ "$stage" = "s5d2" ]; then  # session 5, call D2: generation, ours vs transformers, LLaMA-1B and GPT-2
+  timeout 330 python benchmarks/bench_generate.py --model llama --pdl-ab --generic --vs-hf 2>&1 \
+    | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
+  timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 --generic 2>&1 \
+    | tee "$out/bench_generate_gpt2.log"
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 10 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
+if [ "$stage" = "s5e" ]; then  # session 5, call E: the fixed gemv1 (tests, B1 rows, the step A/B, profile)
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_launch.py tests/test_gemv.py \
+    tests/test_generate.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 20
+  timeout 90 python benchmarks/bench_ops.py --no-startup --only gemv --json "$out/bench_gemv.json" \
+    > "$out/bench_gemv.log" 2>&1; grep -E "^gemv .*B1" "$out/bench_gemv.log"
+  timeout 100 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 --pdl-ab 2>&1 \
+    | tee "$out/bench_generate_llama.log"
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 12 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
+if [ "$stage" = "s5f" ]; then  # session 5, call F: L2 prefetch before the wait (tests, rows, the step A/B, profile)
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_launch.py tests/test_gemv.py \
+    tests/test_generate.py tests/test_decode_attention.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 20
+  timeout 90 python benchmarks/bench_ops.py --no-startup --only gemv,decode_attention --json "$out/bench_ops.json" \
+    > "$out/bench_ops.log" 2>&1; grep -E "^gemv .*B1|^decode_attention +B1" "$out/bench_ops.log"
+  timeout 100 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 --pdl-ab 2>&1 \
+    | tee "$out/bench_generate_llama.log"
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 12 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi

@@ -133,27 +133,8 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   const int G = H / Hkv, R = G * Tq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
   const int rt = warp % MTB, kg = warp / MTB;
-  const bool direct = mode & 1;  // mode bit 0: one split (o written here); bit 1: the L2 prefetch below
+  const bool direct = mode & 1;  // mode bit 0: one split (o written here)
 
-  // Before the wait: this block's K/V rows asked into L2 (prefetch_l2, a hint). The length read here may be
-  // stale or in flight -- it only chooses which lines to prefetch (clamped to the cache); everything is read
-  // again after the wait, the newest row (written by rope_kv_write just before) included. In the decode step
-  // the chain after the wait was ~6 dependent round trips (session 5: 7.8 us a layer); this takes the K/V
-  // stages' DRAM latency off it and overlaps it with the previous kernel.
-  if (mode & 2) {
-    const int Lh = cache_length(len_ptr, len_val, Lmax);
-    const int ch = chunk_length(Lh, splits, STAGE);
-    const long long a0 = (long long)split * ch;
-    const int n0 = (int)min(a0, (long long)Lh), n1 = (int)min(a0 + ch, (long long)Lh);
-    const bf16* kp = k + b * kb + j * kh;
-    const bf16* vp = v + b * vb + j * vh;
-    for (int n = n0 + (int)threadIdx.x; n < n1; n += NT)
-#pragma unroll
-      for (int off = 0; off < D; off += 64) {  // 128-byte lines of a D-element bf16 row
-        prefetch_l2(kp + (long long)n * kt + off);
-        prefetch_l2(vp + (long long)n * vt + off);
-      }
-  }
   // Everything below reads what the previous kernel may write (q, the cache, cache_len) or writes what the
   // kernels before may still read (ws, o): wait for them first, then let the next PDL kernel be scheduled.
   pdl_wait();

@@ -902,24 +902,3 @@ def test_rope_kv_write_entry_points_compiled():
     entries = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("decode_attention", "sm_90")))
     want = {f"rope_kv_{d}_{p}_{v}" for d in ("f32", "bf16") for p in ("i32", "i64") for v in "vs"}
     assert want <= entries, sorted(want - entries)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 3, 40])
-def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, splits):
-    """The K/V prefetch before the wait (DA.PREFETCH, from a length read early) is a hint: on or off, the output
-    is bit-identical, D 64 and 128, with a key_mask and the length on the device."""
-    c = cp()
-    for D in (64, 128):
-        Bsz, Tq, H, Hkv, L, Lmax = 2, 1, 32, 8, 777, 1000
-        q = (rng.standard_normal((Bsz, Tq, H, D)) * 0.5).astype(BF16)
-        k = (rng.standard_normal((Bsz, Lmax, Hkv, D)) * 0.5).astype(BF16)
-        v = rng.standard_normal((Bsz, Lmax, Hkv, D)).astype(BF16)
-        mask = (rng.random((Bsz, Lmax)) > 0.1).astype(np.int32)
-        qd, kd, vd, md = c.asarray(q), c.asarray(k), c.asarray(v), c.asarray(mask)
-        length = c.array(L, dtype=c.int32)
-        outs = []
-        for pf in (True, False):
-            monkeypatch.setattr(DA, "PREFETCH", pf)
-            outs.append(to_host(decode_attention(qd, kd, vd, length, key_mask=md, num_splits=splits)).view(np.uint16))
-        assert np.array_equal(outs[0], outs[1]), f"D{D} splits={splits}"

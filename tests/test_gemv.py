@@ -456,10 +456,9 @@ def test_every_kernel_the_launcher_names_is_compiled():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("Bn", [1, 3])
-def test_gpu_l2_prefetch_and_grid_change_no_bit(rng, monkeypatch, Bn):
-    """The L2 prefetch before the wait (PREFETCH_KB: 0, 4, 255 KB a warp) is a hint, and the grid's blocks a SM
-    (MAX_BLOCKS_PER_SM) only changes which warp takes a row: the outputs are bit-identical either way, with the
-    rms prologue, SwiGLU and an in-place residual, K = 2048 and 8192."""
+def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
+    """The L2 prefetch before the wait (PREFETCH_KB: 0, 4, 255 KB a warp) is a hint: the outputs are bit-identical
+    whatever its size, with the rms prologue, SwiGLU and an in-place residual, K = 2048 and 8192."""
     from cukernels.ops import gemv as gmod
 
     for K, N, act in ((2048, 3072, None), (2048, 4096, "swiglu"), (8192, 2048, None)):
@@ -468,8 +467,7 @@ def test_gpu_l2_prefetch_and_grid_change_no_bit(rng, monkeypatch, Bn):
         dkw = {k: (device_copy(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
         xd = device_copy(x)
         outs = []
-        for kb, mb in ((0, None), (4, None), (255, None), (4, 1), (4, 2)):
+        for kb in (0, 4, 255):
             monkeypatch.setattr(gmod, "PREFETCH_KB", kb)
-            monkeypatch.setattr(gmod, "MAX_BLOCKS_PER_SM", mb)  # (fewer blocks: warps walk more rows)
             outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} {act}"

@@ -23,10 +23,6 @@ MASK_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16,
                                           np.int64, np.uint64))
 
 
-# The split kernel asks its K/V rows into L2 before pdl_wait (decode_attention.cu, mode bit 1; a hint from the
-# length read early). False: off (the benchmark's A/B).
-PREFETCH = True
-
 def _row_tiles(G, Tq):
     """(row tiles of 16 per block MTB, row groups RG) for R = G * Tq rows per K/V head."""
     mt = -(-(G * Tq) // 16)
@@ -327,7 +323,7 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
                    (_launch.ptr(q), _launch.ptr(k_cache), _launch.ptr(v_cache), *len_args, *mask_args,
                     _launch.ptr(ws) if ws is not None else B.NULL, _launch.ptr(o), *sq, *sk, *sv, np.int32(Tq),
                     np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
-                    np.int32((1 if splits == 1 else 0) | (2 if PREFETCH else 0))),
+                    np.int32(1 if splits == 1 else 0)),
                    shared_mem=smem, pdl=True)
     return o
 
