@@ -127,6 +127,8 @@ class MemoryBudget:
       exp_avg + exp_avg_sq + 256-byte alignment padding);
     - freed blocks the default pool held after the optimizer was built (what ``free_all_blocks`` gave back; no
       longer part of the footprint) and what it still holds free afterwards;
+    - the model's build pool (the model is built in a pool of its own, released after the optimizer copied the
+      parameters): what it still holds, the model's non-parameter arrays;
     - activations + workspaces: the graph pool's peak minus what stays allocated in it between steps;
     - graph pool, held between steps: the step's outputs, caches made during the warm-up (padded head weights,
       the bias-gradient ones row, rope tables, ...);
@@ -139,12 +141,14 @@ class MemoryBudget:
     def __init__(self, cp):
         self.cp = cp
         self.pool = cp.get_default_memory_pool()
+        self.build_pool = None  # the pool the model was built in (OurStep sets it)
         self.snaps = {}
 
     def snap(self, name, graph_pool=None):
         self.cp.cuda.Device().synchronize()
         free, total = self.cp.cuda.runtime.memGetInfo()
-        d = dict(default_used=self.pool.used_bytes(), default_total=self.pool.total_bytes(), device_used=total - free)
+        d = dict(default_used=self.pool.used_bytes(), default_total=self.pool.total_bytes(), device_used=total - free,
+                 build_total=self.build_pool.total_bytes() if self.build_pool is not None else 0)
         if graph_pool is not None:
             d.update(graph_used=graph_pool.used_bytes(), graph_total=graph_pool.total_bytes())
         self.snaps[name] = d
@@ -176,18 +180,20 @@ class MemoryBudget:
         act = cap["graph_total"] - cap["graph_used"]
         rows = [("weights (fp32 master)", w), ("gradients", g),
                 ("optimizer moments (+ other optimizer state)", moments), ("bf16 shadows", sh),
-                ("freed blocks the default pool held (released after the optimizer)",
-                 s["optimizer"]["default_total"] - opt["default_total"]),
+                ("freed blocks released after the optimizer (default + build pools)",
+                 s["optimizer"]["default_total"] + s["optimizer"]["build_total"] - opt["default_total"]
+                 - opt["build_total"]),
                 ("freed blocks still in the default pool", opt["default_total"] - opt["default_used"]),
                 ("activations + workspaces (graph pool peak - held)", act),
                 ("graph pool, held between steps", cap["graph_used"]),
+                ("the model's build pool, still held (its non-parameter arrays)", cap["build_total"]),
                 ("  (in the default pool) cuBLAS workspace of ck.matmul", blas.WORKSPACE_BYTES * len(blas._handles)),
                 ("outside the pools (context, modules, handles, graph)",
-                 cap["device_used"] - cap["default_total"] - cap["graph_total"])]
+                 cap["device_used"] - cap["default_total"] - cap["graph_total"] - cap["build_total"])]
         extra = dict(
-            build_transient=s["optimizer"]["default_total"],  # model params + flat buffers + init temporaries
+            build_transient=s["optimizer"]["default_total"] + s["optimizer"]["build_total"],  # params + flat copies
             first_step_graph_pool=first["graph_total"], capture_graph_pool=cap["graph_total"],
-            steady=cap["default_total"] + cap["graph_total"], device_used=cap["device_used"])
+            steady=cap["default_total"] + cap["graph_total"] + cap["build_total"], device_used=cap["device_used"])
         return rows, extra
 
     @staticmethod
@@ -219,13 +225,19 @@ class OurStep:
         mcfg = dict(mcfg or (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B))
         self.mcfg, self.B, self.T, self.accum = mcfg, B, T, accum
         f = set(feats)
-        if mcfg.get("type") == "gpt2":
-            cfg = {k: v for k, v in mcfg.items() if k != "type"}
-            model = ck.GPT2(ck.GPT2Config(**cfg), xp=cp, seed=seed, fused="fused" in f)
-            f |= {"memset", "lazy_zero"} if "adam" in f else set()
-        else:
-            model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
-                             sparse_embedding="sparse_emb" in f)
+        # The model is built in a pool of its own (as the trainer does): the optimizer copies its parameters into
+        # flat buffers in the default pool, and the model's arrays are then released whole. Built in the default
+        # pool, the small allocations made after the copy were carved out of the freed parameter blocks, and
+        # ~1 GiB of them could never be released (session 4: "freed blocks still in the default pool" 0.99 GiB).
+        self.build_pool = self.mem.build_pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(self.build_pool.malloc):
+            if mcfg.get("type") == "gpt2":
+                cfg = {k: v for k, v in mcfg.items() if k != "type"}
+                model = ck.GPT2(ck.GPT2Config(**cfg), xp=cp, seed=seed, fused="fused" in f)
+                f |= {"memset", "lazy_zero"} if "adam" in f else set()
+            else:
+                model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
+                                 sparse_embedding="sparse_emb" in f)
         # Which modules run their kernels: Linear's "fused" means "read the shadow weight" (no per-use cast).
         for m in model.modules():
             if mcfg.get("type") == "gpt2":
@@ -279,6 +291,7 @@ class OurStep:
         # keeps, and the step allocates only from its graph's private pool, so nothing would ever reuse them
         # (issue 17: most of the unexplained ~6 GiB at B4xT64). Hand them back to the device.
         gc.collect()
+        self.build_pool.free_all_blocks()
         cp.get_default_memory_pool().free_all_blocks()
         self.mem.snap("optimizer (released)")
         self.model, self.opt, self.feats = model, opt, f
@@ -367,7 +380,7 @@ def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None):
 
     s = OurStep(B, T, feats, accum=accum)
     ms, losses = s.run(steps, data=data)
-    mem = peak_gib() + s.step.pool.total_bytes() / 2**30
+    mem = peak_gib() + (s.step.pool.total_bytes() + s.build_pool.total_bytes()) / 2**30
     n = s.nparams
     run_ours.last_budget = s.mem.table(s.params) if budget else None  # numbers only: no reference kept
     del s
