@@ -141,7 +141,7 @@ if [ "$stage" = "s5f" ]; then  # session 5, call F: L2 prefetch before the wait 
     | tee "$out/profile_generate_llama.log"
 fi
 if [ "$stage" = "s5i" ]; then  # session 5, call I: the model built in its own pool (trainer GPU tests, B4xT64 memory)
-  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 4 --tb=short tests/test_trainer.py 2>&1 \
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 4 --tb=short tests/test_graph.py tests/test_gpt2.py 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 15
   timeout 150 python benchmarks/bench_train.py --configs b4t64 --json "$out/bench_llama.json" 2>&1 \
     | tee "$out/bench_llama.log" | grep -v "^ *$"
