@@ -87,12 +87,12 @@ def test_numpy_arrays_and_plain_values_pass_through_untouched(monkeypatch):
 
 def test_every_public_op_is_decorated():
     """Every array op exported by the package (all of ck.* from cukernels.ops and blas, but the error-word
-    readers, rope_cache and the *_supported queries, which take no arrays) goes through @B.interop: found, not
-    listed by hand."""
+    readers, rope_cache, sample_workspace and the *_supported queries, which take no arrays) goes through
+    @B.interop: found, not listed by hand."""
     import inspect
     exported = [v for n, v in vars(ck).items() if inspect.isfunction(v)
                 and v.__module__.startswith(("cukernels.ops", "cukernels.blas"))
-                and not n.endswith(("_error", "_supported")) and n != "rope_cache"]
+                and not n.endswith(("_error", "_supported")) and n not in ("rope_cache", "sample_workspace")]
     missing = [f.__qualname__ for f in exported if not getattr(f, "__interop__", False)]
     assert not missing, f"exported ops not decorated with @B.interop: {missing}"
     ops = [ck.rms_norm, ck.rms_norm_backward, ck.layer_norm, ck.layer_norm_backward, ck.softmax, ck.softmax_backward,
