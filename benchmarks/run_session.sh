@@ -146,3 +146,20 @@ if [ "$stage" = "s5i" ]; then  # session 5, call I: the model built in its own p
   timeout 150 python benchmarks/bench_train.py --configs b4t64 --json "$out/bench_llama.json" 2>&1 \
     | tee "$out/bench_llama.log" | grep -v "^ *$"
 fi
+if [ "$stage" = "ncu" ]; then  # hardware counters of the B = 1 decode GEMV at qkv's shape (Firecracker runtime only:
+  # on gVisor ncu cannot read counters, KINDS.md); the question of session 5: what holds its ~5 us fixed cost
+  cat > /tmp/gemv_drive.py <<'PY'
+import cupy as cp
+import cukernels as ck
+K, N = 2048, int(__import__("os").environ.get("GEMV_N", "3072"))
+x = cp.random.standard_normal((1, K), dtype=cp.float32).astype(ck.bfloat16)
+w = (cp.random.standard_normal((N, K), dtype=cp.float32) * K ** -0.5).astype(ck.bfloat16)
+nw = cp.ones(K, dtype=cp.float32)
+for _ in range(4):
+    ck.gemv(x, w, norm="rms", norm_weight=nw)
+cp.cuda.Device().synchronize()
+PY
+  timeout 240 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:gemv_bf16 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+    --section LaunchStats --section Occupancy python /tmp/gemv_drive.py 2>&1 | tee "$out/ncu_gemv_qkv.log" | tail -n 120
+fi
