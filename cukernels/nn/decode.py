@@ -8,10 +8,15 @@ step). Here, per block and with arrays only (no tape; generation runs under ``no
 
 1. ``ck.gemv``: the first norm as the prologue of one GEMV over the packed q/k/v weight (+ bias);
 2. ``ck.rope_kv_write``: rotary positions on q and k, k and v appended to the static cache at its device length;
-3. ``ck.decode_attention`` (split-KV + combine);
+3. ``ck.decode_attention`` (split-KV, the combine in the same launch);
 4. ``ck.gemv``: the output projection with the residual add as its epilogue, in place on the stream ``x``;
 5. ``ck.gemv``: the second norm, the packed gate/up (SwiGLU) or the first MLP layer (GELU) with its activation;
 6. ``ck.gemv``: the down projection + residual, in place.
+
+On Hopper the step runs under programmatic dependent launch (``CausalLM._decode_fast`` opens
+``ops._launch.pdl_scope()``): each kernel is scheduled while the one before it finishes and waits on it only
+before touching what that one writes; a GEMV requests its first weight chunk (and prefetches more into L2)
+before it waits. Session 5: 1.273 -> 1.182 ms per LLaMA-1B step.
 
 Packed weights: q/k/v (and gate/up) are copied once into one [sum(out), in] buffer and the parameters become
 row views of it (no second copy of the model). That is done only for inference weights (bf16 parameters, no
