@@ -120,7 +120,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
                                             int mask_esz, float* __restrict__ ws, bf16* __restrict__ out,
                                             long long qb, long long qt, long long qh, long long kb, long long kt,
                                             long long kh, long long vb, long long vt, long long vh, int Tq, int H,
-                                            int Hkv, int Lmax, int splits, int RG, float scale, int mode) {
+                                            int Hkv, int Lmax, int splits, int RG, float scale, int direct) {
   using LY = Layout<D, MTB>;
   constexpr int LD = LY::LD, KG = LY::KG, STAGE = LY::STAGE, CH = D / 8;  // CH: 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,7 +133,6 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   const int G = H / Hkv, R = G * Tq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
   const int rt = warp % MTB, kg = warp / MTB;
-  const bool direct = mode & 1;  // mode bit 0: one split (o written here)
 
   // Everything below reads what the previous kernel may write (q, the cache, cache_len) or writes what the
   // kernels before may still read (ws, o): wait for them first, then let the next PDL kernel be scheduled.
@@ -364,9 +363,9 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
-      int Lmax, int splits, int RG, float scale, int mode) {                                                    \
+      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
     dattn_split<D, MTB>(q, k, v, len_ptr, len_val, mask, mask_b, mask_esz, ws, out, qb, qt, qh, kb, kt, kh, vb, \
-                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, mode);                                     \
+                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, direct);                                   \
   }
 DATTN_SPLIT(32, 1, 4)
 DATTN_SPLIT(32, 2, 4)

@@ -155,20 +155,7 @@ template <typename T> struct RowView {
   // Lane `lane`'s E raw values of chunk c (kept as storage type: 4 registers for 8 bf16) and the bit mask of
   // the valid ones.
   __device__ __forceinline__ unsigned load(int c, int lane, Pack<T, E>& p) const {
-    const int j0 = c * CH + lane * E;
-    if (j0 >= off && j0 + E <= n) {
-      p = load_pack<T, E>(base + j0);
-      return (1u << E) - 1u;
-    }
-    unsigned vm = 0;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const int j = j0 + e;
-      const bool ok = j >= off && j < n;
-      if (ok) p.v[e] = base[j];
-      vm |= (unsigned)ok << e;
-    }
-    return vm;
+    return load_at(c * 32 + lane, p);  // (positions c * CH + lane * E: pack c * 32 + lane)
   }
 };
 

@@ -518,15 +518,15 @@ def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=
         int(s) * isz % 16 == 0 for s in (sb, st, qb, qt, kb, kt, vb, vt))
     cs_vec = rot and B.aligned16(cos, sin) and (D // 2) % 4 == 0
     dev_len = B._kind(cache_len) is not None
-    len_args = (cache_len if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    len_args = (_launch.ptr(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
     ptag = B.DTYPE_TAG[positions.dtype] if positions is not None else "i32"
     k = get_function(FAMILY, f"rope_kv_{B.DTYPE_TAG[qkv.dtype]}_{ptag}_{'v' if vec else 's'}")
     units = Bsz * T * (H + 2 * Hkv) * (((D // 2) if rot else D) // (E if vec else 1))
     grid = _launch.launch_grid(k, units)
     P = _launch.ptr
     _launch.launch(k, (grid,), (_launch.THREADS, 1, 1),
-                   (P(qkv), sb, st, P(q_out), qb, qt, P(k_cache), kb, kt, P(v_cache), vb, vt,
-                    P(len_args[0]) if dev_len else B.NULL, len_args[1], P(cos) if rot else B.NULL,
+                   (P(qkv), sb, st, P(q_out), qb, qt, P(k_cache), kb, kt, P(v_cache), vb, vt, *len_args,
+                    P(cos) if rot else B.NULL,
                     P(sin) if rot else B.NULL, P(positions) if positions is not None else B.NULL, np.int32(Bsz),
                     np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(Lc), np.int32(mode),
                     np.int32(Lmax), np.bool_(cs_vec)), 0, pdl=True)
