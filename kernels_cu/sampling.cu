@@ -77,7 +77,7 @@ __device__ __forceinline__ float key2f(unsigned k) {
 }
 
 __device__ __forceinline__ unsigned long long mass_of(float v, float m) {
-  if (v != v) return 0ull;
+  if ((__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u) return 0ull;  // NaN (on the bits)
   // v <= m: expf in (0, 1]; truncated like NumPy's cast. __fsub_rn / __fmul_rn: never contracted into an FMA
   // with the products that made v, so the operands are the rounded fp32 values the reference sees.
   return (unsigned long long)__fmul_rn(expf(__fsub_rn(v, m)), MASS_ONE);
@@ -108,6 +108,20 @@ __device__ __forceinline__ unsigned long long read_u64(const void* p, int kind, 
   return *reinterpret_cast<const unsigned long long*>(p);
 }
 
+// CuPy compiles every kernel with -ftz=true: a C++ float multiply becomes mul.rn.ftz.f32, which flushes a
+// subnormal operand or product to 0 (x * 1 turned 1e-39 into 0), and a float compare becomes setp.ftz (a
+// subnormal `> 0.f` or `== 0.f` tests as zero). NumPy (the reference) keeps subnormals, so the logit
+// transform uses an IEEE multiply (mul.rn.f32 without .ftz: rounded, never contracted into an FMA, subnormals
+// kept) and decides the sign on the bits.
+__device__ __forceinline__ float fmul_ieee(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// x > 0 on the bits: sign clear and not +0 (a NaN counts as positive: x * pen and x * inv_pen are both NaN,
+// as the reference's NaN * pen is).
+__device__ __forceinline__ bool pos_bits(float x) { return (int)__float_as_uint(x) > 0; }
+
 // ------------------------------------------------------------------------------------------ row access
 // The transform applied to every raw logit (fp32): repetition penalty, then the temperature.
 struct RowCtx {
@@ -115,8 +129,9 @@ struct RowCtx {
   float inv_temp, pen, inv_pen;
   bool use_pen;
   __device__ __forceinline__ float value(int i, float x) const {
-    if (use_pen && ((bitmap[i >> 5] >> (i & 31)) & 1u)) x = __fmul_rn(x, x > 0.f ? inv_pen : pen);
-    return __fmul_rn(x, inv_temp);  // rounded products (no FMA contraction): bit-equal to the reference
+    if (use_pen && ((bitmap[i >> 5] >> (i & 31)) & 1u)) x = fmul_ieee(x, pos_bits(x) ? inv_pen : pen);
+    // x * 1 is x: skipped (greedy, temperature 1), so a subnormal logit is never at the mercy of a multiply.
+    return inv_temp == 1.f ? x : fmul_ieee(x, inv_temp);
   }
 };
 
@@ -657,7 +672,8 @@ __device__ __forceinline__ void greedy_slice(const T* __restrict__ logits, long 
         if ((vm[u] >> e) & 1u) {
           const int i = (p + u * GNT) * E + e - rv.off;
           float v = to_f32(x[u].v[e]);
-          if (use_pen && ((sbits[(i - t0) >> 5] >> ((i - t0) & 31)) & 1u)) v = __fmul_rn(v, v > 0.f ? inv_pen : pen);
+          if (use_pen && ((sbits[(i - t0) >> 5] >> ((i - t0) & 31)) & 1u))
+            v = fmul_ieee(v, pos_bits(v) ? inv_pen : pen);
           const unsigned long long c = gcode(f2key(v), i);
           best = c > best ? c : best;
         }

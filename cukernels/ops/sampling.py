@@ -159,8 +159,9 @@ def _keys(v):
     v = np.ascontiguousarray(v, dtype=np.float32)
     b = v.view(np.uint32)
     k = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
-    k = np.where(v == 0, np.uint32(0x80000000), k)
-    return np.where(np.isnan(v), np.uint32(0), k).astype(np.uint32)
+    mag = b & np.uint32(0x7FFFFFFF)  # NaN and +-0 tested on the bits, as the kernel's f2key does
+    k = np.where(mag == 0, np.uint32(0x80000000), k)
+    return np.where(mag > np.uint32(0x7F800000), np.uint32(0), k).astype(np.uint32)
 
 
 def _key2f(k):
