@@ -155,11 +155,40 @@ K, N = 2048, int(__import__("os").environ.get("GEMV_N", "3072"))
 x = cp.random.standard_normal((1, K), dtype=cp.float32).astype(ck.bfloat16)
 w = (cp.random.standard_normal((N, K), dtype=cp.float32) * K ** -0.5).astype(ck.bfloat16)
 nw = cp.ones(K, dtype=cp.float32)
+norm = __import__("os").environ.get("GEMV_NORM", "rms") or None
 for _ in range(4):
-    ck.gemv(x, w, norm="rms", norm_weight=nw)
+    ck.gemv(x, w, norm=norm, norm_weight=nw if norm else None)
 cp.cuda.Device().synchronize()
 PY
   timeout 240 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:gemv_bf16 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section LaunchStats --section Occupancy python /tmp/gemv_drive.py 2>&1 | tee "$out/ncu_gemv_qkv.log" | tail -n 120
+fi
+if [ "$stage" = "s6a" ]; then  # session 6, call A: GPU suite (+ the ftz branch), the GEMV chain A/B, ncu, the step
+  timeout 280 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
+  timeout 60 python benchmarks/gemv_chain.py 2>&1 | tee "$out/gemv_chain.log"
+  cat > /tmp/gemv_drive.py <<'PY'
+import os, cupy as cp, cukernels as ck
+K, N = int(os.environ.get("GEMV_K", "2048")), int(os.environ.get("GEMV_N", "3072"))
+x = cp.random.standard_normal((1, K), dtype=cp.float32).astype(ck.bfloat16)
+w = (cp.random.standard_normal((N, K), dtype=cp.float32) * K ** -0.5).astype(ck.bfloat16)
+nw = cp.ones(K, dtype=cp.float32)
+norm = os.environ.get("GEMV_NORM", "rms") or None
+for _ in range(4):
+    ck.gemv(x, w, norm=norm, norm_weight=nw if norm else None)
+cp.cuda.Device().synchronize()
+PY
+  for cfg in "3072 rms" "3072 " ; do
+    set -- $cfg; n=$1; nm=${2:-}
+    GEMV_N=$n GEMV_NORM=$nm timeout 150 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:gemv_bf16 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --section Occupancy --section SourceCounters python /tmp/gemv_drive.py \
+      > "$out/ncu_gemv_${n}_${nm:-none}.log" 2>&1
+    grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Achieved Occ|Registers|Eligible|Active Warps|L2 Hit|smsp__pcsamp" "$out/ncu_gemv_${n}_${nm:-none}.log" | head -n 45
+  done
+  timeout 120 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 2>&1 \
+    | tee "$out/bench_generate_llama.log" | grep -v "Warning\|warn"
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 12 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
 fi
