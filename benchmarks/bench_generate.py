@@ -94,6 +94,9 @@ def main(argv=None):
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also batch 1, prompt 128 with programmatic dependent launch off, and with the GEMV's "
                          "L2 prefetch varied (gemv.PREFETCH_KB)")
+    ap.add_argument("--ab", default="",
+                    help="also batch 1, prompt 128 with each of these settings in turn, e.g. "
+                         "'gemv.DEPTH=2;_launch.CARVEOUT=-1' (module of cukernels.ops, attribute, integer)")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.hf_worker:  # (a child of --vs-hf: transformers alone in this process)
@@ -133,6 +136,17 @@ def main(argv=None):
             print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   ({what})",
                   flush=True)
             setattr(mod, attr, old)
+    for setting in filter(None, (t.strip() for t in a.ab.split(";"))):
+        import importlib
+        name, val = setting.split("=")
+        modname, attr = name.strip().rsplit(".", 1)
+        mod = importlib.import_module(f"cukernels.ops.{modname}")
+        old = getattr(mod, attr)
+        setattr(mod, attr, int(val))
+        pre, tps = ours(model, 1, 128, a.new, cp)
+        print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   ({setting})",
+              flush=True)
+        setattr(mod, attr, old)
     if a.generic:  # the same step through the generic forward (no fused per-block decode), batch 1, prompt 128
         model.fast_decode = False
         pre, tps = ours(model, 1, 128, a.new, cp)

@@ -41,6 +41,12 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=64)
     ap.add_argument("--B", type=int, default=1)
     a = ap.parse_args(argv)
+    import os
+
+    from cukernels.ops import gemv as gmod
+    if os.environ.get("GEMV_DEPTH"):
+        gmod.DEPTH = int(os.environ["GEMV_DEPTH"])
+    print(f"gemv.DEPTH = {gmod.DEPTH}, PREFETCH_KB = {gmod.PREFETCH_KB}")
     bf = ck.bfloat16
     H, I, V, B = 2048, 8192, 128256, a.B
     rng = cp.random.default_rng(0)

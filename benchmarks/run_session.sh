@@ -192,3 +192,21 @@ PY
   timeout 60 python benchmarks/profile_generate.py --model llama --top 12 2>&1 | grep -v "Warning\|warn(" \
     | tee "$out/profile_generate_llama.log"
 fi
+if [ "$stage" = "s6b" ]; then  # session 6, call B: the GEMV's cp.async ring + one-pass prologue (tests, chain, step)
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_gemv.py tests/test_launch.py \
+    tests/test_generate.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 30
+  timeout 60 python benchmarks/gemv_chain.py 2>&1 | tee "$out/gemv_chain.log"
+  for d in 2 4; do GEMV_DEPTH=$d timeout 60 python benchmarks/gemv_chain.py 2>&1 | tee "$out/gemv_chain_d$d.log"; done
+  timeout 120 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 --pdl-ab 2>&1 \
+    | tee "$out/bench_generate_llama.log" | grep -v "Warning\|warn"
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 8 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
+if [ "$stage" = "s6c" ]; then  # session 6, call C: ring A/B in the step (blocks a SM, carveout, depth), chain, tests
+  timeout 150 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128 \
+    --ab "gemv.BLOCKS_PER_SM=0;_launch.CARVEOUT=-1;gemv.DEPTH=2;gemv.DEPTH=4;gemv.PREFETCH_KB=0;gemv.BLOCKS_PER_SM=1" 2>&1 \
+    | tee "$out/bench_generate_llama.log" | grep -v "Warning\|warn"
+  timeout 60 python benchmarks/gemv_chain.py 2>&1 | tee "$out/gemv_chain.log"
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_gemv.py tests/test_launch.py \
+    tests/test_generate.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 30
+fi

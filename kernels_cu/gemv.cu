@@ -18,13 +18,15 @@
 // Design (LLaMA-1B decode on an H200: K = 2048 / 8192, N = 2048 .. 128256, B = 1 .. 8; copy ~4.2 TB/s):
 // - One warp per output row (RPW = 2 for SwiGLU: rows j and N/2 + j, so the packed gate/up halves are read
 //   by the same warp and the activation needs no second pass), warps grid-stride over the rows; each lane
-//   reads 16-byte packs of W (8 bf16 / 4 fp32), U = 4 / RPW packs per row per chunk. The loop is software
-//   pipelined: the next chunk's loads (of this row, or of the warp's next row) are issued right after this
-//   chunk's FMAs, so they are in flight through the reduction and epilogue, and the warp's first chunk is
-//   requested before x is even staged. ptxas double-buffers the chunk (70-150 registers, no spills): per SM
-//   >= 16 warps x 32 lanes x 64 B = 32 KB in flight, what Little's law asks at 4.2 TB/s / 132 SMs x ~800 ns
-//   (~25 KB). (U = 8 / RPW spilled under the same budget.) B <= 8 rows of x share every W load: NB
-//   accumulators per row in registers; NB is 1, 2, 4 or 8 (B rounded up; padded rows are zeros, never stored).
+//   reads 16-byte packs of W (8 bf16 / 4 fp32), U = 4 / RPW packs per row per chunk. With 16-byte-aligned W
+//   (VEC) the chunks stream through a per-lane cp.async ring of `depth` stages in shared memory (WTile<..,
+//   true>, session 6): the warp's first `depth` chunks are requested before pdl_wait and before x is staged,
+//   and each consumed stage is refilled with the chunk `depth` steps ahead, so a warp keeps depth x 2 KB in
+//   flight (3 stages: 4 blocks x 8 warps x 6 KB = 192 KB a SM, far over Little's ~25 KB at 4.2 TB/s / 132 SMs
+//   x ~800 ns). The register tile it replaced held one chunk a warp: a K = 8192 row was 8 dependent round
+//   trips. Unaligned W (not VEC) keeps that register tile (element loads, one chunk in flight). B <= 8 rows of
+//   x share every W load: NB accumulators per row in registers; NB is 1, 2, 4 or 8 (B rounded up; padded rows
+//   are zeros, never stored).
 // - xn lives in shared memory as x's own dtype (it is rounded to x.dtype anyway, so this loses nothing), rows
 //   Kp = K rounded up to 8 apart (16-byte aligned rows): NB x Kp x sizeof(T) bytes. Why not fp32 always: bf16
 //   B = 8, K = 8192 would be 256 KB (over the 227 KB a block may have); as bf16 it is 128 KB. The launcher
@@ -48,14 +50,16 @@
 //   written by one thread, so residual may be the very array out is (the in-place residual stream).
 // - VEC = true: W rows 16-byte aligned (pointer and row stride) and K % (16 / sizeof(W)) == 0; VEC = false:
 //   element loads of W, any K, any alignment. x is staged with 16-byte loads when its rows allow (x_vec).
-// - Programmatic dependent launch (sm_90, inside ops/_launch.pdl_scope(): the fused decode step): the first W
-//   chunk is requested before pdl_wait(), so a GEMV's launch and first DRAM round trip overlap the tail of the
-//   kernel before it. (8 / RPW packs a lane at NB = 1 was tried, session 5: 110 registers, 2 blocks a SM, qkv
-//   8.9 -> 9.7 us: fewer resident warps outweighed the deeper chunk.)
+// - Programmatic dependent launch (sm_90, inside ops/_launch.pdl_scope(): the fused decode step): the first
+//   `depth` W chunks and the norm weight are requested before pdl_wait(), so a GEMV's launch and first DRAM
+//   round trips overlap the tail of the kernel before it. Session 6, B1 in a captured chain (us, register
+//   tile -> ring + one-pass prologue): qkv+rms 6.1 -> 5.2, gate_up+rms 21.3 -> 18.2, down 11.9 -> 11.4 (10.5
+//   at depth 4), o 3.3 -> 3.5; the LLaMA-1B step 1.207 -> 1.161 ms.
 // - Deterministic: the order of every sum is fixed by the shape (no atomics), so reruns are bit-identical.
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 #include "common/pdl.cuh"
+#include "common/mma.cuh"
 
 // The activations, with the very formulas of activations.cu (silu_f, gelu_f, gelu_erf_f), so that the fused
 // epilogue and ck.swiglu / ck.gelu agree bit for bit on the same rounded inputs.
@@ -95,20 +99,6 @@ __device__ __forceinline__ void widen(const Pack<W, E>& p, float (&f)[E]) {
   for (int i = 0; i < E; ++i) f[i] = to_f32(p.v[i]);
 }
 
-// Read-only, streamed once: the non-coherent path without L1 allocation (W is never reused by this block, x
-// in shared memory is what is reused).
-template <typename W, int E>
-__device__ __forceinline__ Pack<W, E> ld_stream(const W* p) {
-  static_assert(sizeof(Pack<W, E>) == 16, "16-byte packs");
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  Pack<W, E> out;
-  *reinterpret_cast<uint4*>(&out) = r;
-  return out;
-}
-
 // One chunk of a warp's W rows in registers: RPW = G x HALVES rows (G adjacent output columns, each with its
 // up row N/2 further for SwiGLU), U = 4 / RPW loads per row per lane (16-byte packs when VEC, else single
 // elements widened on load: a 2-byte struct array made ptxas spill), then the FMAs against xn in shared
@@ -124,30 +114,53 @@ __device__ __forceinline__ long long tile_row(long long j, int r, int half, int 
 template <typename T, typename W, int NB, int G, int HALVES, bool VEC>
 struct WTile;
 
+// VEC = true: the weight streams through a ring of `depth` stages in shared memory, private to each lane
+// (cp.async.cg, 16 bytes a copy: no registers hold the bytes in flight, no barrier: a lane only ever reads back
+// what it copied itself, so cp.async.wait_group alone orders it). A stage is one chunk: U packs of each of the
+// RPW rows, 64 bytes a lane, 2 KB a warp. Why (session 6, H200, captured chain under PDL): the register tile
+// held one chunk in flight a warp, so a K = 8192 row (down) was 8 dependent DRAM round trips (11.9 us against an
+// 8.0 us floor), and everything after the first chunk waited on the post-wait critical path; with the ring the
+// first `depth` chunks of a warp go out before pdl_wait (a whole K = 2048 row of qkv / o at depth >= 2) and a
+// warp keeps `depth` chunks in flight: 3 blocks x 8 warps x 3 x 2 KB = 144 KB a SM, against Little's ~25 KB.
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, true> {
-  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E;
-  Pack<W, E> v[RPW][U];
-  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
-                                       int lane) {
+  static constexpr bool ASYNC = true;
+  static constexpr int RPW = G * HALVES, E = 16 / sizeof(W), U = 4 / RPW, CHUNK = 32 * U * E, SLOT = RPW * U;
+  uint4* ring;  // this warp's stages: [depth][SLOT][32 lanes] 16-byte packs
+  __device__ __forceinline__ void issue(int st, const W* w, long long ldw, long long j, int half, int n_out, int k0,
+                                        int K, int lane, bool valid) {
+    if (valid) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const W* row = w + tile_row<G, HALVES>(j, r, half, n_out) * ldw;
+      for (int r = 0; r < RPW; ++r) {
+        const W* row = w + tile_row<G, HALVES>(j, r, half, n_out) * ldw;
 #pragma unroll
-      for (int i = 0; i < U; ++i) {
-        const int k = k0 + (lane + 32 * i) * E;
-        if (k < K) v[r][i] = ld_stream<W, E>(row + k);
+        for (int i = 0; i < U; ++i) {
+          const int k = k0 + (lane + 32 * i) * E;
+          if (k < K) cp_async16(ring + (st * SLOT + r * U + i) * 32 + lane, row + k, true);
+        }
       }
     }
+    cp_async_commit();  // one group a step, empty or not: wait(depth) then always means "this step's copies"
   }
-  __device__ __forceinline__ void fma(float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
+  // This lane's copies of the oldest of `depth` outstanding steps have landed.
+  __device__ __forceinline__ void wait(int depth) const {
+    if (depth >= 4) cp_async_wait<3>();
+    else if (depth == 3) cp_async_wait<2>();
+    else if (depth == 2) cp_async_wait<1>();
+    else cp_async_wait<0>();
+  }
+  __device__ __forceinline__ void fma(int st, float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int k = k0 + (lane + 32 * i) * E;
       if (k < K) {
         float wf[RPW][E];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) widen<W, E>(v[r][i], wf[r]);
+        for (int r = 0; r < RPW; ++r) {
+          Pack<W, E> p;
+          *reinterpret_cast<uint4*>(&p) = ring[(st * SLOT + r * U + i) * 32 + lane];
+          widen<W, E>(p, wf[r]);
+        }
 #pragma unroll
         for (int b = 0; b < NB; ++b) {
           // E consecutive xn values of row b: 16-byte shared loads (E * sizeof(T) is 8, 16 or 32 bytes).
@@ -177,10 +190,13 @@ struct WTile<T, W, NB, G, HALVES, true> {
 
 template <typename T, typename W, int NB, int G, int HALVES>
 struct WTile<T, W, NB, G, HALVES, false> {
+  // Element loads into registers, one chunk in flight (depth 1: `st` is ignored, `wait` is a no-op).
+  static constexpr bool ASYNC = false;
   static constexpr int RPW = G * HALVES, U = 4 / RPW, CHUNK = 32 * U;
   float v[RPW][U];
-  __device__ __forceinline__ void load(const W* w, long long ldw, long long j, int half, int n_out, int k0, int K,
-                                       int lane) {
+  __device__ __forceinline__ void issue(int, const W* w, long long ldw, long long j, int half, int n_out, int k0,
+                                        int K, int lane, bool valid) {
+    if (!valid) return;
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       const W* row = w + tile_row<G, HALVES>(j, r, half, n_out) * ldw;
@@ -191,7 +207,8 @@ struct WTile<T, W, NB, G, HALVES, false> {
       }
     }
   }
-  __device__ __forceinline__ void fma(float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
+  __device__ __forceinline__ void wait(int) const {}
+  __device__ __forceinline__ void fma(int, float (&acc)[RPW][NB], const T* xs, int Kp, int k0, int K, int lane) const {
 #pragma unroll
     for (int i = 0; i < U; ++i) {
       const int k = k0 + lane + 32 * i;
@@ -234,18 +251,70 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[HALVES], long long
   else reinterpret_cast<bf16*>(out)[b * ldo + col] = from_f32<bf16>(v);
 }
 
+// The norm weight (and bias) of the thread's first pack of K, read before pdl_wait (parameters: no kernel of the
+// step writes them), so the prologue after the wait needs no round trip for them: K <= 256 x 8 = 2048 for bf16
+// x is all of it (LLaMA-1B's qkv, gate_up and head); packs past the first read nw after the wait.
+template <typename T>
+struct NormPre {
+  static constexpr int XE = 16 / sizeof(T);
+  float g[XE], c[XE];
+  __device__ __forceinline__ void load(const void* nw, const void* nb, int K, int norm, unsigned flags) {
+    const bool nf32 = flags & GEMV_NW_F32;
+    const int k0 = threadIdx.x * XE;
+#pragma unroll
+    for (int q = 0; q < XE; ++q) {
+      const bool in = norm != 0 && k0 + q < K;
+      g[q] = in ? ld_any(nw, k0 + q, nf32) : 0.f;
+      c[q] = in && norm == 2 ? ld_any(nb, k0 + q, nf32) : 0.f;
+    }
+  }
+};
+
+// Sums of NB values over the block (256 threads, 8 warps) in a fixed order (warp butterflies, then warps 0..7):
+// every thread gets every total. `red` is [8][NB] floats of shared memory; two barriers.
+template <int NB>
+__device__ __forceinline__ void block_sums(float (&v)[NB], float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int b = 0; b < NB; ++b) v[b] = warp_sum(v[b]);
+  if (lane == 0)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) red[warp * NB + b] = v[b];
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) t += red[w * NB + b];
+    v[b] = t;
+  }
+  __syncthreads();  // red may be written again
+}
+
 // Stage NB rows of x into shared memory xs (rows Kp apart; rows >= Bn and columns >= K are zeros: they add
 // nothing to the dot products), then the norm prologue in place. Ends with a barrier.
+// Session 6 (H200, captured chain under PDL, B1): qkv with the rms prologue 6.1 us, without it 4.1; gate_up
+// 21.3 / 19.2. The old prologue ran after the wait as: x from L2, a barrier, ONE warp summing a row (64
+// dependent shared loads at K = 2048), a barrier, norm_weight from L2, a barrier. Now every thread sums the
+// packs it staged (registers, no re-read), one block reduction, the weight comes from registers (NormPre, read
+// before the wait): one L2 round trip for x and 3 barriers (4 for LayerNorm's second pass) after the wait.
 template <typename T, int NB>
 __device__ __forceinline__ void gemv_stage_x(T* xs, int Kp, const T* __restrict__ x, long long ldx, int Bn, int K,
                                              const void* __restrict__ nw, const void* __restrict__ nb, float eps,
-                                             float inv_k, int norm, unsigned flags) {
-  __shared__ float stat[2][NB];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+                                             float inv_k, int norm, unsigned flags, const NormPre<T>& pre) {
+  __shared__ float red[8 * NB];
+  const int tid = threadIdx.x;
   constexpr int XE = 16 / sizeof(T);
-  if (flags & GEMV_X_VEC) {
-    const int units = Kp / XE;  // K % XE == 0 here, so Kp / XE covers K plus zero packs
-    for (int b = 0; b < NB; ++b)
+  const bool vec = flags & GEMV_X_VEC;
+  float s[NB], ss[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) s[b] = ss[b] = 0.f;
+  // A thread owns packs u = tid + i * blockDim (vec) or elements k = tid + i * blockDim (not vec) of every row,
+  // through staging, statistics and the rewrite: it only ever re-reads xs values it wrote itself.
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    if (vec) {
+      const int units = Kp / XE;  // K % XE == 0 here, so Kp / XE covers K plus zero packs
       for (int u = tid; u < units; u += blockDim.x) {
         Pack<T, XE> v;
         if (b < Bn && u * XE < K) {
@@ -255,57 +324,91 @@ __device__ __forceinline__ void gemv_stage_x(T* xs, int Kp, const T* __restrict_
           for (int i = 0; i < XE; ++i) v.v[i] = from_f32<T>(0.f);
         }
         store_pack<T, XE>(xs + b * Kp + u * XE, v);
+#pragma unroll
+        for (int i = 0; i < XE; ++i) {
+          const float f = to_f32(v.v[i]);
+          s[b] += f;
+          ss[b] = fmaf(f, f, ss[b]);
+        }
       }
-  } else {
-    for (int b = 0; b < NB; ++b)
-      for (int k = tid; k < Kp; k += blockDim.x) xs[b * Kp + k] = (b < Bn && k < K) ? x[b * ldx + k] : from_f32<T>(0.f);
+    } else {
+      for (int k = tid; k < Kp; k += blockDim.x) {
+        const T v = (b < Bn && k < K) ? x[b * ldx + k] : from_f32<T>(0.f);
+        xs[b * Kp + k] = v;
+        const float f = to_f32(v);
+        s[b] += f;
+        ss[b] = fmaf(f, f, ss[b]);
+      }
+    }
   }
-
-  // ---- norm prologue: a warp per row for the statistics, then every thread rewrites xn in place
   if (norm != 0) {
-    __syncthreads();
-    for (int b = warp; b < NB; b += nwarps) {
-      const T* xr = xs + b * Kp;
-      float s = 0.f, ss = 0.f;
-      for (int k = lane; k < K; k += 32) {
-        const float f = to_f32(xr[k]);
-        s += f;
-        ss += f * f;
-      }
-      s = warp_sum(s);
-      ss = warp_sum(ss);
-      float mu = 0.f, r;
-      if (norm == 1) {
+    float mu[NB], r[NB];
+    if (norm == 1) {
+      block_sums<NB>(ss, red);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
         // ck.rms_norm's ss / C, correctly rounded without the division instruction sequence: its slow-path
         // subroutine call made ptxas spill around it. inv_k = RN(1 / K) comes from the host; q = RN(ss * inv_k)
         // corrected once with the exact remainder ss - q K (an FMA) is the correctly rounded quotient
         // (Markstein's theorem; ss >= 0 and K <= 2^24 stay far from overflow and underflow).
-        const float q0 = ss * inv_k;
-        r = rsqrtf(fmaf(fmaf(-q0, (float)K, ss), inv_k, q0) + eps);
-      } else {
-        const float inv_c = inv_k;  // ck.layer_norm: 1.f / C, then the exact two-pass variance
-        mu = s * inv_c;
-        float q = 0.f;
-        for (int k = lane; k < K; k += 32) {
-          const float d = to_f32(xr[k]) - mu;
-          q += d * d;
+        const float q0 = ss[b] * inv_k;
+        mu[b] = 0.f;
+        r[b] = rsqrtf(fmaf(fmaf(-q0, (float)K, ss[b]), inv_k, q0) + eps);
+      }
+    } else {
+      // ck.layer_norm: mean = s * (1 / C), then the exact two-pass variance over the staged values
+      block_sums<NB>(s, red);
+      float q[NB];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        mu[b] = s[b] * inv_k;
+        q[b] = 0.f;
+        const T* xr = xs + b * Kp;
+        if (vec) {
+          for (int u = tid; u * XE < K; u += blockDim.x) {
+            const Pack<T, XE> v = load_pack<T, XE>(xr + u * XE);
+#pragma unroll
+            for (int i = 0; i < XE; ++i) {
+              const float d = to_f32(v.v[i]) - mu[b];
+              q[b] = fmaf(d, d, q[b]);
+            }
+          }
+        } else {
+          for (int k = tid; k < K; k += blockDim.x) {
+            const float d = to_f32(xr[k]) - mu[b];
+            q[b] = fmaf(d, d, q[b]);
+          }
         }
-        r = rsqrtf(warp_sum(q) * inv_c + eps);
       }
-      if (lane == 0) {
-        stat[0][b] = mu;
-        stat[1][b] = r;
-      }
+      block_sums<NB>(q, red);
+#pragma unroll
+      for (int b = 0; b < NB; ++b) r[b] = rsqrtf(q[b] * inv_k + eps);
     }
-    __syncthreads();
+    // rewrite the thread's own values of the real rows as xn (padded rows stay zero)
     const bool nf32 = flags & GEMV_NW_F32;
-    for (int b = 0; b < Bn && b < NB; ++b) {
-      const float mu = stat[0][b], r = stat[1][b];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      if (b >= Bn) continue;
       T* xr = xs + b * Kp;
-      for (int k = tid; k < K; k += blockDim.x) {
-        const float f = to_f32(xr[k]);
-        const float g = ld_any(nw, k, nf32);
-        xr[k] = from_f32<T>(norm == 1 ? f * r * g : (f - mu) * r * g + ld_any(nb, k, nf32));
+      if (vec) {
+        for (int u = tid; u * XE < K; u += blockDim.x) {
+          Pack<T, XE> v = load_pack<T, XE>(xr + u * XE);
+#pragma unroll
+          for (int i = 0; i < XE; ++i) {
+            const int k = u * XE + i;
+            const float f = to_f32(v.v[i]);
+            const float g = u == tid ? pre.g[i] : ld_any(nw, k, nf32);
+            const float c = norm == 1 ? 0.f : u == tid ? pre.c[i] : ld_any(nb, k, nf32);
+            v.v[i] = from_f32<T>(norm == 1 ? f * r[b] * g : (f - mu[b]) * r[b] * g + c);
+          }
+          store_pack<T, XE>(xr + u * XE, v);
+        }
+      } else {
+        for (int k = tid; k < K; k += blockDim.x) {
+          const float f = to_f32(xr[k]);
+          const float g = ld_any(nw, k, nf32);
+          xr[k] = from_f32<T>(norm == 1 ? f * r[b] * g : (f - mu[b]) * r[b] * g + ld_any(nb, k, nf32));
+        }
       }
     }
   }
@@ -317,28 +420,42 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
                                           const W* __restrict__ w, long long ldw, const void* __restrict__ bias,
                                           const void* __restrict__ nw, const void* __restrict__ nb, float eps,
                                           float inv_k, const void* res, long long ldr, void* out, long long ldo,
-                                          int n_out, int half, int norm, int act, unsigned flags) {
+                                          int n_out, int half, int norm, int act, unsigned flags, int depth) {
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* xs = reinterpret_cast<T*>(gemv_smem);
   const int Kp = (K + 7) & ~7;
   const int tid = threadIdx.x, lane = tid & 31;
 
-  // The warp's first chunk of W is requested before x is staged and normalised: those loads do not depend on
-  // xn, so the prologue (an L2 round trip for x, two barriers, the statistics) hides under their DRAM latency.
-  // G = 2: two adjacent output columns a warp, so each xn value read from shared memory and widened serves two
-  // W rows (the launcher takes it from B = 3 up; see the header).
+  // The warp's first `depth` chunks of W are requested before the wait and before x is staged and normalised:
+  // those copies do not depend on xn, so the prologue hides under their DRAM latency, and under PDL they go out
+  // while the previous kernel still runs. G = 2: two adjacent output columns a warp, so each xn value read from
+  // shared memory and widened serves two W rows (the launcher takes it from B = 3 up; see the header).
   constexpr int RPW = G * HALVES;
   using Tile = WTile<T, W, NB, G, HALVES, VEC>;
   Tile tile;
+  if constexpr (Tile::ASYNC) {
+    // the ring sits after xn (NB x Kp x sizeof(T), rounded up to 16 bytes): depth x 2 KB a warp
+    const int xbytes = (NB * Kp * (int)sizeof(T) + 15) & ~15;
+    tile.ring = reinterpret_cast<uint4*>(gemv_smem + xbytes) + (tid >> 5) * depth * Tile::SLOT * 32;
+  } else {
+    depth = 1;
+  }
   const long long ngroups = ((long long)n_out + G - 1) / G;
   const long long gw = ((long long)blockIdx.x * blockDim.x + tid) >> 5;
   const long long nwg = ((long long)gridDim.x * blockDim.x) >> 5;
-  if (gw < ngroups) tile.load(w, ldw, gw, half, n_out, 0, K, lane);
+  // issue cursor: the (row group, chunk) step whose copies go out next
+  long long ij = gw;
+  int ik = 0;
+  for (int st = 0; st < depth; ++st) {
+    tile.issue(st, w, ldw, ij, half, n_out, ik, K, lane, ij < ngroups);
+    ik += Tile::CHUNK;
+    if (ik >= K) {
+      ik = 0;
+      ij += nwg;
+    }
+  }
   // ... and the rest of the warp's first rows, up to PREFETCH_KB a warp (flags), is asked into L2 (a hint: no
-  // register holds it). The second chunk of a K = 2048 row (and a warp's second row) then comes from L2, not
-  // DRAM: at B = 1 a qkv / o GEMV is a chain of 2-4 dependent round trips a warp (session 5: ~4-5 us fixed a
-  // GEMV), and under PDL these prefetches go out while the previous kernel still runs. 8 KB x ~2-3K warps would
-  // be 17-25 MB in flight in the 50 MB L2.
+  // register holds it). 8 KB x ~2-3K warps would be 17-25 MB in flight in the 50 MB L2.
   {
     const long long rowbytes = (long long)K * sizeof(W);
     long long left = (long long)((flags >> 8) & 255u) * 1024;
@@ -350,20 +467,22 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
           prefetch_l2(row + off);
       }
   }
-  // Everything above reads only W. Under programmatic dependent launch (the fused decode step: ops/_launch.py)
-  // the kernel gets here while the previous kernel still runs; x, the residual and out belong to it until the
-  // wait returns (common/pdl.cuh).
+  NormPre<T> pre;
+  pre.load(nw, nb, K, norm, flags);
+  // Everything above reads only W and the norm parameters. Under programmatic dependent launch (the fused
+  // decode step: ops/_launch.py) the kernel gets here while the previous kernel still runs; x, the residual and
+  // out belong to it until the wait returns (common/pdl.cuh).
   pdl_wait();
   pdl_trigger();
 
-  gemv_stage_x<T, NB>(xs, Kp, x, ldx, Bn, K, nw, nb, eps, inv_k, norm, flags);
+  gemv_stage_x<T, NB>(xs, Kp, x, ldx, Bn, K, nw, nb, eps, inv_k, norm, flags, pre);
 
-  // ---- the dot products: warp per output row (pair), grid-stride over (row, chunk) steps. The next step's
-  // loads are issued as soon as this chunk's FMAs have read the registers, so they are in flight through the
-  // reduction and epilogue of a finished row.
+  // ---- the dot products: warp per output row (pair), grid-stride over (row, chunk) steps. Each consumed stage
+  // is refilled at once with the step `depth` ahead, so a warp keeps `depth` chunks in flight through the
+  // reductions and epilogues of finished rows.
   float acc[RPW][NB];
   long long j = gw;
-  int k0 = 0;
+  int k0 = 0, st = 0;
   while (j < ngroups) {  // warp-uniform
     if (k0 == 0) {
 #pragma unroll
@@ -371,18 +490,20 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 #pragma unroll
         for (int b = 0; b < NB; ++b) acc[r][b] = 0.f;
     }
-    tile.fma(acc, xs, Kp, k0, K, lane);
-    long long nj = j;
-    int nk = k0 + Tile::CHUNK;
-    if (nk >= K) {
-      nk = 0;
-      nj = j + nwg;
+    tile.wait(depth);
+    tile.fma(st, acc, xs, Kp, k0, K, lane);
+    tile.issue(st, w, ldw, ij, half, n_out, ik, K, lane, ij < ngroups);
+    ik += Tile::CHUNK;
+    if (ik >= K) {
+      ik = 0;
+      ij += nwg;
     }
-    if (nj < ngroups) tile.load(w, ldw, nj, half, n_out, nk, K, lane);
+    st = st + 1 == depth ? 0 : st + 1;
     const long long grp = j;
-    j = nj;
-    k0 = nk;
-    if (nk != 0) continue;  // more chunks of this row
+    k0 += Tile::CHUNK;
+    if (k0 < K) continue;  // more chunks of this row
+    k0 = 0;
+    j += nwg;
 
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
@@ -412,13 +533,13 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 // rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped some kernels at 64 registers
 // and spilled (ptxas -v, sm_90; tests/test_compile.py).
 #define GEMV_ONE(T, W, TN, WN, NB, HALVES, G, VEC, VS)                                                         \
-  extern "C" __global__ void __launch_bounds__(256, NB < 8 ? 2 : 1)                                            \
+  extern "C" __global__ void __launch_bounds__(256, NB == 1 ? 4 : NB < 8 ? 2 : 1)                                            \
       gemv_##TN##_##WN##_b##NB##_r##HALVES##_g##G##_##VS(                                                       \
           const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw, \
           const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,      \
-          int n_out, int half, int norm, int act, unsigned flags) {                                             \
+          int n_out, int half, int norm, int act, unsigned flags, int depth) {                                  \
     gemv_body<T, W, NB, HALVES, G, VEC>(x, ldx, Bn, K, w, ldw, bias, nw, nb, eps, inv_k, res, ldr, out, ldo,    \
-                                        n_out, half, norm, act, flags);                                         \
+                                        n_out, half, norm, act, flags, depth);                                  \
   }
 #define GEMV_NB(T, W, TN, WN, HALVES, VEC, VS)    \
   GEMV_ONE(T, W, TN, WN, 1, HALVES, 1, VEC, VS)   \

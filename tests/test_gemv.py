@@ -471,3 +471,28 @@ def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
             monkeypatch.setattr(gmod, "PREFETCH_KB", kb)
             outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} {act}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Bn", [1, 2, 5, 8])
+@pytest.mark.parametrize("norm", [None, "rms", "layer"])
+def test_gpu_ring_depth_changes_no_bit(rng, monkeypatch, Bn, norm):
+    """The weight's cp.async ring (gemv.DEPTH stages of shared memory a lane) only changes when the bytes arrive:
+    depths 1-4 give bit-identical outputs, with grid-stride over several rows a warp (N > one wave of warps),
+    K not a multiple of a chunk (K = 1000: a partial last chunk), SwiGLU and an in-place residual, and match the
+    reference. Rows of x 16-byte aligned (the ring path) and a weight with padded rows (ldw > K)."""
+    from cukernels.ops import gemv as gmod
+
+    for K, N, act in ((2048, 3072, None), (1000, 8194, "swiglu"), (8192, 2048, None), (2048, 40000, None)):
+        x, _, kw = _inputs(rng, Bn, K, N, BF16, norm=norm, act=act, res=True)
+        wfull = _weight(N, K + 8, BF16)  # rows 16 bytes further apart than K: ldw = K + 8
+        wh, w = wfull[:, :K], device_copy(wfull)[:, :K]
+        dkw = {k: (device_copy(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+        xd = device_copy(x)
+        outs = []
+        for depth in (1, 2, 3, 4):
+            monkeypatch.setattr(gmod, "DEPTH", depth)
+            monkeypatch.setattr(gmod, "DEPTH_LONG", depth)
+            outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
+        assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} N{N} {act}"
+        _check(outs[0].view(BF16), gemv(x, wh, **kw), BF16, what=f"K{K} N{N} {act} {norm}")

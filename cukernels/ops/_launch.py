@@ -109,6 +109,16 @@ def row_plan(C: int, itemsize: int, vec: bool, *, max_tpr: int, target_vpt: int,
 # ck.gemv right after an optimizer step updated its weight must not read them early. PDL = False turns it off
 # everywhere (an A/B switch for the benchmarks).
 PDL = True
+# Shared-memory carveout (percent of the unified L1 / shared storage) of every kernel launched with pdl=True.
+# An SM runs blocks of one carveout at a time: when consecutive kernels want different carveouts (the decode
+# GEMV's cp.async ring asks ~210 KB a SM, the small kernels between them the default split), the SM drains
+# before the next kernel's blocks may land, which is the very overlap PDL is there for. 100 = the most shared
+# memory for all of them (their global loads bypass L1 anyway); -1 = the driver's default per kernel. Measured
+# (session 6, H200, LLaMA-1B B1 step with the ring GEMV): 1.285 ms at 100 against 1.338 at the default, with
+# the GEMV grid capped at 2 blocks a SM (same process); with a full wave 1.161 ms at 100 (run C) and 1.175 at
+# the default (run B, another process).
+CARVEOUT = 100
+_carveout: dict = {}
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _pdl_state: list = []
 
@@ -170,6 +180,9 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False)
     where pdl_enabled()) the
     programmatic-serialization attribute is set, so the kernel may start before the previous one ends (it must
     call pdl_wait(): kernels_cu/common/pdl.cuh). Arguments are NumPy scalars (the launchers' convention)."""
+    if pdl and _carveout.get(id(kernel), (None, None))[1] != CARVEOUT:
+        kernel.preferred_shared_memory_carveout = int(CARVEOUT)  # host-side attribute, allowed in a capture
+        _carveout[id(kernel)] = (kernel, CARVEOUT)  # holding the kernel keeps its id from being reused
     if not (pdl and getattr(_scope, "on", False) and pdl_enabled()):
         kernel(grid, block, args, shared_mem=shared_mem)
         return

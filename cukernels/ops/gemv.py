@@ -26,9 +26,35 @@ PAIR_MIN_NB = 4
 # 4 KB 1.182, 8 KB 1.244 (8 KB x ~3K warps floods the DRAM queues ahead of the running kernel's own tail); the
 # kernel alone at 8 KB: qkv 8.2 -> 7.9 us, o 5.6 -> 4.8.
 PREFETCH_KB = 4
+# Stages of the per-lane cp.async ring the weight streams through (gemv.cu, 16-byte-aligned weights): 2 KB a warp
+# a stage, 16 KB a block. Measured (session 6, H200, B1, captured chain under PDL, us at depth 2 / 3 / 4): qkv
+# with rms 5.73 / 5.75 / 6.00, gate_up 19.8 / 18.2 / 17.5, down (K = 8192: 8 chunks a row) 11.3 / 11.4 / 10.5.
+# So 3 stages, 4 for rows of K >= LONG_K; the launcher lowers it where xn leaves less room (sm_80's 163 KB
+# opt-in limit with a 128 KB xn: 2 stages).
+DEPTH = 3
+DEPTH_LONG = 4
+LONG_K = 4096
+RING_STAGE = 16 * 1024
+# Blocks a SM the grid is capped at (0: a full wave). Tried (session 6, step A/B): capping at 2 a SM so the next
+# kernel's blocks land beside this one under PDL and stream their first chunks early: 1.285 ms a step against
+# 1.161 with a full wave (1 a SM: 1.389); the co-resident waiting blocks do not pay for the halved wave.
+BLOCKS_PER_SM = 0
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
+
+
+_OPTIN: dict = {}
+
+
+def _smem_optin() -> int:
+    """The current device's opt-in shared memory limit a block (227 KB on sm_90, 163 KB on sm_80), cached."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    if dev not in _OPTIN:
+        _OPTIN[dev] = int(cupy.cuda.Device(dev).attributes["MaxSharedMemoryPerBlockOptin"])
+    return _OPTIN[dev]
 
 
 def _nb(rows: int) -> int:
@@ -345,9 +371,20 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
              | (min(255, max(0, int(PREFETCH_KB))) << 8))
     inv_k = np.float32(1.0) / np.float32(K)  # correctly rounded, as the kernels' 1.f / C
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
-    k = L.with_smem(get_function(FAMILY, name), SMEM_CAP)
+    if vec:
+        smem = -(-smem // 16) * 16
+        want = int(DEPTH_LONG if K >= LONG_K else DEPTH)
+        depth = max(1, min(want, (_smem_optin() - smem) // RING_STAGE))
+        smem += depth * RING_STAGE
+    else:
+        depth = 1
+    # one limit per kernel object (set once, before any capture): the largest xn plus the deepest ring
+    k = L.with_smem(get_function(FAMILY, name), min(_smem_optin(), SMEM_CAP + max(int(DEPTH), int(DEPTH_LONG)) * RING_STAGE))
     groups = -(-n_out // G)
-    grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))
+    wave = L.wave(k, THREADS, smem)
+    if BLOCKS_PER_SM > 0:
+        wave = min(wave, B.sm_count() * int(BLOCKS_PER_SM))
+    grid = max(1, min(-(-groups // (THREADS // 32)), wave))
     L.launch(k, (grid,), (THREADS, 1, 1),
       (L.ptr(x), np.int64(ldx), np.int32(rows), np.int32(K), L.ptr(weight), np.int64(ldw),
        L.ptr(bias) if bias is not None else B.NULL,
@@ -356,6 +393,7 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
        np.float32(eps), inv_k,
        L.ptr(residual) if residual is not None else B.NULL, np.int64(ldr),
        L.ptr(out), np.int64(ldo), np.int32(n_out), np.int32(n_out if swiglu else 0),
-       np.int32(0 if norm is None else NORMS.index(norm) + 1), np.int32(ACTS.get(act, 0)), np.uint32(flags)),
+       np.int32(0 if norm is None else NORMS.index(norm) + 1), np.int32(ACTS.get(act, 0)), np.uint32(flags),
+       np.int32(depth)),
       smem, pdl=True)
     return out
