@@ -70,12 +70,6 @@ constexpr int MASK_WORDS = MASK_BITS / 32;
 
 // PTX helpers (cp.async, ldmatrix, mma.sync, ex2) and the Q K^T / P V fragment loops: common/mma.cuh.
 
-// The current cache length, clamped to [0, Lmax] (a device value outside it is not trusted blindly).
-__device__ __forceinline__ int cache_length(const int* len_ptr, int len_val, int Lmax) {
-  const int L = len_ptr != nullptr ? *len_ptr : len_val;
-  return min(max(L, 0), Lmax);
-}
-
 // Keys per split: ceil(L / splits) rounded up to whole stages (0 when L == 0). Both kernels use this.
 __device__ __forceinline__ int chunk_length(int L, int splits, int stage) {
   const int per = (L + splits - 1) / splits;
@@ -83,7 +77,7 @@ __device__ __forceinline__ int chunk_length(int L, int splits, int stage) {
 }
 
 template <typename T> __device__ __forceinline__ bool nonzero_at(const unsigned char* row, int n) {
-  return __ldg(reinterpret_cast<const T*>(row) + n) != 0;
+  return __ldcg(reinterpret_cast<const T*>(row) + n) != 0;  // (L2: read before pdl_wait by the fused kernel)
 }
 __device__ __forceinline__ bool mask_keep(const unsigned char* row, int n, int esz) {
   switch (esz) {
@@ -110,36 +104,222 @@ template <int D, int MTB> struct Layout {
 
 }  // namespace
 
-// ================================================================================================ split kernel
+// ================================================================================================ split kernels
+// One body, two entry families:
+//   dattn_split_d<D>_m<MTB>  (FUSED = false): decode_attention. q [B, Tq, H, D] and the cache (the new tokens'
+//       rows already appended by the kernel before: rope_kv_write / kv_cache_write) are read after pdl_wait.
+//   dattn_rope_d<D>_m<MTB>   (FUSED = true, Tq = 1): decode_attention_rope. The kernel before it is the qkv GEMV;
+//       the block rotates the newest token's q (its G heads) and k (K/V head j) from the packed projection
+//       itself (rope_kv's rotation and rounding: rope_rotate below), the block whose split holds the newest
+//       position appends that k / v row to the cache, and the newest key / value enter the K/V stage from
+//       registers, never through the cache. Everything else is decode_attention's code path, so the result is
+//       bit-identical to rope_kv_write followed by decode_attention (same q rounding, same split count -- the
+//       launcher calls the same _splits --, same tiles, same combine).
+//
+// PDL and what may be read before pdl_wait (common/pdl.cuh). Every PDL kernel calls pdl_wait() then
+// pdl_trigger(), and a kernel can only start after every block of the kernel before it has triggered (or
+// exited). So when kernel N+1's pre-wait code runs, kernel N may still be running but N's pdl_wait has
+// returned: N-1 and everything before it has completed and its writes are visible. Before its pdl_wait the
+// fused kernel (N+1, launched right after the qkv GEMV N) reads only data written by kernels <= N-1 and writes
+// nothing to global memory:
+//   * the device length. Where it is advanced: cukernels/generation.py _generate_static step() runs
+//     `cache.length[...] += 1` (a CuPy elementwise kernel), then kv_cache_write of the token, then the model's
+//     _decode_fast (embedding, then per layer gemv(qkv) -> this kernel -> ...): >= 3 kernels before layer 0's
+//     attention, and nothing in the step writes it again (models/base.py _decode_fast, nn/decode.py never do).
+//     The prefill sets it with a host write before the graph exists.
+//   * key_mask (written before the prefill, never during a step), cos / sin (built once), positions (advanced
+//     at the end of the previous step, after the head), the cache rows [0, L - 1) of this layer (appended by
+//     this same kernel in earlier steps, or by the prefill).
+//   Loads that can see data of an earlier kernel go through L2 (ld.global.cg, cp.async.cg): L1 is not coherent.
+//   The launcher only uses PDL inside _launch.pdl_scope(), whose opener vouches for the above (an eager call
+//   outside it is a plain launch: everything before it has completed).
+// After the wait the fused kernel reads only the newest token's q / k / v from qkv (the GEMV's output).
+//
+// Dependent global round trips after pdl_wait (~0.6-1 us each at an L2 hit; the B1 LLaMA step, 6 splits of
+// 64 keys at max_len 384), before this change (rope_kv_write, then decode_attention):
+//   rope_kv_write: positions -> cos / sin (1-2, in the kernel's own launch) + qkv (1) + the stores; then
+//   decode_attention: length (1) -> key_mask bits + Q (1) -> the K/V stage (1) -> partial stores + fence (1)
+//   -> counter atomic (1) -> counter reset + fence (1) -> the combine's m pass (1) -> its (m, l, acc) pass (1)
+//   -> o stores: 8 round trips in decode_attention alone, ~11 with rope_kv_write, two launches.
+// After (one launch; length, mask, positions, cos / sin and the cached K/V stages are loaded before the wait):
+//   qkv q / k / v (1) -> partial stores + fence (1) -> counter atomic (1) -> the combine's single pass over
+//   (m, l, acc) of <= CAP splits (1; CAP = 8, 2 at D = 128) -> o stores: 4 round trips (1 with one split). decode_attention
+//   itself gets the last three (counter reset after the fence, one-pass combine): 8 -> 6.
+//
 // Grid (splits, Hkv * RG, B); 128 threads. Workspace rows (splits > 1): ((b * Hkv + j) * splits + split) * R + rr,
 // R = G * Tq, row rr = t * G + (h - j * G); counter of (b, j, row group rg): b * Hkv * RG + j * RG + rg.
+
+// Arguments of one launch (the entry points fill it; the body is inlined into each).
+struct DArgs {
+  const bf16* q;                       // decode_attention: q [B, Tq, H, D] (element strides qb, qt, qh)
+  long long qb, qt, qh;
+  const bf16* qkv;                     // fused: the packed projection, batch stride sb (elements), 1 token
+  long long sb;
+  int qkv_vec;                         //   qkv pointer and sb 16-byte aligned: 16-byte loads, else 2-byte
+  const float* cos_t;                  //   rotary tables [Lc, D / 2] (nullptr: no rotation, GPT-2)
+  const float* sin_t;
+  const void* positions;               //   int32 / int64 (pos_esz 4 / 8): pos_mode 0 none (p = 0), 1 [1], 2 [B, 1]
+  int pos_esz, pos_mode, Lc, cs_vec;
+  bf16* k;                             // caches [B, Lmax, Hkv, D] (element strides); written by the fused kernel
+  bf16* v;
+  long long kb, kt, kh, vb, vt, vh;
+  const int* len_ptr;                  // the length (after the append) on the device, or len_val
+  int len_val;
+  const unsigned char* mask;           // key_mask [B, Lmax] (row stride mask_b elements of mask_esz bytes)
+  long long mask_b;
+  int mask_esz;
+  float* ws;
+  bf16* out;
+  int Tq, H, Hkv, Lmax, splits, RG;
+  float scale;
+  int direct;
+};
+
+// rope_kv's rotation of one (x1, x2) pair, shared by rope_kv and the fused kernel: the roundings are spelled out
+// (mul.rn / sub.rn / fma.rn) so that neither NVVM nor ptxas picks a different contraction in the two kernels
+// (left to them, rope_kv compiled to mul, mul, sub / mul, fma and ptxas was free to fuse the first).
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float sn, float& y1, float& y2) {
+  y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sn));
+  y2 = __fmaf_rn(x1, sn, __fmul_rn(x2, c));
+}
+
+using Chunk8 = Chunk<bf16, 8, true>;  // 8 bf16 in 4 registers
+
+// 8 bf16 from p: one 16-byte load when vec (p 16-byte aligned), else eight 2-byte loads (a misaligned view).
+__device__ __forceinline__ void load8(Chunk8& c, const bf16* p, bool vec) {
+  if (vec) {
+    c.load(p);
+    return;
+  }
+  const unsigned short* s = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c.w[0].v[i] = (unsigned)s[2 * i] | ((unsigned)s[2 * i + 1] << 16);
+}
+
+__device__ __forceinline__ void zero8(Chunk8& c) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c.w[0].v[i] = 0u;
+}
+
+// The pair (x1 = first-half chunk, x2 = second-half chunk) rotated with the 8 (cos, sin) of its columns and
+// rounded once to bf16: rope_kv's arithmetic (f1 = y1 -> dst, f2 = y2 -> dst + D / 2).
+__device__ __forceinline__ void rotate8(Chunk8& x1, Chunk8& x2, const float (&c)[8], const float (&sn)[8]) {
+  float f1[8], f2[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) rope_rotate(x1.get(k), x2.get(k), c[k], sn[k], f1[k], f2[k]);
+  x1.pack(f1);
+  x2.pack(f2);
+}
+
+// The last block's combine of the `active` split partials of its rows (splits in order: deterministic; shared
+// by both kernels, so their outputs agree bit for bit). One thread per (row, 4 columns). With at most
+// CAP splits a thread issues every (m, l, acc) load of its unit at once (one L2 round trip) and then
+// does the arithmetic from registers; with more, the former two passes (m, then (m, l, acc), AU splits' loads in
+// flight). Either way: M = max_s m_s, then in split order sc = 2^(m_s - M) (0 for an empty split),
+// L += sc * l_s, A += sc * acc_s; o = A / L (0 when L = 0). __ldcg: through L2, never a stale L1 line.
 template <int D, int MTB>
-__device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                            const bf16* __restrict__ v, const int* __restrict__ len_ptr,
-                                            int len_val, const unsigned char* __restrict__ mask, long long mask_b,
-                                            int mask_esz, float* __restrict__ ws, bf16* __restrict__ out,
-                                            long long qb, long long qt, long long qh, long long kb, long long kt,
-                                            long long kh, long long vb, long long vt, long long vh, int Tq, int H,
-                                            int Hkv, int Lmax, int splits, int RG, float scale, int direct) {
+__device__ __forceinline__ void combine_splits(const float* __restrict__ ws, bf16* __restrict__ out,
+                                               long long nrow_total, int b, int j, int Hkv, int splits, int R,
+                                               int row0, int G, int Tq, int H, int active) {
+  const float* ml = ws + nrow_total * D;
+  const long long gbase = ((long long)b * Hkv + j) * splits * R;  // row rr of split s: gbase + s * R + rr
+  const int nr = min(MTB * 16, R - row0);
+  constexpr int Q4 = D / 4;
+  // Loads of AU splits in flight per thread on the long path; AU = 4 at D = 128 spills under the 170-register
+  // cap of 3 blocks / SM (ptxas, sm_90), 2 does not. CAP splits in registers: 6 floats a split
+  // (48 registers at 8); at D = 128 CAP = 4 spilled dattn_split_d128_m1/m2 under the same cap (ptxas, sm_90:
+  // 8-16 bytes of stack), 2 does not.
+  constexpr int AU = D == 128 ? 2 : 4;
+  constexpr int CAP = D == 128 ? 2 : 8;
+  for (int u = threadIdx.x; u < nr * Q4; u += NT) {
+    const int rr = row0 + u / Q4, c = (u % Q4) * 4;
+    const long long w0 = gbase + rr;
+    float M = -CK_INF;
+    float A0 = 0.f, A1 = 0.f, A2 = 0.f, A3 = 0.f, Ls = 0.f;
+    if (active <= CAP) {
+      float mv[CAP], lv[CAP];
+      float4 xv[CAP];
+#pragma unroll
+      for (int s = 0; s < CAP; ++s) {
+        if (s < active) {
+          const long long wr = w0 + (long long)s * R;
+          mv[s] = __ldcg(ml + wr * 2);
+          lv[s] = __ldcg(ml + wr * 2 + 1);
+          xv[s] = __ldcg(reinterpret_cast<const float4*>(ws + wr * D + c));
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < CAP; ++s)
+        if (s < active) M = fmaxf(M, mv[s]);
+#pragma unroll
+      for (int s = 0; s < CAP; ++s) {
+        if (s < active) {  // splits in order: deterministic
+          const float sc = mv[s] == -CK_INF ? 0.f : ex2(mv[s] - M);
+          Ls += sc * lv[s];
+          A0 += sc * xv[s].x;
+          A1 += sc * xv[s].y;
+          A2 += sc * xv[s].z;
+          A3 += sc * xv[s].w;
+        }
+      }
+    } else {
+#pragma unroll 8
+      for (int s = 0; s < active; ++s) M = fmaxf(M, __ldcg(ml + (w0 + (long long)s * R) * 2));
+#pragma unroll AU
+      for (int s = 0; s < active; ++s) {  // splits in order: deterministic
+        const long long wr = w0 + (long long)s * R;
+        const float m = __ldcg(ml + wr * 2);
+        const float sc = m == -CK_INF ? 0.f : ex2(m - M);
+        Ls += sc * __ldcg(ml + wr * 2 + 1);
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(ws + wr * D + c));
+        A0 += sc * x.x;
+        A1 += sc * x.y;
+        A2 += sc * x.z;
+        A3 += sc * x.w;
+      }
+    }
+    const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
+    const int t = rr / G, h = j * G + rr % G;
+    bf16* o = out + (((long long)b * Tq + t) * H + h) * D + c;  // (out may sit 2 bytes off 8: scalar stores)
+    o[0] = from_f32<bf16>(A0 * inv);
+    o[1] = from_f32<bf16>(A1 * inv);
+    o[2] = from_f32<bf16>(A2 * inv);
+    o[3] = from_f32<bf16>(A3 * inv);
+  }
+}
+
+template <int D, int MTB, bool FUSED>
+__device__ __forceinline__ void dattn(const DArgs& a) {
   using LY = Layout<D, MTB>;
   constexpr int LD = LY::LD, KG = LY::KG, STAGE = LY::STAGE, CH = D / 8;  // CH: 16-byte chunks per row
+  constexpr int HALF = D / 2, CU = D / 16;         // fused: 8-element chunks per half head
+  constexpr int QU = MTB * 16 * CU;                 // fused: Q-tile units (row, chunk pair)
+  constexpr int QI = (QU + NT - 1) / NT;            //   per thread (NT is a multiple of CU: a thread keeps one cu)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw + LY::Q_BYTES);  // [2][STAGE][LD]
   bf16* Vs = Ks + 2 * STAGE * LD;                               // [2][STAGE][LD]
   unsigned* bits = reinterpret_cast<unsigned*>(smem_raw + LY::Q_BYTES + LY::AREA);
 
-  const int split = blockIdx.x, j = blockIdx.y / RG, rg = blockIdx.y % RG, b = blockIdx.z;
+  const int split = blockIdx.x, j = blockIdx.y / a.RG, rg = blockIdx.y % a.RG, b = blockIdx.z;
+  const int Tq = FUSED ? 1 : a.Tq;
+  const int H = a.H, Hkv = a.Hkv, splits = a.splits;
   const int G = H / Hkv, R = G * Tq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c2 = (lane & 3) * 2;
   const int rt = warp % MTB, kg = warp / MTB;
 
-  // Everything below reads what the previous kernel may write (q, the cache, cache_len) or writes what the
-  // kernels before may still read (ws, o): wait for them first, then let the next PDL kernel be scheduled.
-  pdl_wait();
-  pdl_trigger();
+  if (!FUSED) {
+    // Everything below reads what the previous kernel may write (q, the cache, cache_len) or writes what the
+    // kernels before may still read (ws, o): wait for them first, then let the next PDL kernel be scheduled.
+    pdl_wait();
+    pdl_trigger();
+  }
 
-  const int L = cache_length(len_ptr, len_val, Lmax);
+  const int Lraw = a.len_ptr != nullptr ? __ldcg(a.len_ptr) : a.len_val;
+  const int L = min(max(Lraw, 0), a.Lmax);  // (a device value outside [0, Lmax] is not trusted blindly)
+  // The fused kernel's newest position: where rope_kv_write would have appended (none when the raw length is
+  // outside [1, Lmax]: then it writes nothing and every key comes from the cache, as in the composition).
+  const int newest = FUSED && Lraw >= 1 && Lraw <= a.Lmax ? Lraw - 1 : -1;
   const int chunk = chunk_length(L, splits, STAGE);
   const long long k0l = (long long)split * chunk;
   const int k0 = (int)min(k0l, (long long)L);
@@ -147,25 +327,27 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   // Splits that hold keys: ceil(L / chunk) (<= splits since chunk >= L / splits); with L == 0 split 0 still
   // runs (no keys: m = -inf, l = 0) so that the combine writes the zeros.
   const int active = chunk > 0 ? (L + chunk - 1) / chunk : 1;
-  if (!direct && split >= active) return;  // nothing of this split is in the cache: not counted, not combined
+  if (!a.direct && split >= active) return;  // nothing of this split is in the cache: not counted, not combined
   const int ntiles = kend > k0 ? (kend - k0 + STAGE - 1) / STAGE : 0;
-  const bool has_mask = mask != nullptr;
-
-  // ---- Q tile: block rows r -> (t, head) of this K/V head's group; rows >= R are zeros.
+  const bool has_mask = a.mask != nullptr;
   const int row0 = rg * MTB * 16;
+
+  // ---- decode_attention: the Q tile (rows r -> (t, head) of this K/V head's group; rows >= R zeros), in the
+  // cp.async group of the first K/V stage.
+  if (!FUSED) {
 #pragma unroll
-  for (int i = 0; i < (MTB * 16 * CH + NT - 1) / NT; ++i) {
-    const int c = threadIdx.x + i * NT;
-    if ((MTB * 16 * CH) % NT != 0 && c >= MTB * 16 * CH) break;
-    const int r = c / CH, kc = (c % CH) * 8, rr = row0 + r;
-    const bool ok = rr < R;
-    const bf16* src = q + (ok ? b * qb + (long long)(rr / G) * qt + (long long)(j * G + rr % G) * qh + kc : 0);
-    cp_async16(Qs + r * LD + kc, src, ok);
+    for (int i = 0; i < (MTB * 16 * CH + NT - 1) / NT; ++i) {
+      const int c = threadIdx.x + i * NT;
+      if ((MTB * 16 * CH) % NT != 0 && c >= MTB * 16 * CH) break;
+      const int r = c / CH, kc = (c % CH) * 8, rr = row0 + r;
+      const bool ok = rr < R;
+      const bf16* src = a.q + (ok ? b * a.qb + (long long)(rr / G) * a.qt + (long long)(j * G + rr % G) * a.qh + kc : 0);
+      cp_async16(Qs + r * LD + kc, src, ok);
+    }
   }
-  cp_async_commit();
 
   // ---- key_mask bits of [k0, kend): bit i of the chunk <-> key k0 + i.
-  const unsigned char* mrow = has_mask ? mask + b * mask_b * mask_esz : nullptr;
+  const unsigned char* mrow = has_mask ? a.mask + b * a.mask_b * a.mask_esz : nullptr;
   if (has_mask) {
     const int nwords = (kend - k0 + 31) / 32;
     for (int w0 = warp * 8; w0 < nwords; w0 += NW * 8) {
@@ -173,7 +355,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
 #pragma unroll
       for (int u = 0; u < 8; ++u) {  // all 8 loads issued before the first vote
         const int n = k0 + (w0 + u) * 32 + lane;
-        keep[u] = n < kend && mask_keep(mrow, n, mask_esz);
+        keep[u] = n < kend && mask_keep(mrow, n, a.mask_esz);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -187,8 +369,18 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
     return !has_mask || ((bits[(n - k0) >> 5] >> ((n - k0) & 31)) & 1u);
   };
 
-  const bf16* kp = k + b * kb + j * kh;
-  const bf16* vp = v + b * vb + j * vh;
+  // The fused kernel: does this block hold the newest key (tile tn, stage row rn), and is this thread one of
+  // the 2 CU that carry its k (threads < CU) / v (CU <= thread < 2 CU) chunk pairs?
+  const bool has_new = FUSED && newest >= k0 && newest < kend;
+  const int tn = has_new ? (newest - k0) / STAGE : -1, rn = has_new ? (newest - k0) % STAGE : 0;
+  const bool nthr = has_new && threadIdx.x < 2 * CU;
+  const int cu = threadIdx.x % CU;
+
+  const bf16* kp = a.k + b * a.kb + j * a.kh;
+  const bf16* vp = a.v + b * a.vb + j * a.vh;
+  // Cached rows of one tile into stage buffer st. Keys at or past kend and masked keys are zero-filled
+  // (src-size 0, nothing read); the fused kernel's newest row is not touched at all (it is stored from
+  // registers: put_newest).
   auto load_stage = [&](int st, int tile) {
     const int n0 = k0 + tile * STAGE;
 #pragma unroll
@@ -196,16 +388,93 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       const int c = threadIdx.x + i * NT;
       if ((STAGE * CH) % NT != 0 && c >= STAGE * CH) break;
       const int r = c / CH, kc = (c % CH) * 8, n = n0 + r;
+      if (FUSED && n == newest) continue;
       const bool ok = n < kend && kept(n);
-      cp_async16(Ks + (st * STAGE + r) * LD + kc, kp + (ok ? (long long)n * kt + kc : 0), ok);
-      cp_async16(Vs + (st * STAGE + r) * LD + kc, vp + (ok ? (long long)n * vt + kc : 0), ok);
+      cp_async16(Ks + (st * STAGE + r) * LD + kc, kp + (ok ? (long long)n * a.kt + kc : 0), ok);
+      cp_async16(Vs + (st * STAGE + r) * LD + kc, vp + (ok ? (long long)n * a.vt + kc : 0), ok);
     }
   };
-
+  // Two stages in flight from the start (both buffers are free): one cp.async group per tile, the Q tile of
+  // decode_attention in tile 0's group. Fused: issued before pdl_wait (cached rows only).
   if (ntiles > 0) load_stage(0, 0);
   cp_async_commit();
-  cp_async_wait<1>();  // Q has landed
-  __syncthreads();
+  if (ntiles > 1) load_stage(1, 1);
+  cp_async_commit();
+
+  // ---- fused: the rotary (cos, sin) of this thread's 8 columns cu * 8 .. + 7, before the wait.
+  const bool rot = FUSED && a.cos_t != nullptr;
+  float cz[8], sz[8];
+  if (rot) {
+    long long p = 0;  // rope_kv's positions for token t = 0: mode 0 -> t, 1 -> positions[t], 2 -> positions[b, t]
+    if (a.pos_mode != 0) {
+      const long long i = a.pos_mode == 1 ? 0 : b;
+      p = a.pos_esz == 8 ? (long long)__ldcg(reinterpret_cast<const long long*>(a.positions) + i)
+                         : (long long)__ldcg(reinterpret_cast<const int*>(a.positions) + i);
+    }
+    p = p < 0 ? 0 : (p >= a.Lc ? a.Lc - 1 : p);
+    load_f32<8>(a.cos_t + p * HALF + cu * 8, cz, a.cs_vec != 0);
+    load_f32<8>(a.sin_t + p * HALF + cu * 8, sz, a.cs_vec != 0);
+  }
+
+  Chunk8 n1, n2;  // fused: the newest k or v chunk pair of this thread (nthr)
+  auto put_newest = [&](int st) {  // into its stage row (zeros when the mask drops it, as a zero-filled copy)
+    bf16* row = (threadIdx.x < CU ? Ks : Vs) + (st * STAGE + rn) * LD + cu * 8;
+    n1.store(row);
+    n2.store(row + HALF);
+  };
+
+  if (FUSED) {
+    pdl_wait();  // the qkv GEMV has completed: its output is visible; the workspace, o and the cache row may be
+    pdl_trigger();  // written (the kernels before have finished reading them)
+    // One round trip: every q chunk pair of the Q tile and this thread's newest k / v pair, loaded together.
+    const bf16* src = a.qkv + b * a.sb;
+    Chunk8 x1[QI], x2[QI];
+#pragma unroll
+    for (int i = 0; i < QI; ++i) {
+      const int u = threadIdx.x + i * NT, rr = row0 + u / CU;
+      if (u < QU && rr < R) {
+        const bf16* s = src + (long long)(j * G + rr) * D + cu * 8;  // Tq = 1: row rr is head j * G + rr
+        load8(x1[i], s, a.qkv_vec);
+        load8(x2[i], s + HALF, a.qkv_vec);
+      }
+    }
+    if (nthr) {
+      const bf16* s = src + (long long)(threadIdx.x < CU ? H + j : H + Hkv + j) * D + cu * 8;
+      load8(n1, s, a.qkv_vec);
+      load8(n2, s + HALF, a.qkv_vec);
+    }
+#pragma unroll
+    for (int i = 0; i < QI; ++i) {
+      const int u = threadIdx.x + i * NT, r = u / CU, rr = row0 + r;
+      if (u < QU) {
+        if (rr < R) {
+          if (rot) rotate8(x1[i], x2[i], cz, sz);
+        } else {
+          zero8(x1[i]);
+          zero8(x2[i]);
+        }
+        x1[i].store(Qs + r * LD + cu * 8);
+        x2[i].store(Qs + r * LD + cu * 8 + HALF);
+      }
+    }
+    if (nthr) {
+      if (rot && threadIdx.x < CU) rotate8(n1, n2, cz, sz);
+      if (rg == 0) {  // the append: one block per (b, j) writes the row (row group 0 of the newest's split)
+        bf16* dst = threadIdx.x < CU ? a.k + b * a.kb + (long long)newest * a.kt + j * a.kh + cu * 8
+                                     : a.v + b * a.vb + (long long)newest * a.vt + j * a.vh + cu * 8;
+        n1.store(dst);
+        n2.store(dst + HALF);
+      }
+      if (!kept(newest)) {
+        zero8(n1);
+        zero8(n2);
+      }
+      if (tn < 2) put_newest(tn);  // its buffer row is untouched by the copies and not yet read
+    }
+  }
+
+  cp_async_wait<1>();  // tile 0 (and decode_attention's Q tile) has landed
+  __syncthreads();     // (fused: the Q tile and the newest row stored by other threads)
   unsigned qf[D / 16][4];
   load_a_frags<D>(qf, Qs, rt * 16);
 
@@ -213,7 +482,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
   const int rr0 = row0 + rt * 16 + g, rr1 = rr0 + 8;
   const int lim0 = L - Tq + rr0 / G, lim1 = L - Tq + rr1 / G;
   const int causal_from = L - Tq + 1;  // the first key some query cannot see
-  const float sl2 = scale * LOG2E;
+  const float sl2 = a.scale * LOG2E;
 
   float acc[D / 8][4];
   zero(acc);
@@ -221,9 +490,7 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
 
   for (int it = 0; it < ntiles; ++it) {
     const int st = it & 1;
-    if (it + 1 < ntiles) load_stage(st ^ 1, it + 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    cp_async_wait<1>();  // groups committed: tiles 0 .. it + 1: all but the newest (it + 1) complete
     __syncthreads();
 
     const int nb = k0 + it * STAGE + kg * BN;  // this warp's first key
@@ -245,10 +512,15 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
       mma_pb<BN, D, LD>(acc, s, Vs + (st * STAGE + kg * BN) * LD);
     }
-    __syncthreads();  // the next iteration's prefetch overwrites the stage just read
+    __syncthreads();  // the stage just read is refilled next
+    if (it + 2 < ntiles) {
+      load_stage(st, it + 2);
+      if (FUSED && nthr && it + 2 == tn) put_newest(st);
+    }
+    cp_async_commit();  // (possibly empty: keeps one group per tile)
   }
   cp_async_wait<0>();
-  __syncthreads();  // (ntiles == 0: the Q / empty groups are drained before the area is re-used)
+  __syncthreads();  // (ntiles == 0: the empty groups are drained before the area is re-used)
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -288,84 +560,78 @@ __device__ __forceinline__ void dattn_split(const bf16* __restrict__ q, const bf
       A += sc * macc[(w * 16 + rl) * LY::ACC_LD + d];
       Ls += sc * mml[(w * 16 + rl) * 2 + 1];
     }
-    if (direct) {
+    if (a.direct) {
       const int t = rr / G, h = j * G + rr % G;
-      out[(((long long)b * Tq + t) * H + h) * D + d] = from_f32<bf16>(Ls > 0.f ? A / Ls : 0.f);
+      a.out[(((long long)b * Tq + t) * H + h) * D + d] = from_f32<bf16>(Ls > 0.f ? A / Ls : 0.f);
     } else {
       const long long wr = (((long long)b * Hkv + j) * splits + split) * R + rr;
-      ws[wr * D + d] = A;
+      a.ws[wr * D + d] = A;
       if (d == 0) {
-        ws[nrow_total * D + wr * 2] = M;
-        ws[nrow_total * D + wr * 2 + 1] = Ls;
+        a.ws[nrow_total * D + wr * 2] = M;
+        a.ws[nrow_total * D + wr * 2 + 1] = Ls;
       }
     }
   }
-  if (direct) return;
+  if (a.direct) return;
 
   // ---- the last of the group's `active` blocks to get here combines them (threadFenceReduction pattern).
   __shared__ int s_last;
   __threadfence();   // this thread's partials are visible device-wide before the block is counted
   __syncthreads();
-  int* cnt = reinterpret_cast<int*>(ws + nrow_total * (D + 2)) + (long long)b * gridDim.y + blockIdx.y;
+  int* cnt = reinterpret_cast<int*>(a.ws + nrow_total * (D + 2)) + (long long)b * gridDim.y + blockIdx.y;
   if (threadIdx.x == 0) {
     const int seen = atomicAdd(cnt, 1);
     const int last = seen == active - 1;
-    if (last) atomicExch(cnt, 0);  // every live block has counted: zero for the next launch / graph replay
     __threadfence();  // (acquire side) the others' partials are read after the count that saw them
+    // Every live block has counted: zero for the next launch / graph replay. After the fence, so that nothing
+    // waits for it (kernel completion makes it visible to the next launch).
+    if (last) atomicExch(cnt, 0);
     s_last = last;
   }
   __syncthreads();
   if (!s_last) return;
-
-  // One thread per (row, 4 columns); the splits in order, the former combine kernel's expressions (one warp
-  // lane per row there, the same per-element arithmetic). __ldcg: read through L2, never a stale L1 line.
-  const float* ml = ws + nrow_total * D;
-  const long long gbase = ((long long)b * Hkv + j) * splits * R;  // row rr of split s: gbase + s * R + rr
-  const int nr = min(MTB * 16, R - row0);
-  constexpr int Q4 = D / 4;
-  // Loads of AU splits in flight per thread (one L2 round trip, ~0.2 us, per AU splits); AU = 4 at D = 128
-  // spills under the 170-register cap of 3 blocks / SM (ptxas, sm_90), 2 does not.
-  constexpr int AU = D == 128 ? 2 : 4;
-  for (int u = threadIdx.x; u < nr * Q4; u += NT) {
-    const int rr = row0 + u / Q4, c = (u % Q4) * 4;
-    const long long w0 = gbase + rr;
-    float M = -CK_INF;
-#pragma unroll 8
-    for (int s = 0; s < active; ++s) M = fmaxf(M, __ldcg(ml + (w0 + (long long)s * R) * 2));
-    float A0 = 0.f, A1 = 0.f, A2 = 0.f, A3 = 0.f, Ls = 0.f;
-#pragma unroll AU
-    for (int s = 0; s < active; ++s) {  // splits in order: deterministic
-      const long long wr = w0 + (long long)s * R;
-      const float m = __ldcg(ml + wr * 2);
-      const float sc = m == -CK_INF ? 0.f : ex2(m - M);
-      Ls += sc * __ldcg(ml + wr * 2 + 1);
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(ws + wr * D + c));
-      A0 += sc * x.x;
-      A1 += sc * x.y;
-      A2 += sc * x.z;
-      A3 += sc * x.w;
-    }
-    const float inv = Ls > 0.f ? 1.f / Ls : 0.f;
-    const int t = rr / G, h = j * G + rr % G;
-    bf16* o = out + (((long long)b * Tq + t) * H + h) * D + c;  // (out may sit 2 bytes off 8: scalar stores)
-    o[0] = from_f32<bf16>(A0 * inv);
-    o[1] = from_f32<bf16>(A1 * inv);
-    o[2] = from_f32<bf16>(A2 * inv);
-    o[3] = from_f32<bf16>(A3 * inv);
-  }
+  combine_splits<D, MTB>(a.ws, a.out, nrow_total, b, j, Hkv, splits, R, row0, G, Tq, H, active);
 }
 
 // ================================================================================================ entry points
-// dattn_split_d<D>_m<MTB>: MTB row tiles of 16 per block (1, 2, 4). __launch_bounds__ min blocks: register cap
-// 65536 / (128 * MINB): D = 128 keeps 64 fp32 accumulators + 32 Q-fragment registers per thread (cap 170).
+// dattn_split_d<D>_m<MTB> / dattn_rope_d<D>_m<MTB>: MTB row tiles of 16 per block (1, 2, 4). __launch_bounds__
+// min blocks: register cap 65536 / (128 * MINB): D = 128 keeps 64 fp32 accumulators + 32 Q-fragment registers
+// per thread (cap 170).
 #define DATTN_SPLIT(D, MTB, MINB)                                                                               \
   extern "C" __global__ void __launch_bounds__(NT, MINB) dattn_split_d##D##_m##MTB(                             \
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
       int Lmax, int splits, int RG, float scale, int direct) {                                                  \
-    dattn_split<D, MTB>(q, k, v, len_ptr, len_val, mask, mask_b, mask_esz, ws, out, qb, qt, qh, kb, kt, kh, vb, \
-                        vt, vh, Tq, H, Hkv, Lmax, splits, RG, scale, direct);                                   \
+    DArgs a;                                                                                                    \
+    a.q = q; a.qb = qb; a.qt = qt; a.qh = qh;                                                                   \
+    a.qkv = nullptr; a.sb = 0; a.qkv_vec = 0;                                                                   \
+    a.cos_t = nullptr; a.sin_t = nullptr; a.positions = nullptr; a.pos_esz = 4; a.pos_mode = 0; a.Lc = 1;       \
+    a.cs_vec = 0;                                                                                               \
+    a.k = const_cast<bf16*>(k); a.v = const_cast<bf16*>(v);                                                     \
+    a.kb = kb; a.kt = kt; a.kh = kh; a.vb = vb; a.vt = vt; a.vh = vh;                                           \
+    a.len_ptr = len_ptr; a.len_val = len_val; a.mask = mask; a.mask_b = mask_b; a.mask_esz = mask_esz;          \
+    a.ws = ws; a.out = out; a.Tq = Tq; a.H = H; a.Hkv = Hkv; a.Lmax = Lmax; a.splits = splits; a.RG = RG;       \
+    a.scale = scale; a.direct = direct;                                                                         \
+    dattn<D, MTB, false>(a);                                                                                    \
+  }
+#define DATTN_ROPE(D, MTB, MINB)                                                                                \
+  extern "C" __global__ void __launch_bounds__(NT, MINB) dattn_rope_d##D##_m##MTB(                              \
+      const bf16* qkv, long long sb, int qkv_vec, bf16* k, bf16* v, const int* len_ptr, int len_val,            \
+      const float* cos_t, const float* sin_t, const void* positions, int pos_esz, int pos_mode, int Lc,          \
+      int cs_vec, const unsigned char* mask, long long mask_b, int mask_esz, float* ws, bf16* out,              \
+      long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int H, int Hkv,        \
+      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
+    DArgs a;                                                                                                    \
+    a.q = nullptr; a.qb = 0; a.qt = 0; a.qh = 0;                                                                \
+    a.qkv = qkv; a.sb = sb; a.qkv_vec = qkv_vec;                                                                \
+    a.cos_t = cos_t; a.sin_t = sin_t; a.positions = positions; a.pos_esz = pos_esz; a.pos_mode = pos_mode;      \
+    a.Lc = Lc; a.cs_vec = cs_vec;                                                                               \
+    a.k = k; a.v = v; a.kb = kb; a.kt = kt; a.kh = kh; a.vb = vb; a.vt = vt; a.vh = vh;                         \
+    a.len_ptr = len_ptr; a.len_val = len_val; a.mask = mask; a.mask_b = mask_b; a.mask_esz = mask_esz;          \
+    a.ws = ws; a.out = out; a.Tq = 1; a.H = H; a.Hkv = Hkv; a.Lmax = Lmax; a.splits = splits; a.RG = RG;        \
+    a.scale = scale; a.direct = direct;                                                                         \
+    dattn<D, MTB, true>(a);                                                                                     \
   }
 DATTN_SPLIT(32, 1, 4)
 DATTN_SPLIT(32, 2, 4)
@@ -376,6 +642,15 @@ DATTN_SPLIT(64, 4, 4)
 DATTN_SPLIT(128, 1, 3)
 DATTN_SPLIT(128, 2, 3)
 DATTN_SPLIT(128, 4, 3)
+DATTN_ROPE(32, 1, 4)
+DATTN_ROPE(32, 2, 4)
+DATTN_ROPE(32, 4, 4)
+DATTN_ROPE(64, 1, 4)
+DATTN_ROPE(64, 2, 4)
+DATTN_ROPE(64, 4, 4)
+DATTN_ROPE(128, 1, 3)
+DATTN_ROPE(128, 2, 3)
+DATTN_ROPE(128, 4, 3)
 
 // ================================================================================================ cache append
 // kv_write_w<W>: the Tq new tokens' rows src [B, Tq, R] (W-byte words, R words per token: Hkv * D bf16 keys or
@@ -486,8 +761,7 @@ __device__ __forceinline__ void rope_kv(const T* qkv, long long sb, long long st
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const float x1 = a.get(k), x2 = c2.get(k);
-      f1[k] = x1 * c[k] - x2 * sn[k];  // rope.cu's expressions (same contraction by the compiler)
-      f2[k] = x2 * c[k] + x1 * sn[k];
+      rope_rotate(x1, x2, c[k], sn[k], f1[k], f2[k]);  // (shared with the fused kernel: the same bits)
     }
     Chunk<T, E, VEC> o1, o2;
     o1.pack(f1);

@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from ..autograd import _xp
-from ..ops.decode_attention import decode_attention, rope_kv_write
+from ..ops.decode_attention import decode_attention_rope
 from ..ops.gemv import gemv
 from .layers import LayerNorm, RMSNorm
 
@@ -118,9 +118,13 @@ def attention(att, x, layer_cache, norm, *, cos=None, sin=None, positions=None):
     c = layer_cache.cache
     kc, vc = c.k[layer_cache.i], c.v[layer_cache.i]
     rope = dict(cos=cos, sin=sin, positions=positions) if att.rope else {}
-    q = rope_kv_write(qkv.reshape(Bsz, 1, -1), H, Hkv, kc, vc, c.length, **rope)
-    o = decode_attention(q, kc, vc, c.length, scale=1.0 / math.sqrt(D), key_mask=c.key_mask,
-                         workspace=c.workspace(q))
+    qkv = qkv.reshape(Bsz, 1, -1)
+    # One launch: rotary on q and k, the k / v append at the device length, split-KV attention + combine; under
+    # PDL it loads the cached K/V rows, the length, the mask and cos / sin while the qkv GEMV still runs (those
+    # are written by no kernel of this layer: the length is advanced before the step's first kernel). The
+    # workspace is keyed by q's shape: the q part of qkv stands in for it (a view, no allocation).
+    o = decode_attention_rope(qkv, H, Hkv, kc, vc, c.length, **rope, scale=1.0 / math.sqrt(D),
+                              key_mask=c.key_mask, workspace=c.workspace(qkv[..., :H * D].reshape(Bsz, 1, H, D)))
     o_proj = getattr(att, names["o"])
     gemv(o.reshape(Bsz, H * D), o_proj.weight.data, bias=o_proj.bias.data if o_proj.bias is not None else None,
          residual=x, out=x)

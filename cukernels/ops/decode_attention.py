@@ -1,5 +1,6 @@
-"""Decode attention against a static KV cache (flash-decoding, split-KV): ``decode_attention``.
-Kernels: ``kernels_cu/decode_attention.cu``."""
+"""Decode attention against a static KV cache (flash-decoding, split-KV): ``decode_attention``; the cache append
+(``kv_cache_write``), the rotary + append of a packed projection (``rope_kv_write``), and both fused into the
+attention launch for one new token (``decode_attention_rope``). Kernels: ``kernels_cu/decode_attention.cu``."""
 from __future__ import annotations
 
 import functools
@@ -68,23 +69,8 @@ def _is_int(v):
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
-    _check_4d("q", q, "[batch, new_tokens, heads, head_dim]")
-    _check_4d("k_cache", k_cache, "[batch, max_len, kv_heads, head_dim]")
-    _check_4d("v_cache", v_cache, "[batch, max_len, kv_heads, head_dim]")
-    Bsz, Tq, H, D = (int(s) for s in q.shape)
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D}")
-    if k_cache.shape[0] != Bsz or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache: expected shape ({Bsz}, max_len, kv_heads, {D}) to match q {tuple(q.shape)}; "
-                         f"got {tuple(k_cache.shape)}")
-    Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
-    B.check_shape("v_cache", v_cache, k_cache.shape, " (the shape of k_cache)")
-    if Hkv < 1 or H % Hkv:
-        raise ValueError(f"k_cache: kv_heads ({Hkv}) must divide the query heads ({H})")
-    if Lmax >= 2**31:
-        raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
-    _check_cache_len(cache_len, Lmax)
+def _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits):
+    """key_mask, scale and num_splits of decode_attention / decode_attention_rope; returns the scale (fp32)."""
     if key_mask is not None:
         if key_mask.dtype not in MASK_DTYPES:
             raise TypeError(f"key_mask: expected a bool or integer dtype (nonzero = keep); got {key_mask.dtype}")
@@ -104,6 +90,27 @@ def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
         if key_mask is not None and -(-Lmax // int(num_splits)) > MASK_CHUNK:
             raise ValueError(f"num_splits: with key_mask a split covers at most {MASK_CHUNK} keys: need "
                              f">= {-(-Lmax // MASK_CHUNK)} splits for max_len {Lmax}; got {int(num_splits)}")
+    return scale
+
+
+def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
+    _check_4d("q", q, "[batch, new_tokens, heads, head_dim]")
+    _check_4d("k_cache", k_cache, "[batch, max_len, kv_heads, head_dim]")
+    _check_4d("v_cache", v_cache, "[batch, max_len, kv_heads, head_dim]")
+    Bsz, Tq, H, D = (int(s) for s in q.shape)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D}")
+    if k_cache.shape[0] != Bsz or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache: expected shape ({Bsz}, max_len, kv_heads, {D}) to match q {tuple(q.shape)}; "
+                         f"got {tuple(k_cache.shape)}")
+    Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    B.check_shape("v_cache", v_cache, k_cache.shape, " (the shape of k_cache)")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"k_cache: kv_heads ({Hkv}) must divide the query heads ({H})")
+    if Lmax >= 2**31:
+        raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
+    _check_cache_len(cache_len, Lmax)
+    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits)
     return Bsz, Tq, H, Hkv, D, Lmax, scale
 
 
@@ -176,6 +183,33 @@ def _workspace_elems(Bsz, Hkv, G, Tq, D, splits):
     if splits == 1:
         return 0
     return _partial_elems(Bsz, Hkv, G, Tq, D, splits) + Bsz * Hkv * _row_tiles(G, Tq)[1]
+
+
+def _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits):
+    """The launch's workspace: ``workspace`` after validation, else a pool temporary with zeroed counters (None
+    with one split)."""
+    need = _workspace_elems(Bsz, Hkv, G, Tq, D, splits)
+    if workspace is not None:
+        B.check_dtype("workspace", workspace, (np.float32,))
+        B.check_contiguous("workspace", workspace)
+        if workspace.size < need or workspace.data.ptr % 16:
+            raise ValueError(f"workspace: expected a 16-byte aligned float32 buffer of >= {need} elements "
+                             f"(decode_attention_workspace: partials + counters); got {workspace.size} at "
+                             f"pointer offset {workspace.data.ptr % 16}")
+        return workspace
+    if need:
+        ws = xp.empty((need,), dtype=np.float32)
+        B.zero_(ws[_partial_elems(Bsz, Hkv, G, Tq, D, splits):])  # the counters start at zero
+        return ws
+    return None
+
+
+def _mask_args(key_mask, Bsz):
+    """(pointer, row stride in elements, element bytes) of key_mask for the kernels; null without one."""
+    if key_mask is None:
+        return B.NULL, np.int64(0), np.int32(1)
+    mrow = key_mask.strides[0] // key_mask.itemsize if Bsz > 1 else 0
+    return _launch.ptr(key_mask), np.int64(mrow), np.int32(key_mask.itemsize)
 
 
 @B.interop
@@ -297,27 +331,10 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
         raise ValueError(f"k_cache: kv_heads * row groups ({Hkv} * {rg}) must be <= 65535")
     sq, sk, sv = _strides("q", q), _strides("k_cache", k_cache), _strides("v_cache", v_cache)
     splits = _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits)
-    need = _workspace_elems(Bsz, Hkv, G, Tq, D, splits)
-    if workspace is not None:
-        B.check_dtype("workspace", workspace, (np.float32,))
-        B.check_contiguous("workspace", workspace)
-        if workspace.size < need or workspace.data.ptr % 16:
-            raise ValueError(f"workspace: expected a 16-byte aligned float32 buffer of >= {need} elements "
-                             f"(decode_attention_workspace: partials + counters); got {workspace.size} at "
-                             f"pointer offset {workspace.data.ptr % 16}")
-        ws = workspace
-    elif need:
-        ws = xp.empty((need,), dtype=np.float32)
-        B.zero_(ws[_partial_elems(Bsz, Hkv, G, Tq, D, splits):])  # the counters start at zero
-    else:
-        ws = None
+    ws = _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits)
     dev_len = B._kind(cache_len) is not None
     len_args = (_launch.ptr(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
-    if key_mask is not None:
-        mrow = key_mask.strides[0] // key_mask.itemsize if Bsz > 1 else 0
-        mask_args = (_launch.ptr(key_mask), np.int64(mrow), np.int32(key_mask.itemsize))
-    else:
-        mask_args = (B.NULL, np.int64(0), np.int32(1))
+    mask_args = _mask_args(key_mask, Bsz)
     kern, smem = _split_kernel(D, mtb)
     _launch.launch(kern, (splits, Hkv * rg, Bsz), (THREADS, 1, 1),
                    (_launch.ptr(q), _launch.ptr(k_cache), _launch.ptr(v_cache), *len_args, *mask_args,
@@ -531,3 +548,103 @@ def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=
                     np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(Lc), np.int32(mode),
                     np.int32(Lmax), np.bool_(cs_vec)), 0, pdl=True)
     return q_out
+
+
+@B.interop
+def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=None, sin=None,
+                          positions=None, scale=None, key_mask=None, out=None, num_splits=None, workspace=None):
+    """One decode step's attention from the packed QKV projection of the newest token, in ONE launch: rotary
+    positions on q and k, k and v appended to the static cache at the device length, and split-KV attention
+    of the rotated q over the cache (the combine in the same launch). Bit-identical to::
+
+        q = rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, cos=cos, sin=sin,
+                          positions=positions)
+        o = decode_attention(q, k_cache, v_cache, cache_len, scale=scale, key_mask=key_mask,
+                             num_splits=num_splits)
+
+    (q rounded to bf16 as rope_kv_write stores it, the same rotation arithmetic, the same split count and
+    summation order), which is also the NumPy path. The newest key / value enter the attention from registers;
+    exactly one block writes each element of the appended cache row.
+
+    Under programmatic dependent launch (inside ``_launch.pdl_scope()``, sm_90+) the kernel reads, before it
+    waits for the kernel launched just before it: the length, ``key_mask``, ``positions``, ``cos`` / ``sin`` and
+    the cache rows ``[0, cache_len - 1)``, and starts copying those rows into shared memory; only ``qkv`` is read
+    after the wait. The code that opens the scope vouches that the kernel launched right before this one (in
+    the fused decode step: the qkv GEMV) writes none of those (see decode_attention.cu, "PDL and what may be
+    read before pdl_wait"). Outside the scope the launch is an ordinary one.
+
+    Args:
+        qkv: bfloat16 ``[batch, 1, (n_heads + 2 n_kv_heads) * head_dim]``: q heads, then k heads, then v heads
+            of the one new token (rope_kv_write's layout); the last axis contiguous, the batch stride free.
+            head_dim 32, 64 or 128.
+        n_heads, n_kv_heads: head counts, n_kv_heads dividing n_heads.
+        k_cache, v_cache: bfloat16 ``[batch, max_len, n_kv_heads, head_dim]`` (a layer's slice of a
+            ``[layers, B, max_len, Hkv, D]`` cache); last axis contiguous, pointer and strides multiples of 16
+            bytes. Row ``cache_len - 1`` is written (skipped when outside ``[0, max_len)``).
+        cache_len: the length after the append: an int in ``[0, max_len]`` or a 0-d int32 device array (read by
+            the kernel: graph-capturable).
+        cos, sin: float32 ``[L, head_dim // 2]`` (:func:`rope_cache`), or both None (no rotation: GPT-2).
+        positions: optional int32 / int64 ``[1]`` or ``[batch, 1]`` as rope_kv_write takes it (default:
+            position 0); the kernel clamps into the table, the NumPy path raises.
+        scale, key_mask, num_splits, workspace: as :func:`decode_attention` (the workspace of
+            :func:`decode_attention_workspace` for a ``[batch, 1, n_heads, head_dim]`` q).
+        out: optional C-contiguous bfloat16 ``[batch, 1, n_heads, head_dim]``.
+
+    Returns:
+        ``o``: bfloat16 ``[batch, 1, n_heads, head_dim]``.
+
+    Example::
+
+        >>> length += 1                                                        # device scalar
+        >>> qkv = ck.gemv(x, w_qkv, norm="rms", norm_weight=g)                 # [1, 3072] (LLaMA-3.2-1B)
+        >>> o = ck.decode_attention_rope(qkv.reshape(1, 1, -1), 32, 8, kc[i], vc[i], length, cos=cos, sin=sin,
+        ...                              positions=pos, key_mask=mask, workspace=ws)
+    """
+    xp = B.array_module(qkv=qkv, k_cache=k_cache, v_cache=v_cache, cos=cos, sin=sin, positions=positions,
+                        key_mask=key_mask, out=out, workspace=workspace,
+                        cache_len=cache_len if B._kind(cache_len) is not None else None)
+    B.check_dtype("qkv", qkv, (B.bfloat16,))
+    Bsz, T, H, Hkv, D, Lmax, Lc, mode = _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
+                                                          cos, sin, positions, None)
+    if T != 1:
+        raise ValueError(f"qkv: expected one new token per sequence ([batch, 1, ...]); got T = {T} (use "
+                         f"rope_kv_write + decode_attention for several)")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"qkv: head_dim must be one of {HEAD_DIMS}; got {D}")
+    if H % Hkv:
+        raise ValueError(f"n_kv_heads: ({Hkv}) must divide n_heads ({H})")
+    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits)
+    o = B.empty(xp, (Bsz, 1, H, D), B.bfloat16, out)
+    if xp is np:
+        q = rope_kv_write(qkv, H, Hkv, k_cache, v_cache, cache_len, cos=cos, sin=sin, positions=positions)
+        return decode_attention(q, k_cache, v_cache, cache_len, scale=scale, key_mask=key_mask, out=o)
+    G = H // Hkv
+    if Bsz == 0:
+        return o
+    if Bsz > 65535:
+        raise ValueError(f"qkv: batch must be <= 65535 (the kernel's grid z); got {Bsz}")
+    mtb, rg = _row_tiles(G, 1)
+    if Hkv * rg > 65535:
+        raise ValueError(f"n_kv_heads: kv_heads * row groups ({Hkv} * {rg}) must be <= 65535")
+    sb = _row_strides("qkv", qkv, 3)[0] if Bsz > 1 else np.int64(0)
+    sk, sv = _strides("k_cache", k_cache), _strides("v_cache", v_cache)
+    splits = _splits(Bsz, Hkv, D, Lmax, G, 1, key_mask, num_splits)  # decode_attention's choice: the same bits
+    ws = _workspace(xp, workspace, Bsz, Hkv, G, 1, D, splits)
+    qkv_vec = B.aligned16(qkv) and (int(sb) * qkv.itemsize) % 16 == 0
+    rot = cos is not None
+    cs_vec = rot and B.aligned16(cos, sin) and (D // 2) % 4 == 0
+    dev_len = B._kind(cache_len) is not None
+    P = _launch.ptr
+    len_args = (P(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    pos_args = (P(positions) if positions is not None else B.NULL,
+                np.int32(positions.itemsize if positions is not None else 4), np.int32(mode), np.int32(Lc))
+    smem = _smem(D, mtb)
+    kern = _launch.with_smem(get_function(FAMILY, f"dattn_rope_d{D}_m{mtb}"), smem)
+    _launch.launch(kern, (splits, Hkv * rg, Bsz), (THREADS, 1, 1),
+                   (P(qkv), sb, np.int32(qkv_vec), P(k_cache), P(v_cache), *len_args,
+                    P(cos) if rot else B.NULL, P(sin) if rot else B.NULL, *pos_args, np.int32(cs_vec),
+                    *_mask_args(key_mask, Bsz), P(ws) if ws is not None else B.NULL, P(o), *sk, *sv,
+                    np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
+                    np.int32(1 if splits == 1 else 0)),
+                   shared_mem=smem, pdl=True)
+    return o
