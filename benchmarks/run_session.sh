@@ -210,3 +210,15 @@ if [ "$stage" = "s6c" ]; then  # session 6, call C: ring A/B in the step (blocks
   timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_gemv.py tests/test_launch.py \
     tests/test_generate.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error|error" | tail -n 30
 fi
+if [ "$stage" = "s6d" ]; then  # session 6, call D: the whole GPU suite, then generation and the decode kernel rows
+  timeout 280 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
+  timeout 150 python benchmarks/bench_generate.py --model llama --pdl-ab --ab "${1:-_launch.CARVEOUT=-1;gemv.PREFETCH_KB=0;gemv.BLOCKS_PER_SM=3;gemv.BLOCKS_PER_SM=2,gemv.DEPTH_LONG=2;gemv.DEPTH_LONG=3}" 2>&1 \
+    | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
+  timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 2>&1 \
+    | grep -v "Warning\|warn" | tee "$out/bench_generate_gpt2.log"
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only gemv,decode_attention \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^(gemv|decode)" "$out/bench_ops.log" | head -40
+  timeout 60 python benchmarks/profile_generate.py --model llama --top 8 2>&1 | grep -v "Warning\|warn(" \
+    | tee "$out/profile_generate_llama.log"
+fi
