@@ -49,6 +49,9 @@
 //   * splits == 1: the block normalises and writes o directly (no workspace, no counter).
 //   * PDL (common/pdl.cuh): pdl_wait() first -- the kernel before it (rope_kv_write) writes q and the cache,
 //     and the workspace / counters / o may still be read by the kernels before -- then pdl_trigger().
+//   * dattn_rope (decode_attention_rope, session 6): the same body with rope_kv_write folded in for one new
+//     token; it loads the length, key_mask, cos / sin and the cached K/V stages BEFORE pdl_wait (see "split
+//     kernels" below for why that is safe and the round-trip count).
 //
 // Workspace (splits > 1): acc [B, Hkv, splits, R, D] fp32, (m, l) [B, Hkv, splits, R, 2] fp32, then
 // counters int32 [B, Hkv * RG]. The counters must be zero before the first launch (decode_attention_workspace()
@@ -143,8 +146,9 @@ template <int D, int MTB> struct Layout {
 //   -> o stores: 8 round trips in decode_attention alone, ~11 with rope_kv_write, two launches.
 // After (one launch; length, mask, positions, cos / sin and the cached K/V stages are loaded before the wait):
 //   qkv q / k / v (1) -> partial stores + fence (1) -> counter atomic (1) -> the combine's single pass over
-//   (m, l, acc) of <= CAP splits (1; CAP = 8, 2 at D = 128) -> o stores: 4 round trips (1 with one split). decode_attention
-//   itself gets the last three (counter reset after the fence, one-pass combine): 8 -> 6.
+//   (m, l, acc) of <= CAP splits (1; CAP = 8, 2 at D = 128) -> o stores: 4 round trips (1 with one split).
+//   decode_attention itself gets the last two changes (counter reset after the fence, one-pass combine): 8 -> 6.
+//   Predicted at ~0.6-1 us a trip: rope_kv + dattn ~9.7 us -> ~3-4.5 us a layer (NOTES.md, session 6).
 //
 // Grid (splits, Hkv * RG, B); 128 threads. Workspace rows (splits > 1): ((b * Hkv + j) * splits + split) * R + rr,
 // R = G * Tq, row rr = t * G + (h - j * G); counter of (b, j, row group rg): b * Hkv * RG + j * RG + rg.
@@ -341,7 +345,8 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
       if ((MTB * 16 * CH) % NT != 0 && c >= MTB * 16 * CH) break;
       const int r = c / CH, kc = (c % CH) * 8, rr = row0 + r;
       const bool ok = rr < R;
-      const bf16* src = a.q + (ok ? b * a.qb + (long long)(rr / G) * a.qt + (long long)(j * G + rr % G) * a.qh + kc : 0);
+      const bf16* src =
+          a.q + (ok ? b * a.qb + (long long)(rr / G) * a.qt + (long long)(j * G + rr % G) * a.qh + kc : 0);
       cp_async16(Qs + r * LD + kc, src, ok);
     }
   }
@@ -691,8 +696,9 @@ KV_WRITE(4, unsigned int)
 //   k heads  H <= h < H + Hkv: rotated, to k_cache [b, pos, h - H]       pos = L - T + t, L read from device
 //   v heads  the rest:         copied,  to v_cache [b, pos, h - H - Hkv]  memory (or len_val); rows with pos
 //                                                                          outside [0, Lmax) are skipped
-// Rotation: ck.rope's rotate-half form with the same fp32 expressions (y1 = x1 c - x2 sn, y2 = x2 c + x1 sn,
-// c = cos[p, i], sn = sin[p, i], pair (i, i + D/2)), positions as ck.rope takes them (pos_mode 0: p = t, 1:
+// Rotation: ck.rope's rotate-half form (y1 = x1 c - x2 sn, y2 = x2 c + x1 sn, c = cos[p, i], sn = sin[p, i],
+// pair (i, i + D/2)) in fp32 with the roundings spelled out (rope_rotate, shared with dattn_rope; ck.rope's
+// compiler may contract differently: ~1 fp32 ulp), positions as ck.rope takes them (pos_mode 0: p = t, 1:
 // positions[t], 2: positions[b, t]; clamped into [0, Lc)), rounded once to T. cos_t == nullptr: no rotation
 // (GPT-2), every head is copied.
 // Work unit: one 16-byte pack of each half of one head of one token (VEC; P = 8 bf16 / 4 fp32 pairs), a single

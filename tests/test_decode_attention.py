@@ -902,3 +902,352 @@ def test_rope_kv_write_entry_points_compiled():
     entries = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("decode_attention", "sm_90")))
     want = {f"rope_kv_{d}_{p}_{v}" for d in ("f32", "bf16") for p in ("i32", "i64") for v in "vs"}
     assert want <= entries, sorted(want - entries)
+
+
+# ------------------------------------------------------------------------------------- decode_attention_rope
+# The fused op: rope_kv_write + decode_attention for one new token in one launch. Its NumPy path is that
+# composition; on the GPU it must equal the GPU composition BIT FOR BIT (same q rounding, split count, tiles
+# and combine), outputs and caches.
+from cukernels.ops.decode_attention import decode_attention_rope  # noqa: E402
+
+
+def _fused_case(rng, Bsz, H, Hkv, D, Lmax, *, rope=True, pos_kind="batch", Lc=None, amp=1.0):
+    """Host qkv [B, 1, C] (times amp), rotary tables and positions (None / [1] int32 / [B, 1] int64)."""
+    qkv = (rng.standard_normal((Bsz, 1, (H + 2 * Hkv) * D)) * amp).astype(np.float32).astype(BF16)
+    cos = sin = pos = None
+    if rope:
+        Lc = Lc or Lmax + 8
+        cos, sin = ck.rope_cache(Lc, D, 500000.0, xp=np)
+        if pos_kind == "seq":
+            pos = rng.integers(0, Lc, 1).astype(np.int32)
+        elif pos_kind == "batch":
+            pos = rng.integers(0, Lc, (Bsz, 1)).astype(np.int64)
+    return qkv, cos, sin, pos
+
+
+@pytest.mark.parametrize("rope, pos_kind", [(True, None), (True, "seq"), (True, "batch"), (False, None)])
+@pytest.mark.parametrize("L", [1, 6, 12])
+def test_decode_attention_rope_reference_matches_f64(rng, rope, pos_kind, L):
+    """The NumPy path against float64 from the definitions (f64_rope_kv, then f64_decode on the bf16-rounded q
+    and cache, as the op stores them), a left-padding mask that may drop the new key itself, and the cache:
+    row L - 1 written, every other row untouched."""
+    Bsz, H, Hkv, D, Lmax = 3, 8, 2, 32, 12
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, rope=rope, pos_kind=pos_kind)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    kc, vc = k0.copy(), v0.copy()
+    mask = left_pad_mask(Bsz, Lmax, [0, 2, L - 1 if L > 1 else 0])
+    if L > 1:
+        mask[2, L - 1] = False  # row 2: the new key itself is dropped (still appended to the cache)
+    o = decode_attention_rope(qkv, H, Hkv, kc, vc, np.array(L, np.int32), cos=cos, sin=sin, positions=pos,
+                              key_mask=mask)
+    assert o.dtype == BF16 and o.shape == (Bsz, 1, H, D)
+    q64, rows = f64_rope_kv(qkv, H, Hkv, L, Lmax, cos, sin, pos)
+    kw, vw = k0.copy(), v0.copy()
+    for (b, r), (kr, vr) in rows.items():
+        kw[b, r], vw[b, r] = kr.astype(np.float32).astype(BF16), vr.astype(np.float32).astype(BF16)
+    tol = 2.0**-8
+    np.testing.assert_allclose(kc.astype(np.float64), kw.astype(np.float64), rtol=tol, atol=1e-6)
+    np.testing.assert_array_equal(vc.astype(np.float32), vw.astype(np.float32))  # v copied exactly
+    ref = f64_decode(q64.astype(np.float32).astype(BF16), kw, vw, L, 1 / math.sqrt(D), mask)
+    np.testing.assert_allclose(o.astype(np.float64), ref, rtol=2**-7, atol=2e-3)
+    if L > 1:  # the fully-padded row 2 (keys 0 .. L - 2 padded, L - 1 dropped) sees nothing
+        assert not o[2].astype(np.float32).any()
+
+
+def test_decode_attention_rope_reference_is_the_composition(rng):
+    """The NumPy path is rope_kv_write then decode_attention: same o, same caches, out= used."""
+    Bsz, H, Hkv, D, Lmax, L = 2, 12, 12, 64, 9, 7  # GPT-2 heads, no rotary
+    qkv, *_ = _fused_case(rng, Bsz, H, Hkv, D, Lmax, rope=False)
+    k1, v1 = make_cache(rng, Bsz, Lmax, Hkv, D, L - 1)
+    k2, v2 = k1.copy(), v1.copy()
+    out = np.full((Bsz, 1, H, D), np.nan, np.float32).astype(BF16)
+    assert decode_attention_rope(qkv, H, Hkv, k1, v1, L, scale=0.2, out=out) is out
+    q = rope_kv_write(qkv, H, Hkv, k2, v2, L)
+    want = decode_attention(q, k2, v2, L, scale=0.2)
+    for got, w in ((out, want), (k1, k2), (v1, v2)):
+        assert np.array_equal(got.view(np.uint16), w.view(np.uint16))
+
+
+_FQKV = np.zeros((2, 1, (8 + 2 * 2) * 32), BF16)   # H 8, Hkv 2, D 32
+_FKC = np.zeros((2, 10, 2, 32), BF16)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(qkv=_FQKV.astype(np.float32), k_cache=_FKC.astype(np.float32), v_cache=_FKC.astype(np.float32)),
+         TypeError, "qkv: expected dtype bfloat16"),
+        (dict(qkv=np.zeros((2, 2, 12 * 32), BF16)), ValueError, "qkv: expected one new token"),
+        (dict(qkv=np.zeros((2, 12 * 32), BF16)), ValueError, "qkv: expected 3 dimensions"),
+        (dict(qkv=np.zeros((2, 1, 12 * 48), BF16), k_cache=np.zeros((2, 10, 2, 48), BF16),
+              v_cache=np.zeros((2, 10, 2, 48), BF16)), ValueError, "qkv: head_dim must be one of"),
+        (dict(n_heads=3, n_kv_heads=2, qkv=np.zeros((2, 1, 7 * 32), BF16)), ValueError,
+         r"n_kv_heads: \(2\) must divide n_heads \(3\)"),
+        (dict(k_cache=np.zeros((2, 10, 2, 32), np.float32)), TypeError, "k_cache: expected qkv's dtype"),
+        (dict(v_cache=np.zeros((2, 11, 2, 32), BF16)), ValueError, "v_cache: expected shape"),
+        (dict(cache_len=11), ValueError, "cache_len: expected 0 <= cache_len <= max_len"),
+        (dict(cos=np.ones((4, 16), np.float32)), ValueError, "cos, sin: pass both"),
+        (dict(cos=np.ones((4, 16), np.float32), sin=np.ones((4, 16), np.float32),
+              positions=np.zeros(2, np.int32)), ValueError, r"positions: expected shape \(1,\) or \(2, 1\)"),
+        (dict(key_mask=np.ones((2, 9), np.bool_)), ValueError, "key_mask: expected shape"),
+        (dict(key_mask=np.ones((2, 10), np.float32)), TypeError, "key_mask: expected a bool or integer dtype"),
+        (dict(scale=-1.0), ValueError, "scale: expected a finite number > 0"),
+        (dict(num_splits=0), ValueError, "num_splits: expected an int >= 1"),
+        (dict(out=np.zeros((2, 1, 8, 32), np.float32)), TypeError, "out: expected dtype bfloat16"),
+        (dict(out=np.zeros((2, 8, 32), BF16)), ValueError, "out: expected shape"),
+    ],
+)
+def test_decode_attention_rope_bad_input(kw, exc, match):
+    a = dict(qkv=_FQKV, n_heads=8, n_kv_heads=2, k_cache=_FKC, v_cache=_FKC.copy(), cache_len=3)
+    a.update(kw)
+    pos = {k: a.pop(k) for k in ("qkv", "n_heads", "n_kv_heads", "k_cache", "v_cache", "cache_len")}
+    with pytest.raises(exc, match=match):
+        decode_attention_rope(*pos.values(), **a)
+
+
+def test_decode_attention_rope_entry_points_compiled():
+    """CPU: the 9 dattn_rope_d<D>_m<MTB> kernels exist, and before griddepcontrol.wait they store nothing to
+    global memory (st.global / atom / red): the PDL rule that the pre-wait part only reads."""
+    import re
+
+    from cukernels import _nvrtc
+
+    if not _nvrtc.available():
+        pytest.skip("libnvrtc not installed")
+    ptx = _nvrtc.compile_ptx("decode_attention", "sm_90")
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
+    want = {f"dattn_rope_d{d}_m{m}" for d in DA.HEAD_DIMS for m in (1, 2, 4)}
+    assert want <= entries, sorted(want - entries)
+    for name in sorted(want):
+        i = ptx.index(f".entry {name}")
+        j = ptx.find(".entry", i + 1)
+        body = ptx[i:j if j > 0 else len(ptx)]
+        assert body.count("griddepcontrol.wait") == 1, name
+        pre = body[:body.index("griddepcontrol.wait")]
+        assert not re.search(r"\b(st\.global|atom\.|red\.global|st\.async)", pre), f"{name}: writes before the wait"
+        assert "cp.async.cg.shared.global" in pre, f"{name}: the cached K/V copies should start before the wait"
+
+
+def _gpu_fused_vs_composition(qkv_d, H, Hkv, kA, vA, kB, vB, length, cos, sin, pos, mask, splits, wsA, wsB,
+                              misalign_out=False):
+    """Run the fused op on caches A and the GPU composition on caches B (same inputs); return (o_fused, o_comp)."""
+    oA = poisoned((qkv_d.shape[0], 1, H, kA.shape[3]), BF16, misalign=misalign_out)
+    r = decode_attention_rope(qkv_d, H, Hkv, kA, vA, length, cos=cos, sin=sin, positions=pos, key_mask=mask,
+                              out=oA, num_splits=splits, workspace=wsA)
+    assert r is oA
+    q = rope_kv_write(qkv_d, H, Hkv, kB, vB, length, cos=cos, sin=sin, positions=pos)
+    oB = decode_attention(q, kB, vB, length, key_mask=mask, out=poisoned(oA.shape, BF16), num_splits=splits,
+                          workspace=wsB)
+    return oA, oB
+
+
+def _assert_same_bits(a, b, what):
+    ha, hb = _bits(a), _bits(b)
+    if not np.array_equal(ha, hb):
+        bad = np.argwhere(ha != hb)
+        raise AssertionError(f"{what}: {len(bad)} elements differ, first at {tuple(bad[0])}: "
+                             f"{to_host(a)[tuple(bad[0])]} vs {to_host(b)[tuple(bad[0])]}")
+
+
+FUSED_SHAPES = [(32, 8, 64, True), (12, 12, 64, False), (128, 1, 32, True), (16, 2, 128, True)]
+FUSED_LENS = (0, 1, 2, 63, 64, 65, 130, 200, 256, 257)  # max_len 257: stage boundaries, the newest in tile 0..4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 7, 40])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}{'' if s[3] else '-norope'}")
+@pytest.mark.parametrize("Bsz", [1, 2, 4])
+def test_gpu_decode_attention_rope_is_the_composition_bit_for_bit(rng, Bsz, shape, masked, splits):
+    """Against rope_kv_write + decode_attention on the GPU at every length 0 .. max_len (same split count):
+    o, k_cache and v_cache bit-identical; the cache rows from the newest on and the masked rows hold NaN (the
+    newest must be written, the others never read); outputs poisoned (one element off 16 bytes at odd
+    lengths); the counters back at 0; and o within bf16 tolerance of the NumPy path. LLaMA (G 4), GPT-2 (no
+    rotary), G 128 at D 32 (4 row tiles, 2 row groups: blocks that must not write the cache), D 128."""
+    c = cp()
+    H, Hkv, D, rope = shape
+    Lmax = 257
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, rope=rope,
+                                     pos_kind="batch" if Bsz % 2 == 0 else "seq")
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    mask = None
+    if masked:
+        mask = rng.random((Bsz, Lmax)) > 0.3
+        mask[0, :40] = False
+        mask[Bsz - 1, :] = False
+        mask[Bsz - 1, 62] = True
+    qd = c.asarray(qkv)
+    cd, sd = (c.asarray(cos), c.asarray(sin)) if rope else (None, None)
+    pd = c.asarray(pos) if pos is not None else None
+    md = c.asarray(mask) if masked else None
+    q_like = c.empty((Bsz, 1, H, D), BF16)
+    wsA = decode_attention_workspace(q_like, c.asarray(k0), key_mask=md, num_splits=splits)
+    wsB = decode_attention_workspace(q_like, c.asarray(k0), key_mask=md, num_splits=splits)
+    s = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, md, splits)
+    length = c.zeros((), c.int32)
+    for L in FUSED_LENS:
+        hidden = np.zeros((Bsz, Lmax), bool)
+        hidden[:, max(L - 1, 0):] = True
+        if masked:
+            hidden |= ~mask
+        k, v = _nan_rows(k0, hidden), _nan_rows(v0, hidden)
+        kA, vA, kB, vB = c.asarray(k), c.asarray(v), c.asarray(k), c.asarray(v)
+        length.fill(L)
+        what = f"splits={splits} ({s}) L={L}"
+        oA, oB = _gpu_fused_vs_composition(qd, H, Hkv, kA, vA, kB, vB, length, cd, sd, pd, md, splits, wsA, wsB,
+                                           misalign_out=bool(L % 2))
+        _assert_same_bits(oA, oB, f"{what}: o")
+        _assert_same_bits(kA, kB, f"{what}: k_cache")
+        _assert_same_bits(vA, vB, f"{what}: v_cache")
+        if s > 1:
+            assert not _counters(wsA, Bsz, Hkv, H // Hkv, 1, D, s).any(), f"{what}: counters not reset"
+        hk, hv = k.copy(), v.copy()
+        ref = decode_attention_rope(qkv, H, Hkv, hk, hv, L, cos=cos, sin=sin, positions=pos, key_mask=mask)
+        close(oA, ref.astype(np.float32), what=what)
+        if L >= 1:
+            np.testing.assert_array_equal(to_host(vA)[:, L - 1].astype(np.float32), hv[:, L - 1].astype(np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("view", ["misaligned", "strided"])
+def test_gpu_decode_attention_rope_qkv_views_and_out_of_range_lengths(rng, view):
+    """qkv one element off 16 bytes (the 2-byte load path) or a row-strided view of a wider buffer (rows C + 8
+    apart), B 3, per-row int64 positions: bit-identical to the composition (which takes rope_kv's element
+    path). Then device lengths outside [1, max_len] (no host check can see them): 0 -> zeros and no write;
+    max_len + 5 -> attention over the whole cache (clamped) and no write, as the composition does."""
+    c = cp()
+    Bsz, H, Hkv, D, Lmax = 3, 32, 8, 64, 100
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, pos_kind="batch")
+    qd = device_copy_view(qkv, view == "misaligned")
+    cd, sd, pd = c.asarray(cos), c.asarray(sin), c.asarray(pos)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    for L in (37, 0, Lmax + 5, Lmax):
+        kA, vA, kB, vB = (c.asarray(x) for x in (k0, v0, k0, v0))
+        length = c.array(L, dtype=c.int32)
+        oA, oB = _gpu_fused_vs_composition(qd, H, Hkv, kA, vA, kB, vB, length, cd, sd, pd, None, None, None, None)
+        _assert_same_bits(oA, oB, f"{view} L={L}: o")
+        _assert_same_bits(kA, kB, f"{view} L={L}: k_cache")
+        _assert_same_bits(vA, vB, f"{view} L={L}: v_cache")
+        if L in (0, Lmax + 5):
+            assert np.array_equal(_bits(kA), k0.view(np.uint16)), f"L={L}: the cache was written"
+        if L == 0:
+            assert not to_host(oA).astype(np.float32).any()
+        if L == Lmax + 5:
+            close(oA, decode_attention(to_host(rope_kv_write(qd, H, Hkv, c.empty_like(kA), c.empty_like(vA), 0,
+                                                             cos=cd, sin=sd, positions=pd)),
+                                       k0, v0, Lmax).astype(np.float32), what="clamped length")
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_rope_large_scores_and_reruns(rng):
+    """A numerical-stability input: qkv x 40 (scores in the thousands: the softmax max subtraction must hold),
+    bit-identical to the composition and to a rerun, within tolerance of the NumPy path."""
+    c = cp()
+    Bsz, H, Hkv, D, Lmax, L = 2, 32, 8, 64, 384, 300
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, pos_kind="batch", amp=40.0)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, L - 1)
+    k0 = (k0.astype(np.float32) * 8).astype(BF16)
+    qd, cd, sd, pd = c.asarray(qkv), c.asarray(cos), c.asarray(sin), c.asarray(pos)
+    kA, vA, kB, vB = (c.asarray(x) for x in (k0, v0, k0, v0))
+    length = c.array(L, dtype=c.int32)
+    oA, oB = _gpu_fused_vs_composition(qd, H, Hkv, kA, vA, kB, vB, length, cd, sd, pd, None, None, None, None)
+    _assert_same_bits(oA, oB, "o")
+    again = decode_attention_rope(qd, H, Hkv, kA, vA, length, cos=cd, sin=sd, positions=pd)
+    _assert_same_bits(oA, again, "rerun")
+    hk, hv = k0.copy(), v0.copy()
+    ref = decode_attention_rope(qkv, H, Hkv, hk, hv, L, cos=cos, sin=sin, positions=pos)
+    close(oA, ref.astype(np.float32), what="large scores")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("splits", [None, 3, 7])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gpu_decode_attention_rope_graph_after_a_gemv_growing_length(rng, family, splits, pdl):
+    """The decode step's shape of use: per layer ck.gemv writes qkv (a PDL kernel: the fused op's pre-wait part
+    overlaps it) and the fused op reads it; length += 1 and positions = length - 1 at the start of the step
+    (written >= 2 kernels before any attention, as in generation.py). Three layers sharing one workspace,
+    captured once, replayed 12 times from length 58 (crossing the 64-key boundary): every replay's outputs
+    bit-identical to the same graph with rope_kv_write + decode_attention, the caches too, counters at 0, and
+    within tolerance of the NumPy path at the first and last replay."""
+    c = cp()
+    if pdl and not _launch.pdl_enabled():
+        pytest.skip("programmatic dependent launch needs sm_90")
+    H, Hkv, D, rope = (32, 8, 64, True) if family == "llama" else (12, 12, 64, False)
+    layers, Bsz, hidden, Lmax, L0 = 3, 2, 256, 384, 58
+    C = (H + 2 * Hkv) * D
+    x = rng.standard_normal((Bsz, hidden)).astype(np.float32).astype(BF16)
+    W = (rng.standard_normal((layers, C, hidden)) / math.sqrt(hidden)).astype(np.float32).astype(BF16)
+    k = rng.standard_normal((layers, Bsz, Lmax, Hkv, D)).astype(np.float32).astype(BF16)
+    v = rng.standard_normal((layers, Bsz, Lmax, Hkv, D)).astype(np.float32).astype(BF16)
+    k[:, :, L0:] = np.nan
+    v[:, :, L0:] = np.nan
+    mask = np.ones((Bsz, Lmax), np.bool_)
+    mask[1, :3] = False
+    cos, sin = ck.rope_cache(Lmax, D, xp=np) if rope else (None, None)
+    xd, Wd, md = c.asarray(x), c.asarray(W), c.asarray(mask)
+    cd, sd = (c.asarray(cos), c.asarray(sin)) if rope else (None, None)
+    q_like = c.empty((Bsz, 1, H, D), BF16)
+
+    def setup():
+        st = dict(k=c.asarray(k), v=c.asarray(v), length=c.array(L0, dtype=c.int32),
+                  pos=c.zeros((1,), c.int32) if rope else None, qkv=[c.empty((Bsz, C), BF16) for _ in range(layers)],
+                  q=[c.empty((Bsz, 1, H, D), BF16) for _ in range(layers)],
+                  o=[c.empty((Bsz, 1, H, D), BF16) for _ in range(layers)],
+                  ws=decode_attention_workspace(q_like, c.asarray(k[0]), key_mask=md, num_splits=splits))
+        return st
+
+    def step(st, fused):
+        c.add(st["length"], 1, out=st["length"])
+        if rope:
+            c.subtract(st["length"].reshape(1), 1, out=st["pos"])
+        rot = dict(cos=cd, sin=sd, positions=st["pos"]) if rope else {}
+        with (_launch.pdl_scope() if pdl else _nullcontext()):
+            for i in range(layers):
+                qkv = ck.gemv(xd, Wd[i], out=st["qkv"][i]).reshape(Bsz, 1, C)
+                if fused:
+                    decode_attention_rope(qkv, H, Hkv, st["k"][i], st["v"][i], st["length"], **rot, key_mask=md,
+                                          out=st["o"][i], num_splits=splits, workspace=st["ws"])
+                else:
+                    q = rope_kv_write(qkv, H, Hkv, st["k"][i], st["v"][i], st["length"], **rot, q_out=st["q"][i])
+                    decode_attention(q, st["k"][i], st["v"][i], st["length"], key_mask=md, out=st["o"][i],
+                                     num_splits=splits, workspace=st["ws"])
+
+    s = c.cuda.Stream(non_blocking=True)
+    graphs, states = [], []
+    with s:
+        for fused in (True, False):
+            st = setup()
+            scratch = dict(st, k=c.empty_like(st["k"]), v=c.empty_like(st["v"]), length=c.array(L0, c.int32),
+                           pos=c.zeros((1,), c.int32) if rope else None)
+            step(scratch, fused)  # compile + warm up outside the capture, on scratch caches / length
+            s.synchronize()
+            s.begin_capture()
+            step(st, fused)
+            graphs.append(s.end_capture())
+            states.append(st)
+    A, Bst = states
+    for rep in range(12):
+        L = L0 + rep + 1
+        for st in states:
+            for o in st["o"]:
+                o.fill(np.nan)
+        c.cuda.Device().synchronize()
+        for g in graphs:
+            g.launch(s)
+        s.synchronize()
+        assert int(A["length"]) == L and int(Bst["length"]) == L
+        for i in range(layers):
+            _assert_same_bits(A["o"][i], Bst["o"][i], f"replay {rep} (L={L}) layer {i}")
+            if rep in (0, 11):
+                hk, hv = to_host(Bst["k"][i]).copy(), to_host(Bst["v"][i]).copy()
+                hk[:, L - 1], hv[:, L - 1] = np.nan, np.nan  # (rewritten by the reference from qkv)
+                hp = np.array([L - 1], np.int32) if rope else None
+                ref = decode_attention_rope(to_host(A["qkv"][i]).reshape(Bsz, 1, C), H, Hkv, hk, hv, L, cos=cos,
+                                            sin=sin, positions=hp, key_mask=mask)
+                close(A["o"][i], ref.astype(np.float32), what=f"replay {rep} layer {i} vs NumPy")
+    _assert_same_bits(A["k"], Bst["k"], "k caches")
+    _assert_same_bits(A["v"], Bst["v"], "v caches")
+    if A["ws"].size > 1:
+        sp = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, md, splits)
+        assert not _counters(A["ws"], Bsz, Hkv, H // Hkv, 1, D, sp).any()

@@ -14,13 +14,23 @@ a set, at most 8 sets) stay in the 60 MB L2 between calls: an L2 figure, where t
 rope_kv_write (one token per sequence, LLaMA-3.2-1B heads 32/8 x 64, positions on the device): bytes are qkv
 read once, q written, k and v rows written, the cos/sin rows read (B * D * 4); "x cupy" is the path it
 replaces: contiguous copies of the packed q and k views, ck.rope on each, ck.kv_cache_write of k and of v.
+
+decode_attention_rope (session 6: rope_kv_write + decode_attention in one launch, B1 LLaMA-3.2-1B heads at
+max_len 384, cache_len 128 and 384, positions and the all-ones key_mask on the device as the fused step passes
+them): bytes are the K/V rows read + qkv + o; "x cupy" is the composition it replaces (rope_kv_write, then
+decode_attention: two launches). The "pdl" rows run both back to back under _launch.pdl_scope(), where the
+fused kernel loads the length, mask, cos / sin and the cached K/V before pdl_wait (overlapping the previous
+call; safe here: no call writes what the next reads before its wait, the appended row is never read from the
+cache). The decode step's own number (after the qkv GEMV) comes from bench_generate / gemv_chain.
 """
 import math
 
 import cukernels as ck
 from bench_ops import Case
 from cukernels.ops.decode_attention import _splits
-from cukernels.ops.decode_attention import decode_attention, decode_attention_workspace, rope_kv_write
+from cukernels.ops import _launch
+from cukernels.ops.decode_attention import (decode_attention, decode_attention_rope, decode_attention_workspace,
+                                             rope_kv_write)
 
 L_MAX = 2304
 # (batch, cache_len, max_len, H, Hkv, D, forced splits or None)
@@ -77,6 +87,7 @@ def cases(ctx):
                         "bf16", nbytes, "2*B*len*Hkv*D*2 + q,o", ours, comp if forced is None else None, tf,
                         note=note, extra=dict(nsets=k_)))
     out += _rope_kv_cases(ctx)
+    out += _fused_cases(ctx)
     return out
 
 
@@ -109,3 +120,52 @@ def _rope_kv_cases(ctx):
         out.append(Case("rope_kv_write", f"B{Bsz} T1 {H}/{Hkv}x{D}", "bf16", nbytes,
                         "B*(H+2Hkv)*D*2*2 + B*D*4", ours, comp, None, note="replaces 2 copies + 2 rope + 2 kv writes"))
     return out
+
+
+def _fused_cases(ctx):
+    cp = ctx.cp
+    out = []
+    Bsz, H, Hkv, D, Lmax = 1, 32, 8, 64, 384
+    C = (H + 2 * Hkv) * D
+    cos, sin = ck.rope_cache(Lmax, D)
+    for L in ((384,) if ctx.quick else (128, 384)):
+        k_ = ctx.nsets(2 * Bsz * L * Hkv * D * 2)
+        r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
+        qkvs = [r(Bsz, 1, C) for _ in range(k_)]
+        kc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
+        vc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
+        length = cp.array(L, dtype=cp.int32)
+        pos = cp.full((Bsz, 1), L - 1, dtype=cp.int32)
+        mask = cp.ones((Bsz, Lmax), dtype=cp.bool_)
+        q_like = cp.empty((Bsz, 1, H, D), dtype=ck.bfloat16)
+        ws = decode_attention_workspace(q_like, kc[0], key_mask=mask)
+        os_ = [cp.empty_like(q_like) for _ in range(k_)]
+        qs = [cp.empty_like(q_like) for _ in range(k_)]
+        splits = _splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, mask, None)
+        rot = dict(cos=cos, sin=sin, positions=pos)
+        for pdl in (False, True):
+            scope = _launch.pdl_scope if pdl else _nullscope
+
+            def ours(i, qkvs=qkvs, kc=kc, vc=vc, length=length, rot=rot, mask=mask, ws=ws, os_=os_, scope=scope):
+                with scope():
+                    return decode_attention_rope(qkvs[i], H, Hkv, kc[i], vc[i], length, **rot, key_mask=mask,
+                                                 out=os_[i], workspace=ws)
+
+            def comp(i, qkvs=qkvs, kc=kc, vc=vc, length=length, rot=rot, mask=mask, ws=ws, os_=os_, qs=qs,
+                     scope=scope):
+                with scope():
+                    q = rope_kv_write(qkvs[i], H, Hkv, kc[i], vc[i], length, **rot, q_out=qs[i])
+                    return decode_attention(q, kc[i], vc[i], length, key_mask=mask, out=os_[i], workspace=ws)
+
+            nbytes = 2 * Bsz * L * Hkv * D * 2 + Bsz * (C + H * D) * 2
+            out.append(Case("decode_attention_rope", f"B{Bsz} len{L}/{Lmax} {H}/{Hkv}x{D}" + (" pdl" if pdl else ""),
+                            "bf16", nbytes, "2*B*len*Hkv*D*2 + qkv,o", ours, comp, None,
+                            note=f"splits={splits}; x cupy = rope_kv_write + decode_attention"
+                                 + (" (both under PDL)" if pdl else ""), extra=dict(nsets=k_)))
+    return out
+
+
+def _nullscope():
+    import contextlib
+
+    return contextlib.nullcontext()
