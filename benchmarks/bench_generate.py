@@ -143,7 +143,10 @@ def main(argv=None):
         for one in setting.split(","):
             name, val = one.split("=")
             modname, attr = name.strip().rsplit(".", 1)
-            mod = importlib.import_module(f"cukernels.ops.{modname}")
+            try:
+                mod = importlib.import_module(f"cukernels.ops.{modname}")
+            except ModuleNotFoundError:  # (nn.decode's switches: "decode.FUSED_ATTENTION=0")
+                mod = importlib.import_module(f"cukernels.nn.{modname}")
             olds.append((mod, attr, getattr(mod, attr)))
             setattr(mod, attr, int(val))
         pre, tps = ours(model, 1, 128, a.new, cp)

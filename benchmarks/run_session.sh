@@ -213,7 +213,7 @@ fi
 if [ "$stage" = "s6d" ]; then  # session 6, call D: the whole GPU suite, then generation and the decode kernel rows
   timeout 280 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
-  timeout 150 python benchmarks/bench_generate.py --model llama --pdl-ab --ab "${1:-_launch.CARVEOUT=-1;gemv.PREFETCH_KB=0;gemv.BLOCKS_PER_SM=3;gemv.BLOCKS_PER_SM=2,gemv.DEPTH_LONG=2;gemv.DEPTH_LONG=3}" 2>&1 \
+  timeout 150 python benchmarks/bench_generate.py --model llama --pdl-ab --ab "${1:-decode.FUSED_ATTENTION=0;_launch.CARVEOUT=-1;gemv.PREFETCH_KB=0;gemv.BLOCKS_PER_SM=3;gemv.BLOCKS_PER_SM=2,gemv.DEPTH_LONG=2;gemv.DEPTH_LONG=3}" 2>&1 \
     | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
   timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 2>&1 \
     | grep -v "Warning\|warn" | tee "$out/bench_generate_gpt2.log"

@@ -18,7 +18,8 @@ from .ops.elementwise import add, cast, mul
 from .ops.adam import adam_error, adam_step, adam_step_rows, clip_scale, global_norm, zero_rows
 from .ops.dropout import dropout, dropout_add, dropout_backward
 from .ops.linear_cross_entropy import linear_cross_entropy
-from .ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write, rope_kv_write
+from .ops.decode_attention import (decode_attention, decode_attention_rope, decode_attention_workspace, kv_cache_write,
+                                   rope_kv_write)
 from .ops.gemv import gemv
 from .ops.attention_sm90 import flash_attention_backward_sm90, flash_attention_sm90, flash_attention_sm90_supported
 from .ops.sampling import sample_tokens, sample_workspace

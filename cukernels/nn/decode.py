@@ -7,11 +7,12 @@ GEMMs streamed a 2-8 MB weight at 1.5-3 TB/s (session 4 profile: 1.50 ms of kern
 step). Here, per block and with arrays only (no tape; generation runs under ``no_grad``):
 
 1. ``ck.gemv``: the first norm as the prologue of one GEMV over the packed q/k/v weight (+ bias);
-2. ``ck.rope_kv_write``: rotary positions on q and k, k and v appended to the static cache at its device length;
-3. ``ck.decode_attention`` (split-KV, the combine in the same launch);
-4. ``ck.gemv``: the output projection with the residual add as its epilogue, in place on the stream ``x``;
-5. ``ck.gemv``: the second norm, the packed gate/up (SwiGLU) or the first MLP layer (GELU) with its activation;
-6. ``ck.gemv``: the down projection + residual, in place.
+2. ``ck.decode_attention_rope``: rotary positions on q and k, k and v appended to the static cache at its device
+   length, split-KV attention and the combine, in one launch (session 6; before: ``ck.rope_kv_write`` then
+   ``ck.decode_attention``, bit-identical, still taken with ``FUSED_ATTENTION = False``);
+3. ``ck.gemv``: the output projection with the residual add as its epilogue, in place on the stream ``x``;
+4. ``ck.gemv``: the second norm, the packed gate/up (SwiGLU) or the first MLP layer (GELU) with its activation;
+5. ``ck.gemv``: the down projection + residual, in place.
 
 On Hopper the step runs under programmatic dependent launch (``CausalLM._decode_fast`` opens
 ``ops._launch.pdl_scope()``): each kernel is scheduled while the one before it finishes and waits on it only
@@ -30,7 +31,7 @@ import math
 import numpy as np
 
 from ..autograd import _xp
-from ..ops.decode_attention import decode_attention_rope
+from ..ops.decode_attention import decode_attention, decode_attention_rope, rope_kv_write
 from ..ops.gemv import gemv
 from .layers import LayerNorm, RMSNorm
 
@@ -38,6 +39,9 @@ from .layers import LayerNorm, RMSNorm
 # generic forward's 1.754 (LLaMA-1B); at B = 8, ck.gemv streams the weights at 12-31 % of copy bandwidth (its
 # per-row FMA and shared-memory work) and the step took 2.85 ms against 1.86 through cuBLAS: so batch 1 only.
 MAX_ROWS = 1
+# Rotary + cache append + attention in one kernel (ck.decode_attention_rope); False: ck.rope_kv_write then
+# ck.decode_attention, bit-identical (the A/B of benchmarks/bench_generate.py --ab "decode.FUSED_ATTENTION=0").
+FUSED_ATTENTION = True
 
 
 def norm_args(norm):
@@ -123,8 +127,13 @@ def attention(att, x, layer_cache, norm, *, cos=None, sin=None, positions=None):
     # PDL it loads the cached K/V rows, the length, the mask and cos / sin while the qkv GEMV still runs (those
     # are written by no kernel of this layer: the length is advanced before the step's first kernel). The
     # workspace is keyed by q's shape: the q part of qkv stands in for it (a view, no allocation).
-    o = decode_attention_rope(qkv, H, Hkv, kc, vc, c.length, **rope, scale=1.0 / math.sqrt(D),
-                              key_mask=c.key_mask, workspace=c.workspace(qkv[..., :H * D].reshape(Bsz, 1, H, D)))
+    ws = c.workspace(qkv[..., :H * D].reshape(Bsz, 1, H, D))
+    if FUSED_ATTENTION:
+        o = decode_attention_rope(qkv, H, Hkv, kc, vc, c.length, **rope, scale=1.0 / math.sqrt(D),
+                                  key_mask=c.key_mask, workspace=ws)
+    else:
+        q = rope_kv_write(qkv, H, Hkv, kc, vc, c.length, **rope)
+        o = decode_attention(q, kc, vc, c.length, scale=1.0 / math.sqrt(D), key_mask=c.key_mask, workspace=ws)
     o_proj = getattr(att, names["o"])
     gemv(o.reshape(Bsz, H * D), o_proj.weight.data, bias=o_proj.bias.data if o_proj.bias is not None else None,
          residual=x, out=x)
