@@ -222,3 +222,8 @@ if [ "$stage" = "s6d" ]; then  # session 6, call D: the whole GPU suite, then ge
   timeout 60 python benchmarks/profile_generate.py --model llama --top 8 2>&1 | grep -v "Warning\|warn(" \
     | tee "$out/profile_generate_llama.log"
 fi
+if [ "$stage" = "s6e" ]; then  # session 6, call E: the B1 step again (spread), against transformers in its own process
+  timeout 330 python benchmarks/bench_generate.py --model llama --batches 1 --prompts 128,2048 --vs-hf \
+    --ab "gemv.PREFETCH_KB=0;gemv.PREFETCH_KB=4;decode.FUSED_ATTENTION=0;gemv.PREFETCH_KB=4" 2>&1 \
+    | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
+fi
