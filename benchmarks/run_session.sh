@@ -227,3 +227,7 @@ if [ "$stage" = "s6e" ]; then  # session 6, call E: the B1 step again (spread), 
     --ab "gemv.PREFETCH_KB=0;gemv.PREFETCH_KB=4;decode.FUSED_ATTENTION=0;gemv.PREFETCH_KB=4" 2>&1 \
     | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
 fi
+if [ "$stage" = "s6f" ]; then  # session 6, call F: the decode table with medians of 3 runs a row
+  timeout 200 python benchmarks/bench_generate.py --model llama --batches 1,8 --prompts 128,2048 \
+    --ab "decode.FUSED_ATTENTION=0;_launch.PDL=0" 2>&1 | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
+fi
