@@ -105,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=REPS, help="timed runs a row (the median is printed)")
     ap.add_argument("--ab", default="",
                     help="also batch 1, prompt 128 with each of these settings in turn, e.g. "
-                         "'gemv.DEPTH=2;gemv.BLOCKS_PER_SM=2,gemv.DEPTH_LONG=2' (';' between rows, ',' between the "
+                         "'gemv.DEPTH=2;gemv.DEPTH=2,gemv.DEPTH_LONG=2' (';' between rows, ',' between the "
                          "settings of one row: module of cukernels.ops, attribute, integer)")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -10,7 +10,7 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
 stage=${1:-tests}; shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+[ "$stage" = "s6g" ] || python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
 case "$stage" in
   tests)
     timeout ${GPU_TEST_TIMEOUT:-420} python -m pytest -m gpu -q -p no:cacheprovider -n 8 "$@" 2>&1 \
@@ -213,7 +213,7 @@ fi
 if [ "$stage" = "s6d" ]; then  # session 6, call D: the whole GPU suite, then generation and the decode kernel rows
   timeout 280 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
-  timeout 150 python benchmarks/bench_generate.py --model llama --pdl-ab --ab "${1:-decode.FUSED_ATTENTION=0;_launch.CARVEOUT=-1;gemv.PREFETCH_KB=0;gemv.BLOCKS_PER_SM=3;gemv.BLOCKS_PER_SM=2,gemv.DEPTH_LONG=2;gemv.DEPTH_LONG=3}" 2>&1 \
+  timeout 150 python benchmarks/bench_generate.py --model llama --pdl-ab --ab "${1:-decode.FUSED_ATTENTION=0;_launch.CARVEOUT=-1;gemv.PREFETCH_KB=0;gemv.DEPTH_LONG=3}" 2>&1 \
     | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
   timeout 60 python benchmarks/bench_generate.py --model gpt2 --batches 1,8,64 --prompts 128 2>&1 \
     | grep -v "Warning\|warn" | tee "$out/bench_generate_gpt2.log"
@@ -230,4 +230,10 @@ fi
 if [ "$stage" = "s6f" ]; then  # session 6, call F: the decode table with medians of 3 runs a row
   timeout 200 python benchmarks/bench_generate.py --model llama --batches 1,8 --prompts 128,2048 \
     --ab "decode.FUSED_ATTENTION=0;_launch.PDL=0" 2>&1 | grep -v "Warning\|warn" | tee "$out/bench_generate_llama.log"
+fi
+if [ "$stage" = "s6g" ]; then  # session 6, call G: the review's kernel edits (sampling helper, gemv launch bounds note)
+  python -c "from cukernels import _loader; _loader.precompile(['gemv', 'sampling', 'decode_attention', 'rope', 'embedding', 'rms_norm', 'elementwise'])"
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_sampling.py tests/test_gemv.py \
+    tests/test_decode_attention.py tests/test_generate.py tests/test_launch.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 20
 fi

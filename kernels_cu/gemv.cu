@@ -529,11 +529,12 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 
 // Entry points: gemv_<x dtype>_<W dtype>_b<NB>_r<HALVES>_g<G>_<v|s> (HALVES 2: SwiGLU; G 2 only for NB 4 / 8).
 // 256 threads a block (the launcher's THREADS).
-// Register budget: 2 blocks a SM (<= 128 registers) for NB <= 4, 1 for NB = 8 (fp32 x with bf16 W hoists 8
-// rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped some kernels at 64 registers
-// and spilled (ptxas -v, sm_90; tests/test_compile.py).
+// Register budget: 4 blocks a SM (<= 64 registers) for NB = 1 (with the ring the weight holds no registers:
+// 62-64, no spills; the shared memory of a K = 2048 ring also allows 4), 2 (<= 128) for NB 2-4, 1 for NB = 8
+// (fp32 x with bf16 W hoists 8 rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped
+// some kernels at 64 registers and spilled (ptxas -v, sm_90; tests/test_compile.py).
 #define GEMV_ONE(T, W, TN, WN, NB, HALVES, G, VEC, VS)                                                         \
-  extern "C" __global__ void __launch_bounds__(256, NB == 1 ? 4 : NB < 8 ? 2 : 1)                                            \
+  extern "C" __global__ void __launch_bounds__(256, NB == 1 ? 4 : NB < 8 ? 2 : 1)                              \
       gemv_##TN##_##WN##_b##NB##_r##HALVES##_g##G##_##VS(                                                       \
           const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw, \
           const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,      \

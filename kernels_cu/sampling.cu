@@ -545,7 +545,26 @@ __device__ int draw(const RowView<T>& rv, const RowCtx& rc, float m, unsigned ta
   return (int)(unsigned)sm.bc[3];
 }
 
+// The repetition-penalty bitmap of one row over tokens [t0, t1): bit (t - t0) set for every token t among the
+// row's previous prev_len (device value, or prev_len_val) tokens, clamped to prev_cols. Block-wide (THR threads a block),
+// ends with a barrier; bits as words of 32 in shared memory.
+template <int THR>
+__device__ __forceinline__ void mark_prev_tokens(unsigned* bits, int t0, int t1, const int* pr, int prev_cols,
+                                                 const int* prev_len_ptr, int prev_len_val) {
+  const int nw = t1 > t0 ? (t1 - t0 + 31) >> 5 : 0;
+  for (int w = threadIdx.x; w < nw; w += THR) bits[w] = 0u;
+  __syncthreads();
+  int plen = prev_len_ptr != nullptr ? *prev_len_ptr : prev_len_val;
+  plen = min(max(plen, 0), prev_cols);
+  for (int i = threadIdx.x; i < plen; i += THR) {
+    const int t = pr[i];
+    if (t >= t0 && t < t1) atomicOr(&bits[(t - t0) >> 5], 1u << ((t - t0) & 31));
+  }
+  __syncthreads();
+}
+
 // ------------------------------------------------------------------------------------------ the kernel body
+
 template <typename T>
 __device__ __forceinline__ void sample_row(const T* __restrict__ logits, long long ld, int V, int* __restrict__ out,
                                            float inv_temp, bool greedy, int top_k, float top_p, float pen,
@@ -560,17 +579,7 @@ __device__ __forceinline__ void sample_row(const T* __restrict__ logits, long lo
   RowCtx rc{bitmap, inv_temp, pen, inv_pen, prev != nullptr};
 
   if (rc.use_pen) {
-    const int nw = (V + 31) / 32;
-    for (int w = threadIdx.x; w < nw; w += NT) bitmap[w] = 0u;
-    __syncthreads();
-    int plen = prev_len_ptr != nullptr ? *prev_len_ptr : prev_len_val;
-    plen = min(max(plen, 0), prev_cols);
-    const int* pr = prev + b * prev_ld;
-    for (int i = threadIdx.x; i < plen; i += NT) {
-      const int t = pr[i];
-      if (t >= 0 && t < V) atomicOr(&bitmap[t >> 5], 1u << (t & 31));
-    }
-    __syncthreads();
+    mark_prev_tokens<NT>(bitmap, 0, V, prev + b * prev_ld, prev_cols, prev_len_ptr, prev_len_val);
   }
 
   // pass 1: max and argmax of v
@@ -650,17 +659,7 @@ __device__ __forceinline__ void greedy_slice(const T* __restrict__ logits, long 
   const bool use_pen = prev != nullptr;
   const int t0 = max(p0 * E - rv.off, 0), t1 = min(p1 * E - rv.off, V);  // the slice's tokens [t0, t1)
   if (use_pen) {  // (block-uniform)
-    const int nw = t1 > t0 ? (t1 - t0 + 31) >> 5 : 0;
-    for (int w = threadIdx.x; w < nw; w += GNT) sbits[w] = 0u;
-    __syncthreads();
-    int plen = prev_len_ptr != nullptr ? *prev_len_ptr : prev_len_val;
-    plen = min(max(plen, 0), prev_cols);
-    const int* pr = prev + b * prev_ld;
-    for (int i = threadIdx.x; i < plen; i += GNT) {
-      const int t = pr[i];
-      if (t >= t0 && t < t1) atomicOr(&sbits[(t - t0) >> 5], 1u << ((t - t0) & 31));
-    }
-    __syncthreads();
+    mark_prev_tokens<GNT>(sbits, t0, t1, prev + b * prev_ld, prev_cols, prev_len_ptr, prev_len_val);
   }
 
   unsigned long long best = 0ull;

@@ -204,6 +204,12 @@ def _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits):
     return None
 
 
+def _len_args(cache_len):
+    """(device pointer or null, host value) of cache_len for the kernels: a device scalar is read by the kernel."""
+    dev = B._kind(cache_len) is not None
+    return (_launch.ptr(cache_len) if dev else B.NULL, np.int32(0 if dev else int(cache_len)))
+
+
 def _mask_args(key_mask, Bsz):
     """(pointer, row stride in elements, element bytes) of key_mask for the kernels; null without one."""
     if key_mask is None:
@@ -332,8 +338,7 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
     sq, sk, sv = _strides("q", q), _strides("k_cache", k_cache), _strides("v_cache", v_cache)
     splits = _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits)
     ws = _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits)
-    dev_len = B._kind(cache_len) is not None
-    len_args = (_launch.ptr(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    len_args = _len_args(cache_len)
     mask_args = _mask_args(key_mask, Bsz)
     kern, smem = _split_kernel(D, mtb)
     _launch.launch(kern, (splits, Hkv * rg, Bsz), (THREADS, 1, 1),
@@ -534,8 +539,7 @@ def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=
     vec = ((D // 2) % E == 0 if rot else D % E == 0) and B.aligned16(qkv, q_out, k_cache, v_cache) and all(
         int(s) * isz % 16 == 0 for s in (sb, st, qb, qt, kb, kt, vb, vt))
     cs_vec = rot and B.aligned16(cos, sin) and (D // 2) % 4 == 0
-    dev_len = B._kind(cache_len) is not None
-    len_args = (_launch.ptr(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    len_args = _len_args(cache_len)
     ptag = B.DTYPE_TAG[positions.dtype] if positions is not None else "i32"
     k = get_function(FAMILY, f"rope_kv_{B.DTYPE_TAG[qkv.dtype]}_{ptag}_{'v' if vec else 's'}")
     units = Bsz * T * (H + 2 * Hkv) * (((D // 2) if rot else D) // (E if vec else 1))
@@ -633,9 +637,8 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
     qkv_vec = B.aligned16(qkv) and (int(sb) * qkv.itemsize) % 16 == 0
     rot = cos is not None
     cs_vec = rot and B.aligned16(cos, sin) and (D // 2) % 4 == 0
-    dev_len = B._kind(cache_len) is not None
     P = _launch.ptr
-    len_args = (P(cache_len) if dev_len else B.NULL, np.int32(0 if dev_len else int(cache_len)))
+    len_args = _len_args(cache_len)
     pos_args = (P(positions) if positions is not None else B.NULL,
                 np.int32(positions.itemsize if positions is not None else 4), np.int32(mode), np.int32(Lc))
     smem = _smem(D, mtb)

@@ -35,26 +35,13 @@ DEPTH = 3
 DEPTH_LONG = 4
 LONG_K = 4096
 RING_STAGE = 16 * 1024
-# Blocks a SM the grid is capped at (0: a full wave). Tried (session 6, step A/B): capping at 2 a SM so the next
-# kernel's blocks land beside this one under PDL and stream their first chunks early: 1.285 ms a step against
-# 1.161 with a full wave (1 a SM: 1.389); the co-resident waiting blocks do not pay for the halved wave.
-BLOCKS_PER_SM = 0
+# (Tried and removed, session 6: capping the grid at 2 or 3 blocks a SM so the next kernel's blocks land beside
+# this one under PDL and stream their first chunks early. LLaMA-1B B1 step: 1.285 ms at 2 a SM against 1.161
+# with a full wave (run C); 1.001 at 3 and 1.068 at 2 with every kernel fitting beside its neighbour, against
+# 0.973 (run D).)
 NORMS = ("rms", "layer")
 ACTS = {"swiglu": 1, "gelu_tanh": 2, "gelu": 3}
 _REF_CHUNK = 8192      # weight rows widened to fp32 at a time by the NumPy path (<= 64 MB at K = 2048)
-
-
-_OPTIN: dict = {}
-
-
-def _smem_optin() -> int:
-    """The current device's opt-in shared memory limit a block (227 KB on sm_90, 163 KB on sm_80), cached."""
-    import cupy
-
-    dev = cupy.cuda.Device().id
-    if dev not in _OPTIN:
-        _OPTIN[dev] = int(cupy.cuda.Device(dev).attributes["MaxSharedMemoryPerBlockOptin"])
-    return _OPTIN[dev]
 
 
 def _nb(rows: int) -> int:
@@ -374,17 +361,15 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
     if vec:
         smem = -(-smem // 16) * 16
         want = int(DEPTH_LONG if K >= LONG_K else DEPTH)
-        depth = max(1, min(want, (_smem_optin() - smem) // RING_STAGE))
+        depth = max(1, min(want, (B.smem_optin() - smem) // RING_STAGE))
         smem += depth * RING_STAGE
     else:
         depth = 1
     # one limit per kernel object (set once, before any capture): the largest xn plus the deepest ring
-    k = L.with_smem(get_function(FAMILY, name), min(_smem_optin(), SMEM_CAP + max(int(DEPTH), int(DEPTH_LONG)) * RING_STAGE))
+    limit = min(B.smem_optin(), SMEM_CAP + max(int(DEPTH), int(DEPTH_LONG)) * RING_STAGE)
+    k = L.with_smem(get_function(FAMILY, name), limit)
     groups = -(-n_out // G)
-    wave = L.wave(k, THREADS, smem)
-    if BLOCKS_PER_SM > 0:
-        wave = min(wave, B.sm_count() * int(BLOCKS_PER_SM))
-    grid = max(1, min(-(-groups // (THREADS // 32)), wave))
+    grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))
     L.launch(k, (grid,), (THREADS, 1, 1),
       (L.ptr(x), np.int64(ldx), np.int32(rows), np.int32(K), L.ptr(weight), np.int64(ldw),
        L.ptr(bias) if bias is not None else B.NULL,
