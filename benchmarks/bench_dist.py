@@ -201,6 +201,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="sizes 1e6,1.6e7; 2 layers; 3 repeats")
     ap.add_argument("--skip-collectives", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
+    ap.add_argument("--ab", default="", help="also the 2^25-bucket step with these module settings, e.g. "
+                    "'zero.ADAM_OCCUPANCY=8' (';' between rows; see benchmarks/ab.py)")
     a = ap.parse_args()
     if a.quick:
         a.sizes, a.layers, a.repeats = "1e6,1.6e7", 2, 3
@@ -230,6 +232,11 @@ def main():
              dict(wire_dtype=ck.bfloat16, gather_fp32=one_d, bucket_elems=1 << 25)),
         ]
         rows, n_params = bench_step(g, cp, shapes, configs, a.repeats)
+        import ab
+        for setting in ab.rows(a.ab):
+            with ab.applied(setting):
+                more, _ = bench_step(g, cp, shapes, [(f"{configs[-1][0]}, {setting}",) + configs[-1][1:]], a.repeats)
+            rows += more
         say(f"\nOptimizer step, LLaMA-3.2-1B shapes ({a.layers} layers, {n_params:.4g} parameters), {N} rank(s); "
             f"graph = clip + step replayed from a CUDA graph; phases eager")
         say("| optimizer | graph ms | reduce ms | norm ms | adam + gather ms | GB / GPU | B / param |")

@@ -106,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--ab", default="",
                     help="also batch 1, prompt 128 with each of these settings in turn, e.g. "
                          "'gemv.DEPTH=2;gemv.DEPTH=2,gemv.DEPTH_LONG=2' (';' between rows, ',' between the "
-                         "settings of one row: module of cukernels.ops, attribute, integer)")
+                         "settings of one row; see benchmarks/ab.py)")
     ap.add_argument("--hf-worker", choices=["eager", "static-compile"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     globals()["REPS"] = max(1, a.reps)
@@ -147,23 +147,12 @@ def main(argv=None):
             print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   ({what})",
                   flush=True)
             setattr(mod, attr, old)
-    for setting in filter(None, (t.strip() for t in a.ab.split(";"))):  # a row: "mod.ATTR=v[,mod.ATTR=v...]"
-        import importlib
-        olds = []
-        for one in setting.split(","):
-            name, val = one.split("=")
-            modname, attr = name.strip().rsplit(".", 1)
-            try:
-                mod = importlib.import_module(f"cukernels.ops.{modname}")
-            except ModuleNotFoundError:  # (nn.decode's switches: "decode.FUSED_ATTENTION=0")
-                mod = importlib.import_module(f"cukernels.nn.{modname}")
-            olds.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, int(val))
-        pre, tps = ours(model, 1, 128, a.new, cp)
+    import ab
+    for setting in ab.rows(a.ab):
+        with ab.applied(setting):
+            pre, tps = ours(model, 1, 128, a.new, cp)
         print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   ({setting})",
               flush=True)
-        for mod, attr, old in reversed(olds):
-            setattr(mod, attr, old)
     if a.generic:  # the same step through the generic forward (no fused per-block decode), batch 1, prompt 128
         model.fast_decode = False
         pre, tps = ours(model, 1, 128, a.new, cp)

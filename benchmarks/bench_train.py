@@ -5,7 +5,8 @@
 
 ``--nproc N`` (N > 1) re-runs this script under ``python -m cukernels.run --nproc-per-node N``: every rank builds
 the same step with ``ck.optim.ZeroAdamW`` (bf16 reduce-scatter in 2**25-element buckets started by the autograd's
-gradient-ready hooks, fp32 gathered only for 1-D parameters, the step with its collectives in one CUDA graph) on
+gradient-ready hooks, fp32 gathered only for 1-D parameters, the bf16 shadows all-gathered under the next forward
+(``overlap_gather``), the step with its collectives in one CUDA graph) on
 its own batch of B x T tokens (B and T per GPU); rank 0 prints ms/step, tok/s over all ranks and its own peak
 memory. The ablation and --vs-torch rows run on one GPU only.
 
@@ -23,6 +24,7 @@ eager, ``torch.compile`` and ``torch.compile(mode="reduce-overhead")`` as asked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -47,6 +49,8 @@ CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024)}
 MODEL = {"name": "llama"}  # --model
 DIST = {"group": None}  # under the launcher (--nproc): the process group; the step uses ZeroAdamW
 ZERO_BUCKET = 1 << 25
+QUEUED = 6  # steps queued back to back for the "queued" figure (OurStep.run)
+ZERO_OVERLAP_GATHER = 1  # --nproc: the shadows' all-gathers under the next forward (ZeroAdamW overlap_gather)
 
 # GPT-2: the fused-softmax/LayerNorm write-up's switch, with everything else on (fused AdamW, shadows, graph).
 GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
@@ -267,8 +271,10 @@ class OurStep:
             emb = model.input_embedding().weight
             opt = ck.optim.ZeroAdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, group=group,
                                      no_decay={p.name for p in no_decay}, gather_fp32=lambda n, a: a.ndim < 2,
-                                     sparse={emb.name} if "sparse_emb" in f else None, wire_dtype=ck.bfloat16,
-                                     bucket_elems=ZERO_BUCKET, sm_margin=DIST.get("sm_margin", 0))
+                                     sparse={emb.name} if "sparse_emb" in f else None,
+                                     wire_dtype=ck.bfloat16 if DIST.get("wire", "bf16") == "bf16" else np.float32,
+                                     bucket_elems=ZERO_BUCKET, sm_margin=DIST.get("sm_margin", 0),
+                                     overlap_gather=bool(ZERO_OVERLAP_GATHER))
             if "sparse_emb" in f:
                 opt.attach_sparse(emb)
             opt.broadcast_params(0)
@@ -364,6 +370,15 @@ class OurStep:
             if i >= warm:
                 times.append(dt * 1e3)
                 losses.append(float(loss))
+        # The same step queued QUEUED times back to back (no host sync between them, the batch unchanged), as a
+        # training loop that reads its loss only every few steps runs: the next replay's launch hides behind the
+        # running one. ms per step of that, kept apart from the synced median above.
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(QUEUED):
+            self.step()
+        self.step.synchronize()
+        self.queued_ms = (time.perf_counter() - t0) * 1e3 / QUEUED
         return statistics.median(times), losses
 
 
@@ -373,13 +388,20 @@ def peak_gib():
     return cp.get_default_memory_pool().total_bytes() / 2**30
 
 
-def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None):
+def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None, timeline=None):
     """(ms/step, losses, peak GiB, parameters); with ``budget`` the memory breakdown ``(rows, extra)`` of
-    :meth:`MemoryBudget.table` is left in ``run_ours.last_budget``."""
+    :meth:`MemoryBudget.table` is left in ``run_ours.last_budget``; with ``timeline`` (a path prefix) two more
+    steps are recorded by :mod:`timeline` after the timed ones (``run_ours.last_timeline``: its summary)."""
     import cupy as cp
 
     s = OurStep(B, T, feats, accum=accum)
     ms, losses = s.run(steps, data=data)
+    run_ours.last_queued = s.queued_ms
+    run_ours.last_timeline = None
+    if timeline:
+        import timeline as tl
+
+        run_ours.last_timeline = tl.record(s.step, s.step.synchronize, steps=2, path=timeline)
     mem = peak_gib() + (s.step.pool.total_bytes() + s.build_pool.total_bytes()) / 2**30
     n = s.nparams
     run_ours.last_budget = s.mem.table(s.params) if budget else None  # numbers only: no reference kept
@@ -459,6 +481,14 @@ def main(argv=None):
     ap.add_argument("--nproc", type=int, default=1, help="GPUs: N > 1 runs N ranks under cukernels.run, ZeroAdamW")
     ap.add_argument("--sm-margin", type=int, default=0,
                     help="with --nproc: SMs left to NCCL while collectives overlap compute (ZeroAdamW sm_margin)")
+    ap.add_argument("--wire", default="bf16", choices=["bf16", "fp32"],
+                    help="with --nproc: the gradient's dtype in the reduce-scatter (ZeroAdamW wire_dtype)")
+    ap.add_argument("--timeline", default="",
+                    help="a folder: after each row's timed steps, 2 more are recorded (CUPTI through torch.profiler) "
+                         "into <folder>/<config>[_ab<i>]_rank<r>.csv and summarised (benchmarks/timeline.py)")
+    ap.add_argument("--ab", default="",
+                    help="also run each config with these module settings, e.g. 'zero.ADAM_OCCUPANCY=8' "
+                         "(';' between rows, ',' within a row; see benchmarks/ab.py)")
     args = ap.parse_args(argv)
     import os
     if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -473,6 +503,7 @@ def main(argv=None):
 
         DIST["group"] = dist.init_process_group()
         DIST["sm_margin"] = args.sm_margin
+        DIST["wire"] = args.wire
         world = DIST["group"].world_size
         if args.ablation or args.vs_torch:
             print("--ablation / --vs-torch run on one GPU only; ignored with --nproc", flush=True)
@@ -495,26 +526,40 @@ def main(argv=None):
     ck.matmul(cp.ones((1, 1), cp.float32), cp.ones((1, 1), cp.float32))
     mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
     what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
-    opt_name = f"ZeroAdamW on {world} GPUs (bf16 reduce-scatter, B x T per GPU, sm_margin {args.sm_margin})" if world > 1 else "AdamW"
+    opt_name = (f"ZeroAdamW on {world} GPUs ({args.wire} reduce-scatter, B x T per GPU, sm_margin {args.sm_margin})"
+                if world > 1 else "AdamW")
     print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, {opt_name}, clip 1.0; data: {args.data}")
     out = {"device": name, "world_size": world, "rows": [], "ablation": [], "torch": []}
+    import ab
+    rank = DIST["group"].rank if DIST["group"] is not None else 0
+    if args.timeline:
+        Path(args.timeline).mkdir(parents=True, exist_ok=True)
     for c in [c for c in args.configs.split(",") if c]:
         B, T = CONFIGS[c]
-        try:
-            ms, losses, mem, n = run_ours(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps,
-                                          data=args.data, budget=True)
-        except Exception:
-            traceback.print_exc()
-            continue
         tok = B * T * world  # every rank's tokens
-        tf = model_flops_per_token(mcfg, T) * tok / (ms * 1e-3) / 1e12
-        per = f" on {world} GPUs" if world > 1 else ""
-        print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
-              f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}",
-              flush=True)
-        budget = MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T}")
-        out["rows"].append(dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses,
-                                memory=budget))
+        for i, setting in enumerate([""] + ab.rows(args.ab)):
+            tl = f"{args.timeline}/{c}{f'_ab{i}' if i else ''}_rank{rank}" if args.timeline else None
+            try:
+                with ab.applied(setting) if setting else contextlib.nullcontext():
+                    ms, losses, mem, n = run_ours(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES,
+                                                  args.steps, data=args.data, budget=True, timeline=tl)
+            except Exception:
+                traceback.print_exc()
+                continue
+            tf = model_flops_per_token(mcfg, T) * tok / (ms * 1e-3) / 1e12
+            per = f" on {world} GPUs" if world > 1 else ""
+            print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
+                  f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}"
+                  f"   queued {run_ours.last_queued:.2f} ms/step{f'   ({setting})' if setting else ''}", flush=True)
+            if run_ours.last_timeline:
+                import timeline as tlmod
+
+                tlmod.report(run_ours.last_timeline, f"B{B}xT{T}{per} {setting}".strip())
+            row = dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses,
+                       setting=setting, timeline=run_ours.last_timeline, queued_ms=run_ours.last_queued)
+            if not setting:
+                row["memory"] = MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T}")
+            out["rows"].append(row)
         for mode in [m for m in args.vs_torch.split(",") if m]:
             try:
                 r, impl = run_torch(B, T, mode, args.steps, data=args.data)

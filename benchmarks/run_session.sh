@@ -10,7 +10,9 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
 stage=${1:-tests}; shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-[ "$stage" = "s6g" ] || python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+case "$stage" in s6g|s7*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
+# the families a training step uses (no gemv: its ~100 s compile is the long pole)
+TRAIN_FAMS="['adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations','softmax','layer_norm','dropout']"
 case "$stage" in
   tests)
     timeout ${GPU_TEST_TIMEOUT:-420} python -m pytest -m gpu -q -p no:cacheprovider -n 8 "$@" 2>&1 \
@@ -236,4 +238,49 @@ if [ "$stage" = "s6g" ]; then  # session 6, call G: the review's kernel edits (s
   timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_sampling.py tests/test_gemv.py \
     tests/test_decode_attention.py tests/test_generate.py tests/test_launch.py 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 20
+fi
+if [ "$stage" = "s7a" ]; then  # session 7, call A (2 GPUs): where the 2-GPU step's time goes
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile($TRAIN_FAMS); print(f'precompile {time.time()-t:.1f} s')"
+  NCCL_DEBUG=INFO timeout 60 python -m cukernels.run --nproc-per-node 2 benchmarks/bench_dist.py --skip-step \
+    --sizes 1.34e8,1.5e9 --repeats 3 > "$out/coll_default.log" 2>&1; grep -E "^\[rank 0\] \|" "$out/coll_default.log"
+  grep -m3 -iE "nchannels|channels? [0-9]+/[0-9]+" "$out/coll_default.log"
+  for c in 4 8; do
+    NCCL_MAX_NCHANNELS=$c NCCL_MAX_CTAS=$c timeout 45 python -m cukernels.run --nproc-per-node 2 benchmarks/bench_dist.py \
+      --skip-step --sizes 1.34e8,1.5e9 --repeats 3 2>&1 | tee "$out/coll_ch$c.log" | grep -E "reduce_scatter|all_gather" | sed "s/^/ch$c /"
+  done
+  timeout 330 python benchmarks/bench_train.py --configs b4t64,b8t1024 --nproc 2 --steps 8 --timeline "$out/tl" \
+    --ab "${1:-zero.ADAM_OCCUPANCY=8}" --json "$out/bench_2gpu.json" 2>&1 | grep -v "^\[rank 0\]     " | tee "$out/bench_2gpu.log"
+  NCCL_MAX_NCHANNELS=4 NCCL_MAX_CTAS=4 timeout 110 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 \
+    --sm-margin 4 --timeline "$out/tl_ch4" 2>&1 | grep -v "^\[rank 0\]     " | tee "$out/bench_2gpu_ch4.log"
+fi
+if [ "$stage" = "s7b" ]; then  # session 7, call B (2 GPUs): the B8xT1024 timeline, bf16 vs fp32 wire, 1 GPU beside
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 120 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 --timeline "$out/tl" \
+    ${1:+--ab "$1"} 2>&1 | grep -v "^\[rank 0\]     " | tee "$out/bench_2gpu.log"
+  timeout 120 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 --wire fp32 --timeline "$out/tl32" \
+    2>&1 | grep -v "^\[rank 0\]     " | grep -v "^\[rank 0\]   [a-z]" | tee "$out/bench_2gpu_fp32.log"
+  timeout 100 python benchmarks/bench_train.py --configs b8t1024 --steps 8 --timeline "$out/tl1" 2>&1 \
+    | grep -v "^     " | tee "$out/bench_1gpu.log"
+  tar czf "$out/timelines.tgz" -C "$out" tl tl32 tl1 && rm -rf "$out/tl" "$out/tl32" "$out/tl1"
+fi
+if [ "$stage" = "s7c" ]; then  # session 7, call C (2 GPUs): lazy zero + deferred shadow gathers, tests and the table
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 230 python -m pytest -m gpu -q -p no:cacheprovider --tb=short tests/test_zero.py tests/test_train_distributed.py \
+    tests/test_distributed.py tests/test_adam.py 2>&1 | tee "$out/dist_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 20
+  timeout 200 python benchmarks/bench_train.py --configs b8t1024,b4t64 --nproc 2 --steps 10 --timeline "$out/tl" \
+    --ab "${1:-__main__.ZERO_OVERLAP_GATHER=0;zero.EAGER_GATHERS=0}" --json "$out/bench_2gpu.json" 2>&1 \
+    | grep -v "^\[rank 0\]     \|Warning\|_warn_once" | tee "$out/bench_2gpu.log"
+  timeout 100 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --json "$out/bench_1gpu.json" 2>&1 \
+    | grep -v "^     " | tee "$out/bench_1gpu.log"
+  tar czf "$out/timelines.tgz" -C "$out" tl && rm -rf "$out/tl"
+fi
+if [ "$stage" = "s7d" ]; then  # session 7, call D (2 GPUs): queued steps; NCCL protocol / channel count beside compute
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 60 python benchmarks/bench_train.py --configs b8t1024 --steps 8 2>&1 | grep "ms/step" | tee "$out/bench_1gpu.log"
+  for env in "X=1" "NCCL_PROTO=Simple" "NCCL_PROTO=Simple NCCL_MAX_NCHANNELS=8 NCCL_MAX_CTAS=8" "NCCL_MAX_NCHANNELS=12 NCCL_MAX_CTAS=12" "NCCL_PROTO=LL128"; do
+    echo "== $env"
+    env $env timeout 75 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 --timeline "$out/tl_$(echo $env | tr ' =' '__')" 2>&1 \
+      | grep -E "ms/step|^\[rank 0\] timeline" | tee -a "$out/bench_2gpu.log"
+  done
+  tar czf "$out/timelines.tgz" -C "$out" $(cd "$out" && ls -d tl_*) && rm -rf "$out"/tl_*
 fi

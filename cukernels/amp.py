@@ -9,9 +9,14 @@ into the fp32 ``.grad`` buffer). Without shadows (or on the ``fused: false`` pat
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-_dtype = None
+# Per thread, as torch's autocast: ranks run as threads in the in-process FakeGroup, and one thread leaving its
+# autocast block must not switch another's off mid-forward (a module global did: rank 0's evaluation ended the
+# other rank's bf16 forward half way, session 7).
+_state = threading.local()
 
 
 class autocast:
@@ -22,25 +27,32 @@ class autocast:
         self.dtype = np.dtype(bfloat16 if dtype is None else dtype) if enabled else None
 
     def __enter__(self):
-        global _dtype
-        self._prev, _dtype = _dtype, self.dtype
+        self._prev = getattr(_state, "dtype", None)
+        _state.dtype = self.dtype
         return self
 
     def __exit__(self, *exc):
-        global _dtype
-        _dtype = self._prev
+        _state.dtype = self._prev
 
 
 def get_autocast_dtype():
-    """The active autocast dtype, or None."""
-    return _dtype
+    """The active autocast dtype of this thread, or None."""
+    return getattr(_state, "dtype", None)
 
 
 def lowp_weight(param, dtype):
-    """The parameter's shadow array when it exists in ``dtype`` (and on the same module), else None."""
+    """The parameter's shadow array when it exists in ``dtype`` (and on the same module), else None.
+
+    Every read of a shadow goes through here, so an optimizer whose update of the shadow is still in flight on
+    another stream (``ZeroAdamW(overlap_gather=True)``: the all-gather of the updated pieces runs under the next
+    forward) leaves ``param.shadow_wait``, a callable that orders the current stream after it; it is called
+    once, before the first reader is queued."""
     s = getattr(param, "shadow", None)
     if s is None or s.dtype != dtype or type(s) is not type(param.data):
         return None
+    wait = getattr(param, "shadow_wait", None)
+    if wait is not None:
+        wait()
     return s
 
 

@@ -99,6 +99,7 @@ class Tensor:
         self.grad = None
         self.name = name
         self.shadow = None
+        self.shadow_wait = None  # set by an optimizer while the shadow's update is in flight (amp.lowp_weight)
         self.sparse_grad = None
         self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
         self._node = None  # (Function class, ctx) for a non-leaf; _FREED once a backward released it

@@ -89,6 +89,11 @@ VARIANTS = {
     "no-clipping": (2, ["total_batch_size=128", "grad_clip=0"], []),
     "three-ranks-buckets": (3, ["total_batch_size=192"], ["zero.bucket_elems=3000"]),
     "no-overlap": (2, ["total_batch_size=128"], ["zero.overlap=false"]),
+    # bf16 autocast: the shadows' all-gathers deferred to the next forward (and finished before rank 0's
+    # evaluation), or gathered in the step
+    "autocast-overlap-gather": (2, ["total_batch_size=128", "autocast=bf16"], ["zero.bucket_elems=3000"]),
+    "autocast-gather-in-step": (2, ["total_batch_size=128", "autocast=bf16"],
+                                ["zero.bucket_elems=3000", "zero.overlap_gather=false"]),
     # the sparse-row embedding backward under ZeRO is reduced and updated densely: one dense process
     "sparse-embedding": (2, ["total_batch_size=128"], ["sparse_embedding=true"]),
     # random windows: the global batch of 2 x 4 rows is drawn at once, as one process drawing 8 rows does (its
@@ -269,7 +274,8 @@ def test_one_process_checkpoint_layout_is_unchanged(tmp_path):
 # ---------------------------------------------------------------- config, errors
 def test_config_keys():
     cfg = _cfg("x", ["distributed=true", "zero.wire=bf16", "zero.bucket_elems=null"])
-    assert cfg["distributed"] is True and cfg["zero"] == {"wire": "bf16", "bucket_elems": None, "overlap": True, "sm_margin": 0}
+    assert cfg["distributed"] is True and cfg["zero"] == {"wire": "bf16", "bucket_elems": None, "overlap": True,
+                                                          "overlap_gather": True, "sm_margin": 0}
     assert _cfg("x", ["distributed=auto"])["distributed"] == "auto"
     two, single = load_config(str(ROOT / "examples/configs/small-2gpu.yaml")), load_config(
         str(ROOT / "examples/configs/small.yaml"))

@@ -406,9 +406,11 @@ def test_grad_ready_twice_needs_no_sync():
     assert FakeGroup(2).run(body) == [True, True]
 
 
-def test_sparse_embedding_is_dense_under_zero():
+@pytest.mark.parametrize("lazy", [False, True])
+def test_sparse_embedding_is_dense_under_zero(lazy):
     """sparse= parameters keep their SparseRowGrad backward (touched rows only) but are reduced and updated
-    densely: equal to dense AdamW on the same gradient; zero_grad clears the rows and the row list."""
+    densely: equal to dense AdamW on the same gradient; zero_grad clears the rows and the row list (lazy: only the
+    listed rows, the other gradients of the embedding's group marked stale, not zeroed)."""
     values = init_values()
     ids = [np.array([[3, 7, 3], [0, 39, 7]], np.int32), np.array([[1, 2, 3], [4, 5, 6]], np.int32)]
     rng = np.random.default_rng(5)
@@ -432,8 +434,12 @@ def test_sparse_embedding_is_dense_under_zero():
         sg = opt.attach_sparse("emb")
         assert ps[0].sparse_grad is sg and sg.grad.base is not None
         for t in range(2):
-            opt.zero_grad()
+            for p in ps:  # stale garbage in the dense gradients; the embedding's holds last step's rows
+                if p.name != "emb":
+                    p.grad[...] = 5.0
+            opt.zero_grad(lazy=lazy)
             assert int(sg.count) == 0 and not opt.grad("emb").any()
+            assert all(p.grad_stale == (lazy and p.name != "emb") for p in ps)
             sg.accumulate(ids[g.rank], douts[t][g.rank])
             opt.step()
         with pytest.raises(ValueError, match="updates every row"):
@@ -443,6 +449,62 @@ def test_sparse_embedding_is_dense_under_zero():
     for params in FakeGroup(2).run(body):
         for n in SHAPES:
             assert np.array_equal(params[n], ref[n]), n
+
+
+@pytest.mark.parametrize("reads", ["forward", "none", "wait_gathers"])
+def test_overlap_gather_defers_shadow_gathers_to_the_first_read(reads):
+    """overlap_gather=True: step() gathers the first bucket in forward order (and the fp32-gathered group) itself
+    and leaves the other buckets' shadow all-gathers to the first shadow read (ck.amp.lowp_weight calls
+    param.shadow_wait); parameters, moments and shadows then equal the gather-in-step run bit for bit, whether the
+    shadows are read (forward), never read before the next step (its reduction queues the gathers first), or
+    finished with wait_gathers()."""
+    values, grads = init_values(), rank_grads(2, 3)
+    kw = dict(KW, gather_fp32=NO_DECAY, bucket_elems=300)
+
+    def run(g, overlap):
+        ps, opt = make(ZeroAdamW, values, group=g, overlap_gather=overlap, **kw)
+        for p in ps:
+            p.shadow, p.shadow_wait = opt.shadow(p), None
+        seen = []
+        for step in grads:
+            for p in ps:
+                p.grad[...] = step[0][g.rank][p.name]
+            opt.step()
+            waits = {p.name for p in ps if p.shadow_wait is not None}
+            if overlap:
+                # the 2-D group's buckets in forward order: emb alone in the first (gathered in the step)
+                assert "emb" not in waits and {"w1", "w2", "head"} <= waits and not waits & {"norm", "b"}, waits
+                if reads == "forward":
+                    for p in ps:
+                        assert ck.amp.lowp_weight(p, BF16) is p.shadow
+                elif reads == "wait_gathers":
+                    opt.wait_gathers()
+                if reads != "none":
+                    assert all(p.shadow_wait is None for p in ps)
+                    seen.append({p.name: p.shadow.copy() for p in ps})
+            else:
+                assert not waits
+                seen.append({p.name: p.shadow.copy() for p in ps})
+        opt.wait_gathers()
+        final = {p.name: (p.data.copy(), p.shadow.copy()) for p in ps}
+        return seen, final
+
+    ref = FakeGroup(2).run(lambda g: run(g, False))
+    got = FakeGroup(2).run(lambda g: run(g, True))
+    for (rs, rf), (gs, gf) in zip(ref, got):
+        for n in SHAPES:
+            assert np.array_equal(rf[n][0], gf[n][0]) and np.array_equal(rf[n][1].view(np.uint16),
+                                                                         gf[n][1].view(np.uint16)), n
+        if reads != "none":
+            for a, b in zip(rs, gs):
+                assert all(np.array_equal(a[n].view(np.uint16), b[n].view(np.uint16)) for n in SHAPES)
+
+
+def test_overlap_gather_needs_shadows():
+    with pytest.raises(ValueError, match="overlap_gather"):
+        make(ZeroAdamW, init_values(), overlap_gather=True, shadow_dtype=None, **KW)
+    with pytest.raises(TypeError, match="overlap_gather"):
+        make(ZeroAdamW, init_values(), overlap_gather="yes", **KW)
 
 
 def test_lazy_zero_grad_and_unwritten_gradients():
@@ -937,13 +999,16 @@ def launch(worker, nproc=2, timeout=600):
 
 @pytest.mark.gpu
 @needs_two
-@pytest.mark.parametrize("worker", ["zero_vs_adamw", "zero_graph"])
+@pytest.mark.parametrize("worker", ["zero_vs_adamw", "zero_graph", "zero_overlap_gather"])
 def test_zero_two_gpus(worker):
     """zero_vs_adamw: ZeroAdamW on 2 GPUs (fp32 and bf16 wire, one bucket and bucketed with the reduction started
     from a side stream mid-"backward", all or only 1-D parameters gathered in fp32) equals AdamW on one GPU fed
     the same global gradient: bit-exact without clipping, within 2 ulp of the norm with it.
     zero_graph: reduce-scatter + norm all-reduce + Adam + all-gather captured in one CUDA graph and replayed
-    equals the eager steps bit for bit."""
+    equals the eager steps bit for bit.
+    zero_overlap_gather: overlap_gather=True (the shadow all-gathers deferred to the next step's first shadow
+    read, on the side stream, each reader waiting for its bucket's event), eager and captured, reads the same
+    shadows every step and ends with the same parameters as the gather-in-step run, bit for bit."""
     rc, out, err, _ = launch(worker)
     assert rc == 0, out + err
     assert f"[rank 0] OK {worker}" in out and f"[rank 1] OK {worker}" in out, out + err
@@ -1003,6 +1068,24 @@ def worker_zero_vs_adamw():
     print("OK zero_vs_adamw")
 
 
+def _clipped_step(opt, ps, gbuf, seen=None):
+    """A graph-capturable step body: zero, (with ``seen``: "the forward", each shadow read through
+    ck.amp.lowp_weight and copied, so after its bucket's gather), gradients from the fixed buffers ``gbuf``, clip
+    at 0.3, step; returns the norm."""
+    import cupy as cp
+
+    def body():
+        opt.zero_grad()
+        for p in ps if seen is not None else ():
+            cp.copyto(seen[p.name], ck.amp.lowp_weight(p, BF16))
+        for p in ps:
+            p.grad += gbuf[p.name]
+        norm, scale = opt.clip_grad_norm(0.3)
+        opt.step(grad_scale=scale)
+        return norm
+    return body
+
+
 def worker_zero_graph():
     import cupy as cp
 
@@ -1016,15 +1099,7 @@ def worker_zero_graph():
         opt = ZeroAdamW(ps, group=g, wire_dtype=ck.bfloat16, bucket_elems=300, gather_fp32=NO_DECAY, **KW)
         opt.set_schedule(WarmupCosine(1e-2, total_steps=5, warmup_steps=1, min_lr=1e-3))
         gbuf = {p.name: cp.zeros(p.data.shape, cp.float32) for p in ps}  # fixed input buffers
-
-        def body():
-            opt.zero_grad()
-            for p in ps:
-                p.grad += gbuf[p.name]
-            norm, scale = opt.clip_grad_norm(0.3)
-            opt.step(grad_scale=scale)
-            return norm
-
+        body = _clipped_step(opt, ps, gbuf)
         stepper = CapturedStep(body, warmup=2, graph=use_graph)
         norms = []
         for step in grads:
@@ -1047,6 +1122,49 @@ def worker_zero_graph():
     dist.destroy_process_group()
     assert not g.leaked
     print("OK zero_graph")
+
+
+def worker_zero_overlap_gather():
+    import cupy as cp
+
+    from cukernels import distributed as dist
+    from cukernels.graph import CapturedStep
+    g = dist.init_process_group()
+    values, grads = init_values(), rank_grads(g.world_size, 5)
+    results = []
+    for overlap, use_graph in ((False, False), (True, False), (True, True)):
+        ps = [Param(n, cp.asarray(values[n])) for n in SHAPES]
+        opt = ZeroAdamW(ps, group=g, wire_dtype=ck.bfloat16, bucket_elems=300, gather_fp32=NO_DECAY,
+                        overlap_gather=overlap, **KW)
+        for p in ps:
+            p.shadow, p.shadow_wait = opt.shadow(p), None
+        gbuf = {p.name: cp.zeros(p.data.shape, cp.float32) for p in ps}
+        seen = {p.name: cp.zeros(p.data.shape, BF16) for p in ps}
+        body = _clipped_step(opt, ps, gbuf, seen)
+        stepper = CapturedStep(body, warmup=2, graph=use_graph)
+        norms, reads = [], []
+        for step in grads:
+            for p in ps:
+                gbuf[p.name][...] = cp.asarray(step[0][g.rank][p.name])
+            norms.append(float(stepper().copy()))
+            reads.append([seen[p.name].get().view(np.uint16) for p in ps])
+        stepper.synchronize()
+        opt.wait_gathers()
+        opt.gather_params()
+        cp.cuda.Device().synchronize()
+        results.append(([p.data.get() for p in ps], [opt.shadow(p).get().view(np.uint16) for p in ps], norms,
+                        reads))
+        del stepper, body
+    ref = results[0]
+    for got in results[1:]:
+        assert got[2] == ref[2], (got[2], ref[2])
+        for x, y in zip(got[0] + got[1], ref[0] + ref[1]):
+            assert np.array_equal(x, y)
+        for ra, rb in zip(got[3], ref[3]):
+            assert all(np.array_equal(x, y) for x, y in zip(ra, rb))
+    g.barrier()
+    dist.destroy_process_group()
+    print("OK zero_overlap_gather")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def _kernel(name):
 
 
 def _grid(wave, work_items):
-    """Persistent grid: one wave, fewer blocks when there is less work."""
+    """Grid of ``wave`` blocks (a persistent wave, or a multiple of one), fewer when there is less work."""
     return min(max(1, -(-work_items // THREADS)), wave)
 
 
@@ -290,9 +290,13 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
         grad_scale: optional 0-d float32 array (>= 0) multiplying the gradient first (clipping scale, inverse
             loss scale); a plain number is accepted for eager use.
         error: optional 0-d int32 device array for the kernel's error bits (default: :func:`adam_error_word`).
-        occupancy: the fraction (0, 1] of one full wave of blocks the persistent grid uses (default 1). Below 1
-            every SM keeps room for another kernel's blocks while this one runs: ZeroAdamW leaves that room for
-            the NCCL all-gather it overlaps with the update (a full wave holds every SM until the update ends).
+        occupancy: how many full waves of blocks the grid holds, a number in (0, 64] (default 1: one persistent
+            wave, each block looping over its share). Below 1 every SM keeps room for another kernel's blocks
+            while this one runs; above 1 the blocks are shorter-lived and the block scheduler hands each SM a new
+            one as the last ends, so a kernel running beside it (an NCCL collective holding some SMs) delays only
+            the blocks it displaces, not a fixed share of the work (a one-wave grid waits for its displaced
+            blocks' whole share: the update then lasts as long as both kernels back to back). The result does
+            not depend on it.
 
     Numbers and 0-d NumPy arrays out of range raise here (TypeError / ValueError naming the argument). 0-d
     device arrays are checked by the kernel: if lr or grad_scale is NaN, inf or negative, or step is not an
@@ -313,7 +317,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
     xp = B.array_module(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, shadow=shadow, **scal,
                         error=error)
     _hyper(beta1, beta2, eps, weight_decay)
-    occupancy = B.check_f32("occupancy", occupancy, min=0, min_open=True, max=1)
+    occupancy = B.check_f32("occupancy", occupancy, min=0, min_open=True, max=64)
     if xp is np:
         _check_host_arrays(scal)
     err = _error_word(xp, error)

@@ -68,6 +68,8 @@ ZERO = {
                         optional=True),
     "overlap": Key(True, "start each bucket's reduce-scatter as soon as the backward has finished it (autograd "
                          "gradient-ready hooks); false: reduce everything after the backward", "bool"),
+    "overlap_gather": Key(True, "under bf16 autocast, all-gather the updated shadows under the next forward (each "
+                                "layer waits for its own) instead of at the end of the step", "bool"),
     "sm_margin": Key(0, "multiprocessors left to NCCL while collectives overlap the backward's GEMMs and the "
                         "update (cuBLAS SM target, Adam grid); 0: none", "int", check=_ge(0)),
 }
@@ -122,7 +124,7 @@ SCHEMA = {
 RESUME_FREE = {"out_dir", "ckpt_dir", "ckpt_every", "ckpt_final", "keep_last", "resume", "log_every", "log_format",
                "plot", "eval_every", "eval_steps", "progress", "sample_chars", "distributed"}
 # zero settings that do not change the arithmetic of a step (the wire dtype does)
-ZERO_RESUME_FREE = {"bucket_elems", "overlap"}
+ZERO_RESUME_FREE = {"bucket_elems", "overlap", "overlap_gather"}
 
 
 def defaults() -> dict:

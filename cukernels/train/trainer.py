@@ -209,7 +209,8 @@ def make_zero_optimizer(cfg, model, xp, group):
                     weight_decay=cfg["weight_decay"], group=group, no_decay=no_decay, sparse=sparse or None,
                     shadow_dtype=B.bfloat16 if cfg["autocast"] else None,
                     gather_fp32=(lambda n, a: a.ndim < 2) if cfg["autocast"] else None,
-                    wire_dtype=zero_wire(cfg), bucket_elems=z["bucket_elems"], sm_margin=z["sm_margin"])
+                    wire_dtype=zero_wire(cfg), bucket_elems=z["bucket_elems"], sm_margin=z["sm_margin"],
+                    overlap_gather=bool(z["overlap_gather"] and cfg["autocast"]))
     for n in sparse:
         opt.attach_sparse(n)
     if cfg["autocast"]:
@@ -715,7 +716,10 @@ def _loop(run, cfg, xp, con, say, resume, init_note, tbs, vl, n_train, n_val, st
     for step in range(start, cfg["max_steps"]):
         last = step == cfg["max_steps"] - 1
         if cfg["eval_every"] and (step % cfg["eval_every"] == 0 or last):
-            # Rank 0 evaluates the same batches one process would; the others wait in the broadcast.
+            # Rank 0 evaluates the same batches one process would; the others wait in the broadcast. The shadow
+            # all-gathers a step deferred (zero.overlap_gather) are collectives: every rank finishes them first.
+            if run.zero:
+                run.opt.wait_gathers()
             vloss = evaluate(model, vl, cfg["eval_steps"], cfg["autocast"]) if main else 0.0
             if run.zero:
                 vb = xp.full((1,), vloss, dtype=np.float64)
