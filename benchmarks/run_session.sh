@@ -284,3 +284,8 @@ if [ "$stage" = "s7d" ]; then  # session 7, call D (2 GPUs): queued steps; NCCL 
   done
   tar czf "$out/timelines.tgz" -C "$out" $(cd "$out" && ls -d tl_*) && rm -rf "$out"/tl_*
 fi
+if [ "$stage" = "s7e" ]; then  # session 7, call E (2 GPUs): the whole GPU suite on the final code (2-GPU tests included)
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+  timeout ${GPU_TEST_TIMEOUT:-420} python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
+fi
