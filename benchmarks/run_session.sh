@@ -289,3 +289,21 @@ if [ "$stage" = "s7e" ]; then  # session 7, call E (2 GPUs): the whole GPU suite
   timeout ${GPU_TEST_TIMEOUT:-420} python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
 fi
+if [ "$stage" = "s7f" ]; then  # session 7, call F (2 GPUs): where the wire cast runs, bucket size, fp32 wire
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 300 python benchmarks/bench_train.py --configs b4t64,b8t1024 --nproc 2 --steps 10 \
+    --ab "${1:-zero.CAST_ON_COMPUTE_STREAM=1;__main__.ZERO_BUCKET=134217728;zero.CAST_ON_COMPUTE_STREAM=1,__main__.ZERO_BUCKET=134217728}" \
+    --json "$out/bench_2gpu.json" 2>&1 | grep "ms/step" | tee "$out/bench_2gpu.log"
+  timeout 120 python benchmarks/bench_train.py --configs b4t64,b8t1024 --nproc 2 --steps 10 --wire fp32 2>&1 \
+    | grep "ms/step" | tee "$out/bench_2gpu_fp32.log"
+  timeout 60 python -m pytest -m gpu -q -p no:cacheprovider tests/test_zero.py -k two_gpus 2>&1 | tail -n 2
+fi
+if [ "$stage" = "s7g" ]; then  # session 7, call G (2 GPUs): the final table, 1 GPU beside; 2-GPU tests on the defaults
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_zero.py tests/test_train_distributed.py 2>&1 | tail -n 2
+  timeout 90 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --json "$out/bench_1gpu.json" 2>&1 \
+    | grep "ms/step" | tee "$out/bench_1gpu.log"
+  timeout 200 python benchmarks/bench_train.py --configs b8t1024,b4t64 --nproc 2 --steps 10 \
+    --ab "${1:-zero.CAST_ON_COMPUTE_STREAM=0;__main__.ZERO_BUCKET=134217728}" --json "$out/bench_2gpu.json" 2>&1 \
+    | grep -v "^\[rank 0\]     \|Warning\|_warn_once" | tee "$out/bench_2gpu.log"
+fi
