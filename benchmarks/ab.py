@@ -1,7 +1,7 @@
 """A/B settings of module attributes for the benchmarks' ``--ab`` option.
 
 A spec is ``"mod.ATTR=v[,mod.ATTR=v...][;...]"``: ``;`` between rows, ``,`` between the settings of one row; ``mod``
-is a module of ``cukernels.ops``, ``cukernels.nn`` or ``cukernels.optim`` (``gemv.DEPTH=2``,
+is a module of ``cukernels.ops``, ``cukernels.nn``, ``cukernels.optim`` or ``cukernels`` (``gemv.DEPTH=2``,
 ``decode.FUSED_ATTENTION=0``, ``zero.ADAM_OCCUPANCY=8``), or ``__main__`` (the benchmark script's own module
 constants); ``v`` an integer or a float.
 """
@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import sys
 
-PACKAGES = ("cukernels.ops", "cukernels.nn", "cukernels.optim")
+PACKAGES = ("cukernels.ops", "cukernels.nn", "cukernels.optim", "cukernels")
 
 
 def rows(spec):

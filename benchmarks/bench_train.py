@@ -379,6 +379,22 @@ class OurStep:
             self.step()
         self.step.synchronize()
         self.queued_ms = (time.perf_counter() - t0) * 1e3 / QUEUED
+        # GPU time of single replays (events on the step's stream around each) and the host time of the call:
+        # tells a slow GPU step from a late start.
+        gpu, host = [], []
+        for _ in range(4):
+            cp.cuda.Device().synchronize()
+            st = getattr(self.step, "stream", None) or cp.cuda.get_current_stream()
+            e0 = cp.cuda.Event()
+            e0.record(st)
+            h0 = time.perf_counter()
+            self.step()
+            host.append((time.perf_counter() - h0) * 1e3)
+            e1 = cp.cuda.Event()
+            e1.record(st)
+            e1.synchronize()
+            gpu.append(cp.cuda.get_elapsed_time(e0, e1))
+        self.gpu_ms, self.host_ms = statistics.median(gpu), statistics.median(host)
         return statistics.median(times), losses
 
 
@@ -397,6 +413,13 @@ def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None, timelin
     s = OurStep(B, T, feats, accum=accum)
     ms, losses = s.run(steps, data=data)
     run_ours.last_queued = s.queued_ms
+    run_ours.last_gpu = [s.gpu_ms, s.host_ms]
+    g = DIST["group"]
+    if g is not None:  # every rank's (GPU ms a replay, host ms of the call), to rank 0
+        mine = cp.asarray(np.array(run_ours.last_gpu, np.float32))
+        every = cp.zeros(2 * g.world_size, np.float32)
+        g.all_gather(mine, every)
+        run_ours.last_gpu = every.get().tolist()
     run_ours.last_timeline = None
     if timeline:
         import timeline as tl
@@ -551,6 +574,9 @@ def main(argv=None):
             print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
                   f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}"
                   f"   queued {run_ours.last_queued:.2f} ms/step{f'   ({setting})' if setting else ''}", flush=True)
+            gt = run_ours.last_gpu
+            print("    one replay, GPU ms (host ms of the call) by rank: "
+                  + ", ".join(f"{gt[2 * r]:.2f} ({gt[2 * r + 1]:.2f})" for r in range(len(gt) // 2)), flush=True)
             if run_ours.last_timeline:
                 import timeline as tlmod
 

@@ -307,3 +307,9 @@ if [ "$stage" = "s7g" ]; then  # session 7, call G (2 GPUs): the final table, 1 
     --ab "${1:-zero.CAST_ON_COMPUTE_STREAM=0;__main__.ZERO_BUCKET=134217728}" --json "$out/bench_2gpu.json" 2>&1 \
     | grep -v "^\[rank 0\]     \|Warning\|_warn_once" | tee "$out/bench_2gpu.log"
 fi
+if [ "$stage" = "s7h" ]; then  # session 7, call H (2 GPUs): GPU time of one replay by rank; graph node / side priorities
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 60 python benchmarks/bench_train.py --configs b8t1024 --steps 8 2>&1 | grep -A1 "ms/step" | tee "$out/bench_1gpu.log"
+  timeout 200 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 \
+    --ab "${1:-graph._USE_NODE_PRIORITY=0;zero.SIDE_PRIORITY=0}" 2>&1 | grep -A1 "ms/step" | tee "$out/bench_2gpu.log"
+fi

@@ -95,6 +95,8 @@ EAGER_GATHERS = 1
 # GEMMs from a high-priority stream); False: on the side stream before its reduce-scatter. Session 7, 2 x H200,
 # same-process A/B: B4xT64 23.49 -> 22.84 ms, B8xT1024 128.14 -> 126.44 ms.
 CAST_ON_COMPUTE_STREAM = True
+# The side stream's priority (see ZeroAdamW._side): -100 is clamped to the device's highest.
+SIDE_PRIORITY = -100
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -769,7 +771,7 @@ class ZeroAdamW:
             # Captured graphs keep it per node (cukernels.graph instantiates with node priorities).
             # (CuPy has no cudaDeviceGetStreamPriorityRange; CUDA clamps a priority outside the device's range
             # to the nearest end, so -100 is the greatest, -5 on Hopper.)
-            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=-100)
+            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=SIDE_PRIORITY)
         return self._comm
 
     def _fork(self):
