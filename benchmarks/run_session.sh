@@ -313,3 +313,10 @@ if [ "$stage" = "s7h" ]; then  # session 7, call H (2 GPUs): GPU time of one rep
   timeout 200 python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --steps 8 \
     --ab "${1:-graph._USE_NODE_PRIORITY=0;zero.SIDE_PRIORITY=0}" 2>&1 | grep -A1 "ms/step" | tee "$out/bench_2gpu.log"
 fi
+if [ "$stage" = "s7i" ]; then  # session 7, call I (2 GPUs): the review's zero.py edit; adam's bench rows
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_zero.py tests/test_train_distributed.py \
+    tests/test_adam.py tests/test_distributed.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 12
+  timeout 120 python benchmarks/bench_ops.py --no-startup --quick --only adam --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1
+  grep -E "^\||adam" "$out/bench_ops.log" | head -30
+fi

@@ -357,6 +357,13 @@ class _ShadowWait:
         self.opt._shadow_wait(self.key)
 
 
+def _clear_waits(slots):
+    """Drop the pending ``shadow_wait`` of these slots' objects (only ours: another optimizer's is not touched)."""
+    for sl in slots:
+        if isinstance(getattr(sl.obj, "shadow_wait", None), _ShadowWait):
+            sl.obj.shadow_wait = None
+
+
 _KERNELS = {}
 
 
@@ -958,10 +965,7 @@ class ZeroAdamW:
         if self._deferred:
             self._launch_deferred()
         g = self._groups[key[0]]
-        for i in g.layout.buckets[key[1]].params:
-            obj = g.slots[i].obj
-            if isinstance(getattr(obj, "shadow_wait", None), _ShadowWait):
-                obj.shadow_wait = None
+        _clear_waits(g.slots[i] for i in g.layout.buckets[key[1]].params)
         ev = self._gather_events.pop(key, None)
         if ev is not None:
             self.xp.cuda.get_current_stream().wait_event(ev)
@@ -973,10 +977,7 @@ class ZeroAdamW:
         if self._deferred:
             self._launch_deferred()
         self._gather_events.clear()
-        for g in self._groups:
-            for sl in g.slots:
-                if isinstance(getattr(sl.obj, "shadow_wait", None), _ShadowWait):
-                    sl.obj.shadow_wait = None
+        _clear_waits(sl for g in self._groups for sl in g.slots)
         self._join()
 
     def gather_params(self):
