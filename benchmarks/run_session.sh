@@ -10,7 +10,7 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
 stage=${1:-tests}; shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-case "$stage" in s6g|s7*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
+case "$stage" in s6g|s7*|s8*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
 # the families a training step uses (no gemv: its ~100 s compile is the long pole)
 TRAIN_FAMS="['adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations','softmax','layer_norm','dropout']"
 case "$stage" in
@@ -319,4 +319,52 @@ if [ "$stage" = "s7i" ]; then  # session 7, call I (2 GPUs): the review's zero.p
     tests/test_adam.py tests/test_distributed.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 12
   timeout 120 python benchmarks/bench_ops.py --no-startup --quick --only adam --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1
   grep -E "^\||adam" "$out/bench_ops.log" | head -30
+fi
+if [ "$stage" = "s8a" ]; then  # session 8, call A: norm backwards: pipeline depth, block size, stats prefetch; tests + bench
+  python -c "from cukernels import _loader; _loader.precompile(['rms_norm','layer_norm'])"
+  timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_rms_norm.py tests/test_layer_norm.py \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 40
+  timeout 240 python benchmarks/tune_norm_backward.py 2>&1 | tee "$out/tune_norm_backward.log"
+  timeout 100 python benchmarks/tune_norm_backward.py --timeline 2>&1 | grep "N=" | tee "$out/tune_timeline.log"
+  timeout 150 python benchmarks/bench_ops.py --no-startup --quick --only rms_norm,layer_norm \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1
+  grep -E "bwd|copy" "$out/bench_ops.log" | head -30
+fi
+if [ "$stage" = "s8b" ]; then  # session 8, call B: the norm backwards' kernel durations and gaps (CUPTI)
+  python -c "from cukernels import _loader; _loader.precompile(['rms_norm','layer_norm'])"
+  timeout 200 python benchmarks/tune_norm_backward.py --timeline ${1:-} 2>&1 | grep -v "Warning\|warn" | tee "$out/tune_timeline.log"
+fi
+if [ "$stage" = "s8c" ]; then  # session 8, call C: Nsight Compute counters of the norm backwards (and rms forward)
+  python -c "from cukernels import _loader; _loader.precompile(['rms_norm','layer_norm'])"
+  M=gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,smsp__inst_executed.sum
+  for r in long_scoreboard barrier short_scoreboard lg_throttle mio_throttle drain membar wait math_pipe_throttle not_selected selected no_instruction branch_resolving dispatch_stall imc_miss misc sleeping tex_throttle; do
+    M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio; done
+  timeout 300 ncu --clock-control none -k regex:"bwdp|rms_fwd_bf16|finalize" --csv --page raw --metrics $M \
+    python benchmarks/ncu_norm_backward.py > "$out/ncu.csv" 2> "$out/ncu.err"; echo "ncu rc $?"; tail -3 "$out/ncu.err"
+  python - "$out/ncu.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+hdr = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+h, data = rows[hdr], [r for r in rows[hdr + 2:] if len(r) == len(rows[hdr])]
+ki = h.index("Kernel Name")
+for r in data:
+    d = {h[i]: r[i] for i in range(len(h))}
+    st = {k.split("stalled_")[1].split("_per")[0]: float(v) for k, v in d.items() if "stalled_" in k and v.replace('.', '', 1).isdigit()}
+    top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st.items(), key=lambda t: -t[1])[:6])
+    print(f"{d[h[ki]][:28]:28s} grid {d.get('launch__grid_size','?'):>5s} regs {d.get('launch__registers_per_thread','?'):>3s} "
+          f"t {d.get('gpu__time_duration.sum','?'):>7s} active/elapsed {d.get('sm__cycles_active.avg','?')}/{d.get('sm__cycles_elapsed.avg','?')} "
+          f"dram {d.get('dram__throughput.avg.pct_of_peak_sustained_elapsed','?')}% occ {d.get('sm__warps_active.avg.pct_of_peak_sustained_active','?')}% "
+          f"rd {d.get('dram__bytes_read.sum','?')} wr {d.get('dram__bytes_write.sum','?')} | stalls/issue: {top}")
+PY
+fi
+if [ "$stage" = "s8d" ]; then  # session 8, call D (final): the whole GPU suite, the norm rows, the LLaMA and GPT-2 steps
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 330 python -m pytest -m gpu -q -p no:cacheprovider -n 8 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 120 python benchmarks/bench_ops.py --no-startup --quick --only rms_norm,layer_norm --json "$out/bench_ops.json" \
+    > "$out/bench_ops.log" 2>&1; grep -E "bwd|fwd|copy" "$out/bench_ops.log" | head -30
+  timeout 120 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --json "$out/bench_llama.json" 2>&1 \
+    | grep -E "ms/step" | tee "$out/bench_llama.log"
+  timeout 100 python benchmarks/bench_train.py --model gpt2 --steps 10 --json "$out/bench_gpt2.json" 2>&1 \
+    | grep -E "ms/step" | tee "$out/bench_gpt2.log"
 fi

@@ -32,9 +32,10 @@
 //   partials, written and re-read through L2 (4 % of the fp32 backward's bytes, 8 % of bf16's).
 //   The loop kernel accumulates into its (memset-zeroed) partial rows instead, one block per SM.
 // - Issue 17: on the 16-byte path with >= 32 threads a row the launcher takes ln_bwd_pipe instead of
-//   ln_bwd_reg (three-stage cp.async pipeline, 512-thread blocks, one per SM: 2 x 132 partial rows).
+//   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, two per SM: 2 x 264 partial rows).
 #include "common/vec.cuh"
 #include "common/rows.cuh"
+#include "common/pipe.cuh"
 
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void ln_fwd_reg(const T* __restrict__ x, const W* __restrict__ gamma,
@@ -249,34 +250,25 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __
   write_block_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, combine);
 }
 
-// Backward, 16-byte path (issue 17): ln_bwd_reg's math fed by a three-stage cp.async pipeline.
+// Backward, 16-byte path (issue 17): ln_bwd_reg's math fed by a cp.async pipeline.
 // Why: ln_bwd_reg holds x and dy in registers across the row reduction, so a block cannot load its next row
 // group before the current one is written; its one-wave grid of 128-register blocks alternates between waiting
 // on DRAM and computing, in step: 1.97 TB/s (47 % of copy) at 8192 x 2048 bf16 (NOTES.md run 4). And its
 // partials are 2 rows (dgamma, dbeta) per block of 256 threads: 2 x 264+ x C x 4 B, written and re-read.
-// Here each thread copies its own packs of x and dy for the next two row groups into shared memory with
-// cp.async while it computes the current one; packs are read back from shared memory (twice) instead of being
-// held in registers. One 512-thread block per SM (up to 128 registers: 2 x VPT x E accumulators): 132 blocks,
-// so the partials are 2 x 132 x C x 4 B (2.2 MB at C = 2048, 2 % of the bf16 backward's bytes), and 2 stages
-// in flight per SM (64 KB at VPT 2) cover 4.2 TB/s x ~0.8 us / 132 SMs ~ 25 KB with margin.
+// Here each thread copies its own packs of x and dy for the next nstages - 1 row groups (a kernel argument,
+// 2..4) into shared memory with cp.async while it computes the current one; packs are read back from shared
+// memory (twice) instead of being held in registers. Blocks of NTH threads (512: one per SM at ~96 registers;
+// 256: two per SM, so one block's barriers overlap the other's work).
 // A thread reads back only the packs it copied itself: no barrier per stage (see rms_norm.cu, rms_bwd_pipe).
 // Stage layout: [tensor][k][thread] 16-byte packs (no bank conflicts).
-__device__ __forceinline__ void ln_cp_async16(void* dst, const void* src) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
-}
-__device__ __forceinline__ void ln_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void ln_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-constexpr int LN_STAGES = 3;
-
+// The row's mean and rstd are loaded one group ahead (session 8: loaded after the wait they cost one exposed
+// global round trip a group) and the gamma row is prefetched into L1 before the first wait.
 template <typename T, typename W, int VPT>
 __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ gamma, const float* __restrict__ mean,
                                             const float* __restrict__ rstd, T* __restrict__ dx,
-                                            float* __restrict__ part, long long rows, int C, bool w_vec) {
+                                            float* __restrict__ part, long long rows, int C, int nstages,
+                                            bool w_vec) {
   constexpr int E = 16 / sizeof(T);
   extern __shared__ __align__(16) unsigned char ln_dyn_smem[];
   __shared__ float2 scratch[16 * 32];
@@ -294,71 +286,87 @@ __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int i = 0; i < E; ++i) acc_g[k][i] = acc_b[k][i] = 0.f;
 
-  // Copies group i into stage i % LN_STAGES (nothing past the end) and commits one cp.async group either way.
-  auto issue = [&](long long i) {
-    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+  const long long row0 = (long long)blockIdx.x * blockDim.y + threadIdx.y, row_step = (long long)gridDim.x * blockDim.y;
+  auto row_of = [&](long long i) { return row0 + i * row_step; };
+  // Copies group i into stage `s` (nothing past the end) and commits one cp.async group either way.
+  auto issue = [&](long long i, int s) {
+    const long long row = row_of(i);
     if (i < n && row < rows) {
-      Pack<T, E>* st = stages + (int)(i % LN_STAGES) * stage_packs + tid;
+      Pack<T, E>* st = stages + s * stage_packs + tid;
       const long long off = row * C;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int u = threadIdx.x + k * blockDim.x;
         if (u < units) {
-          ln_cp_async16(st + k * nth, x + off + u * E);
-          ln_cp_async16(st + (VPT + k) * nth, dy + off + u * E);
+          cpa16(st + k * nth, x + off + u * E);
+          cpa16(st + (VPT + k) * nth, dy + off + u * E);
         }
       }
     }
-    ln_cp_async_commit();
+    cpa_commit();
+  };
+  // (mean, rstd) of group i's row, or zeros past the end.
+  auto stats_of = [&](long long i) {
+    const long long row = row_of(i);
+    return i < n && row < rows ? make_float2(mean[row], rstd[row]) : make_float2(0.f, 0.f);
   };
 
-#pragma unroll
-  for (int j = 0; j < LN_STAGES - 1; ++j) issue(j);
+  for (int j = 0; j < nstages - 1; ++j) issue(j, j);
+  prefetch_row_l1<VPT, E>(gamma, units);
+  float2 st_next = stats_of(0);
+  int s_use = 0, s_fill = nstages - 1;  // stages of groups i and i + nstages - 1
   for (long long i = 0; i < n; ++i) {
-    issue(i + LN_STAGES - 1);
-    ln_cp_async_wait<LN_STAGES - 1>();  // all but the newest LN_STAGES - 1 groups are complete: group i landed
-    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    issue(i + nstages - 1, s_fill);
+    s_fill = ring_next(s_fill, nstages);
+    const float mu = st_next.x, r = st_next.y;
+    st_next = stats_of(i + 1);
+    cpa_wait_n(nstages - 1);  // all but the newest nstages - 1 groups are complete: group i landed
+    const long long row = row_of(i);
     const bool ok = row < rows;
-    const float mu = ok ? mean[row] : 0.f, r = ok ? rstd[row] : 0.f;
-    const Pack<T, E>* st = stages + (int)(i % LN_STAGES) * stage_packs + tid;
+    const Pack<T, E>* st = stages + s_use * stage_packs + tid;
+    s_use = ring_next(s_use, nstages);
+    // Per element: 2 unpacks (1 instruction each); sums: xh = x r - mu r (1), g = dy w (1), 2 adds; dx, dgamma,
+    // dbeta: xh (1), dx = dy (w r) - (r a + r b xh) (3), 2 accumulations, and half a pack.
+    const float mur = mu * r;
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
       if (ok && u < units) {
-        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
-        float wf[E];
+        float xf[E], df[E], wf[E];
+        unpack_f32<T, E>(st[k * nth], xf);
+        unpack_f32<T, E>(st[(VPT + k) * nth], df);
         load_f32<E>(gamma + u * E, wf, w_vec);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float g = to_f32(gv.v[e]) * wf[e];
+          const float g = df[e] * wf[e];
           sg += g;
-          sgx += g * ((to_f32(xv.v[e]) - mu) * r);
+          sgx = fmaf(g, fmaf(xf[e], r, -mur), sgx);
         }
       }
     }
     seg_sum2(sg, sgx, scratch);
-    const float a = sg * inv_c, b = sgx * inv_c;
+    const float ra = r * sg * inv_c, rb = r * sgx * inv_c;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
       if (ok && u < units) {
-        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
-        float wf[E];
+        float xf[E], df[E], wf[E], o[E];
+        unpack_f32<T, E>(st[k * nth], xf);
+        unpack_f32<T, E>(st[(VPT + k) * nth], df);
         load_f32<E>(gamma + u * E, wf, w_vec);
-        Pack<T, E> o;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float xh = (to_f32(xv.v[e]) - mu) * r, d = to_f32(gv.v[e]);
-          o.v[e] = from_f32<T>(r * (d * wf[e] - a - xh * b));
-          acc_g[k][e] += d * xh;
+          const float xh = fmaf(xf[e], r, -mur), d = df[e];
+          o[e] = fmaf(d, wf[e] * r, -fmaf(rb, xh, ra));
+          acc_g[k][e] = fmaf(d, xh, acc_g[k][e]);
           acc_b[k][e] += d;
         }
-        store_pack<T, E>(dx + row * C + u * E, o);
+        store_pack<T, E>(dx + row * C + u * E, pack_f32<T, E>(o));
       }
     }
   }
-  ln_cp_async_wait<0>();
+  cpa_wait_n(0);
 
   // Partial rows part[blk] (dgamma) and part[gridDim.x + blk] (dbeta): the row slots summed in threadIdx.y
   // order through the idle stages (2 x E x NTH floats <= one stage); 16-byte stores (C % E == 0 here).
@@ -529,15 +537,20 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
   LN_BWD(T, W, TN, WN, 1, false, s) LN_BWD(T, W, TN, WN, 2, false, s) LN_BWD(T, W, TN, WN, 4, false, s)         \
   LN_BWD(T, W, TN, WN, 8, false, s)                                                                            \
   LN_LOOP(T, W, TN, WN, false, s)
-// Pipelined backward (16-byte path, VPT 1 and 2: the plan's vector cap): 512-thread blocks, one per SM.
-#define LN_PIPE(T, W, TN, WN, VPT)                                                                              \
-  extern "C" __global__ void __launch_bounds__(512, 1)                                                         \
-      ln_bwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd, \
-                                  T* dx, float* part, long long rows, int C, bool w_vec) {                     \
-    ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                                \
+// Pipelined backward (16-byte path, VPT 1 and 2: the plan's vector cap): blocks of 512 threads (one per SM) or
+// 256 (three per SM: __launch_bounds__ caps them at 85 registers, no spills; compiled for two per SM, 101
+// registers, they ran 8-10 % slower at 8192 x 2048 bf16, NOTES.md session 8); names
+// ln_bwdp_<x>_<param>_<VPT>_<threads>x<blocks per SM>.
+#define LN_PIPE(T, W, TN, WN, VPT, NTH, MINB)                                                                   \
+  extern "C" __global__ void __launch_bounds__(NTH, MINB)                                                      \
+      ln_bwdp_##TN##_##WN##_##VPT##_##NTH##x##MINB(const T* dy, const T* x, const W* gamma, const float* mean,          \
+                                          const float* rstd, T* dx, float* part, long long rows, int C,       \
+                                          int nstages, bool w_vec) {                                          \
+    ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, nstages, w_vec);                       \
   }
 #define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN) \
-  LN_PIPE(T, W, TN, WN, 1) LN_PIPE(T, W, TN, WN, 2)
+  LN_PIPE(T, W, TN, WN, 1, 512, 1) LN_PIPE(T, W, TN, WN, 2, 512, 1)                                             \
+  LN_PIPE(T, W, TN, WN, 1, 256, 3) LN_PIPE(T, W, TN, WN, 2, 256, 3)
 
 LN_ALL(float, float, f32, f32)
 LN_ALL(float, bf16, f32, bf16)

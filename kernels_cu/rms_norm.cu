@@ -29,21 +29,11 @@
 // - dw is deterministic: each block accumulates its rows' dy * x * r in registers (the thread owns the same
 //   columns for every row it visits), writes one fp32 partial row per block, and rms_dw_finalize sums the
 //   partials in a fixed order. The launcher sizes the grid to one wave, ~2 blocks/SM x 132 SMs, so the
-//   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048.
+//   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048. (Summing them in
+//   the same kernel through sm_90 clusters was measured slower than this finalize launch: NOTES.md, session 8.)
 #include "common/vec.cuh"
 
-// cp.async (sm_80+) for the pipelined backward. Unlike common/mma.cuh's helpers these carry a "memory" clobber:
-// rms_bwd_pipe reads a stage right after the wait with no __syncthreads in between (each thread reads only
-// what it copied), so the compiler must not move those shared-memory loads above the wait, nor a stage's
-// last reads below the copies that refill it.
-__device__ __forceinline__ void rn_cp_async16(void* dst, const void* src) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(src) : "memory");
-}
-__device__ __forceinline__ void rn_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void rn_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+#include "common/pipe.cuh"
 
 // Loads this thread's packs of row `row` (nothing when the row is past the end).
 template <typename T, int E, int VPT>
@@ -244,12 +234,16 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
 // thread's copy for group i + 2 only after it has consumed group i (program order).
 // Stage layout: [tensor][k][thread] 16-byte packs (consecutive threads, consecutive 16 bytes: no bank
 // conflicts). blockDim = (TPR, row slots), NTH = TPR x slots threads; persistent grid, one partial dw row per
-// block, the row slots combined in fixed order at the end (deterministic).
+// block, the row slots combined in fixed order at the end (deterministic). `nstages` (2..4, a kernel argument)
+// row groups are in flight a block; group i uses stage i mod nstages. The row's rstd is loaded one group ahead
+// (session 8: loaded after the wait it cost one exposed global round trip a group) and the weight row is
+// prefetched into L1 before the first wait.
 template <typename T, typename W, int VPT, bool ADD>
 __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* __restrict__ x,
                                              const W* __restrict__ w, const float* __restrict__ rstd,
                                              const T* __restrict__ dh, T* __restrict__ dx,
-                                             float* __restrict__ dw_part, long long rows, int C, bool w_vec) {
+                                             float* __restrict__ dw_part, long long rows, int C, int nstages,
+                                             bool w_vec) {
   constexpr int E = 16 / sizeof(T);
   constexpr int NT = ADD ? 3 : 2;  // tensors staged: x, dy (, dh)
   extern __shared__ __align__(16) unsigned char rms_dyn_smem[];
@@ -259,6 +253,7 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   const int units = C / E;
   const int stage_packs = NT * VPT * nth;
+  const float inv_c = 1.f / (float)C;
   const long long groups = (rows + blockDim.y - 1) / blockDim.y;
   // Row groups of this block: blockIdx.x + i * gridDim.x, i < n (block-uniform: every thread meets every barrier).
   const long long n = (long long)blockIdx.x < groups ? (groups - 1 - blockIdx.x) / gridDim.x + 1 : 0;
@@ -268,72 +263,81 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
 
-  // Copies this thread's packs of group i into stage i & 1 (nothing for a row past the end) and commits one
-  // cp.async group either way (wait_group counts groups). Returns the row's rstd, loaded one group ahead too.
-  auto issue = [&](long long i) -> float {
-    float r = 0.f;
-    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+  const long long row0 = (long long)blockIdx.x * blockDim.y + threadIdx.y, row_step = (long long)gridDim.x * blockDim.y;
+  auto row_of = [&](long long i) { return row0 + i * row_step; };
+  // Copies this thread's packs of group i into stage `s` (nothing for a row past the end) and commits one
+  // cp.async group either way (wait_group counts groups).
+  auto issue = [&](long long i, int s) {
+    const long long row = row_of(i);
     if (i < n && row < rows) {
-      Pack<T, E>* st = stages + (int)(i & 1) * stage_packs + tid;
+      Pack<T, E>* st = stages + s * stage_packs + tid;
       const long long off = row * C;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int u = threadIdx.x + k * blockDim.x;
         if (u < units) {
-          rn_cp_async16(st + k * nth, x + off + u * E);
-          rn_cp_async16(st + (VPT + k) * nth, dy + off + u * E);
-          if constexpr (ADD) rn_cp_async16(st + (2 * VPT + k) * nth, dh + off + u * E);
+          cpa16(st + k * nth, x + off + u * E);
+          cpa16(st + (VPT + k) * nth, dy + off + u * E);
+          if constexpr (ADD) cpa16(st + (2 * VPT + k) * nth, dh + off + u * E);
         }
       }
-      r = rstd[row];
     }
-    rn_cp_async_commit();
-    return r;
+    cpa_commit();
   };
+  auto rstd_of = [&](long long i) { const long long row = row_of(i); return i < n && row < rows ? rstd[row] : 0.f; };
 
-  float r_next = issue(0);
+  for (int j = 0; j < nstages - 1; ++j) issue(j, j);
+  prefetch_row_l1<VPT, E>(w, units);
+  float r_next = rstd_of(0);
+  int s_use = 0, s_fill = nstages - 1;  // stages of groups i and i + nstages - 1
   for (long long i = 0; i < n; ++i) {
+    issue(i + nstages - 1, s_fill);
+    s_fill = ring_next(s_fill, nstages);
     const float r = r_next;
-    r_next = issue(i + 1);
-    rn_cp_async_wait<1>();  // every group but the newest is complete: group i has landed
-    const long long row = ((long long)blockIdx.x + i * gridDim.x) * blockDim.y + threadIdx.y;
+    r_next = rstd_of(i + 1);
+    cpa_wait_n(nstages - 1);  // all but the newest nstages - 1 groups are complete: group i has landed
+    const long long row = row_of(i);
     const bool active = row < rows;
-    const Pack<T, E>* st = stages + (int)(i & 1) * stage_packs + tid;
+    const Pack<T, E>* st = stages + s_use * stage_packs + tid;
+    s_use = ring_next(s_use, nstages);
+    // Per element: 2 unpacks (1 instruction each), then dot: 2; dx and dw: 5, with xr = x * r, dx = g * (w * r) -
+    // xr * c', dw += g * xr (c' = r^2 * mean(g w x)), and half a pack.
     float dot = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
       if (active && u < units) {
-        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
-        float wf[E];
+        float xf[E], gf[E], wf[E];
+        unpack_f32<T, E>(st[k * nth], xf);
+        unpack_f32<T, E>(st[(VPT + k) * nth], gf);
         load_f32<E>(w + u * E, wf, w_vec);
 #pragma unroll
-        for (int e = 0; e < E; ++e) dot += to_f32(gv.v[e]) * wf[e] * to_f32(xv.v[e]);
+        for (int e = 0; e < E; ++e) dot = fmaf(gf[e] * wf[e], xf[e], dot);
       }
     }
     dot = row_sum(dot, scratch);
-    const float c = dot * r * r / (float)C;
+    const float c = dot * r * r * inv_c;  // dx = r (g w - x c) = g (w r) - (x r) c
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
       if (active && u < units) {
-        const Pack<T, E> xv = st[k * nth], gv = st[(VPT + k) * nth];
-        float wf[E];
+        float xf[E], gf[E], wf[E], d[E];
+        unpack_f32<T, E>(st[k * nth], xf);
+        unpack_f32<T, E>(st[(VPT + k) * nth], gf);
         load_f32<E>(w + u * E, wf, w_vec);
-        Pack<T, E> o;
+        if constexpr (ADD) unpack_f32<T, E>(st[(2 * VPT + k) * nth], d);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-          const float xf = to_f32(xv.v[e]), gf = to_f32(gv.v[e]);
-          float d = r * (gf * wf[e] - xf * c);
-          if constexpr (ADD) d += to_f32(st[(2 * VPT + k) * nth].v[e]);
-          o.v[e] = from_f32<T>(d);
-          acc[k][e] += gf * xf * r;
+          const float xr = xf[e] * r;
+          const float v = fmaf(gf[e], wf[e] * r, -xr * c);
+          d[e] = ADD ? d[e] + v : v;
+          acc[k][e] = fmaf(gf[e], xr, acc[k][e]);
         }
-        store_pack<T, E>(dx + row * C + u * E, o);
+        store_pack<T, E>(dx + row * C + u * E, pack_f32<T, E>(d));
       }
     }
   }
-  rn_cp_async_wait<0>();
+  cpa_wait_n(0);
 
   // The block's partial dw row: the row slots (threadIdx.y) summed in order through the now idle stages
   // (E x NTH floats <= one stage). 16-byte stores: C % E == 0 on this path, so every offset is 16-byte aligned.
@@ -511,13 +515,13 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 #define RMS_PIPE(T, W, TN, WN, VPT, NTH)                                                                        \
   extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
       rms_bwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, T* dx,               \
-                                   float* dw_part, long long rows, int C, bool w_vec) {                        \
-    rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec);                      \
+                                   float* dw_part, long long rows, int C, int nstages, bool w_vec) {           \
+    rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, nstages, w_vec);             \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
       rms_addbwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,      \
-                                      T* dx, float* dw_part, long long rows, int C, bool w_vec) {              \
-    rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec);                            \
+                                      T* dx, float* dw_part, long long rows, int C, int nstages, bool w_vec) { \
+    rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, nstages, w_vec);                   \
   }
 #define RMS_ALL_VPT(T, W, TN, WN, VEC, VS)                                                                      \
   RMS_REG(T, W, TN, WN, 1, VEC, VS)                                                                             \

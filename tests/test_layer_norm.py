@@ -246,6 +246,28 @@ def test_gpu_pipelined_backward_shapes(rng, rows, C, dtype):
         assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
 
 
+# The pipelined backward at each pipeline depth (2..4 row groups in flight a block) and block size (256 threads,
+# three blocks an SM; 512, one), with row counts from fewer row groups than SMs to many trips a block (the mean and
+# rstd prefetched one group ahead must follow the right row).
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages, threads", [(2, 256), (3, 256), (4, 256), (2, 512), (3, 512)])
+@pytest.mark.parametrize("rows, C", [(3, 2048), (517, 1024), (8195, 2048), (130, 8192)])
+@pytest.mark.parametrize("dtype, wdtype", [(ck.bfloat16, np.float32), (np.float32, ck.bfloat16)],
+                         ids=["bf16", "f32-wbf16"])
+def test_gpu_pipelined_backward_depths(rng, monkeypatch, stages, threads, rows, C, dtype, wdtype):
+    from cukernels.ops import layer_norm as LN
+
+    monkeypatch.setattr(LN, "PIPE_STAGES", stages)
+    monkeypatch.setattr(LN, "PIPE_THREADS", threads)
+    _check(rng, rows, C, dtype, wdtype, False)
+    x, dy = device_copy(randn(rng, (rows, C), dtype)), device_copy(randn(rng, (rows, C), dtype))
+    g, b = device_copy(randn(rng, (C,), wdtype)), device_copy(randn(rng, (C,), wdtype))
+    _, m, r = ck.layer_norm(x, g, b, return_stats=True)
+    a, c = ck.layer_norm_backward(dy, x, g, m, r), ck.layer_norm_backward(dy, x, g, m, r)
+    for u, v in zip(a, c):
+        assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
+
+
 @pytest.mark.gpu
 def test_gpu_pipelined_backward_captures(rng):
     """The pipelined backward (dynamic shared memory attribute set on first use, outside capture) replays from a

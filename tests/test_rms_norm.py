@@ -541,6 +541,33 @@ def test_gpu_backward_paths_match_reference(rng, rows, C, dtype, with_dh):
         "bit-identical reruns"
 
 
+# The pipelined backward at each pipeline depth (2..4 cp.async row groups in flight a block; the launcher caps
+# the depth where two blocks would not fit an SM). Row counts: fewer row groups than SMs, one partial wave, many
+# trips a block (the rstd prefetched one group ahead must follow the right row).
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("rows, C", [(3, 2048), (517, 1024), (8195, 2048), (301, 8192)])
+@pytest.mark.parametrize("dtype, wdtype", [(ck.bfloat16, np.float32), (np.float32, ck.bfloat16)],
+                         ids=["bf16", "f32-wbf16"])
+def test_gpu_backward_pipeline_depths(rng, monkeypatch, stages, rows, C, dtype, wdtype):
+    from cukernels.ops import rms_norm as R
+
+    monkeypatch.setattr(R, "PIPE_STAGES", {2: stages, 4: stages})
+    x, dy, dh = (randn(rng, (rows, C), dtype, scale=2.0) for _ in range(3))
+    w = randn(rng, (C,), wdtype)
+    _, r_ref = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)
+    dx_ref, dw_ref = ck.rms_norm_backward(dy, x, w, r_ref, dh=dh)
+    xd, wd, dyd, dhd, rd = (device_copy(a) for a in (x, w, dy, dh, r_ref))
+    dxo = poisoned(x.shape, dtype)
+    runs = [ck.rms_norm_backward(dyd, xd, wd, rd, dh=dhd, out=dxo if i == 0 else None) for i in range(2)]
+    assert runs[0][0] is dxo
+    assert_close(runs[0][0], dx_ref, dtype, what="dx")
+    rt, at = TOL[np.dtype(wdtype)]
+    assert_close(runs[0][1], dw_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-3 * np.sqrt(rows)), what="dw")
+    for a, b in zip(runs[0], runs[1]):
+        assert np.array_equal(to_host(a).view(np.uint8), to_host(b).view(np.uint8)), "bit-identical reruns"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_gpu_add_large_values_and_determinism(rng, dtype):

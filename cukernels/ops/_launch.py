@@ -204,3 +204,11 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False)
     r = fn(ctypes.byref(cfg), ctypes.c_void_p(handle), params, None)
     if r != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {r}) for a {_dims(grid)} x {_dims(block)} launch")
+
+
+def pipe_stages(target: int, stage_bytes: int, blocks_per_sm: int) -> int:
+    """cp.async stages a block for the pipelined norm backwards (kernels_cu/common/pipe.cuh): 2..4, at most
+    ``target``, such that ``blocks_per_sm`` blocks of ``stage_bytes`` a stage still fit an SM's shared memory
+    (8 KB left for the static arrays)."""
+    cap = (B.smem_optin() // blocks_per_sm - 8192) // max(1, stage_bytes)
+    return int(max(2, min(target, 4, cap)))

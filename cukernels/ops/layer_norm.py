@@ -112,11 +112,12 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     return (y, mean, rstd) if return_stats else y
 
 
-# Pipelined backward (ln_bwd_pipe): 512 threads a block, three cp.async stages. Rows of fewer than 32 threads
-# (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up to 512 row slots a block, the final
-# in-order combine of the slots' dgamma/dbeta would be a long serial loop.
-PIPE_THREADS = 512
-PIPE_STAGES = 3
+# Pipelined backward (ln_bwd_pipe): PIPE_THREADS threads a block (256: three blocks an SM, 3 x SMs partial rows;
+# 512: one; a row of 512 threads takes 512), PIPE_STAGES cp.async row groups in flight a block (2..4, fewer where
+# the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster than 3, 4 slower). Rows of fewer than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up
+# to 512 row slots a block, the final in-order combine of the slots' dgamma/dbeta would be a long serial loop.
+PIPE_THREADS = 256
+PIPE_STAGES = 2
 PIPE_MIN_TPR = 32
 
 
@@ -173,16 +174,19 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     plan = _plan(C, x.itemsize, vec, backward=True)
     vs = "v" if vec else "s"
     if plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
-        # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, 512-thread blocks, one per
-        # SM; its partials are 2 x SMs rows instead of 2 x (one wave of 256-thread blocks).
+        # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, more row slots a block.
         tpr, vpt, _ = plan
-        smem = PIPE_STAGES * 2 * vpt * PIPE_THREADS * 16
-        k = L.with_smem(get_function(FAMILY, f"ln_bwdp_{_tag(x, gamma)}_{vpt}"), smem)
-        slots = PIPE_THREADS // tpr
-        nparts = min(-(-rows // slots), L.wave(k, PIPE_THREADS, smem))
+        nth = max(PIPE_THREADS, tpr)
+        stage = 2 * vpt * nth * 16
+        minb = 3 if nth <= 256 else 1  # blocks an SM each kernel is compiled for (layer_norm.cu)
+        stages = L.pipe_stages(PIPE_STAGES, stage, minb)
+        smem = stages * stage
+        k = L.with_smem(get_function(FAMILY, f"ln_bwdp_{_tag(x, gamma)}_{vpt}_{nth}x{minb}"), smem)
+        slots = nth // tpr
+        nparts = min(-(-rows // slots), L.wave(k, nth, smem))
         part = xp.empty((2 * nparts, C), dtype=np.float32)
         k((nparts,), (tpr, slots, 1), (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C),
-                                       np.bool_(w_vec)), shared_mem=smem)
+                                       np.int32(stages), np.bool_(w_vec)), shared_mem=smem)
     elif plan is not None:
         tpr, vpt, rpb = plan
         name = f"ln_bwd_{_tag(x, gamma)}_{vpt}{vs}"

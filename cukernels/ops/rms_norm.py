@@ -162,9 +162,11 @@ def _same_memory(a, b):
 
 
 # Pipelined backward (rms_bwd_pipe): threads per block by packs per thread. VPT <= 2: 512 threads (64
-# registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers). Two cp.async stages.
+# registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers). PIPE_STAGES: cp.async row groups in
+# flight a block (2..4; fewer where two blocks would not fit an SM) by element size: session 8 at 8192 x 2048,
+# bf16 2 stages (3 or 4: 6-8 % slower), fp32 3 (2-3 % faster than 2).
 PIPE_THREADS = {1: 512, 2: 512, 4: 256}
-PIPE_STAGES = 2
+PIPE_STAGES = {2: 2, 4: 3}
 
 
 @B.interop
@@ -223,14 +225,17 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
     if kind == "reg" and vec and vpt in PIPE_THREADS:
         # cp.async pipeline (rms_norm.cu, rms_bwd_pipe): the plan's threads per row, more row slots per block.
         nth = PIPE_THREADS[vpt]
-        smem = PIPE_STAGES * (3 if add else 2) * vpt * nth * 16
+        stage = (3 if add else 2) * vpt * nth * 16
+        stages = L.pipe_stages(PIPE_STAGES[x.itemsize], stage, 2)
+        smem = stages * stage
         k = L.with_smem(get_function(FAMILY, f"{'rms_addbwdp' if add else 'rms_bwdp'}_{tag}_{vpt}"), smem)
         slots = nth // tpr
         # A persistent grid of one wave: each block's partial dw row covers ~rows / (2 x SMs) rows.
         nparts = min(-(-rows // slots), L.wave(k, nth, smem))
         part = xp.empty((nparts, C), dtype=np.float32)
         k((nparts,), (tpr, slots, 1),
-          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)), shared_mem=smem)
+          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.int32(stages), np.bool_(w_vec)),
+          shared_mem=smem)
     elif kind == "reg":
         k = get_function(FAMILY, f"{'rms_addbwd' if add else 'rms_bwd'}_{tag}_{vpt}{vs}")
         block = (tpr, rpb, 1)

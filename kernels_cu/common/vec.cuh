@@ -34,6 +34,37 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(T* p, co
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
+// A pack to fp32 and back in the fewest instructions (issue 17, session 8: ncu found the bf16 norm backwards
+// issue-bound, ~37 instructions an element, a third of them in to_f32 / from_f32 on single elements). bf16 pairs
+// are read as 32-bit words: the low element is the word shifted left 16, the high one the word masked (one
+// instruction each, where a per-element to_f32 costs a byte permute and a shift), and stored with one
+// cvt.rn.bf16x2.f32 a pair (the same round-to-nearest-even as from_f32<bf16>, bit for bit).
+template <typename T, int E> __device__ __forceinline__ void unpack_f32(const Pack<T, E>& p, float (&f)[E]) {
+  if constexpr (sizeof(T) == 2 && E % 2 == 0) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&p);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) f[i] = to_f32(p.v[i]);
+  }
+}
+template <typename T, int E> __device__ __forceinline__ Pack<T, E> pack_f32(const float (&f)[E]) {
+  Pack<T, E> p;
+  if constexpr (sizeof(T) == 2 && E % 2 == 0) {
+    unsigned* w = reinterpret_cast<unsigned*>(&p);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) p.v[i] = from_f32<T>(f[i]);
+  }
+  return p;
+}
+
 // Load N consecutive elements of T (a different dtype from the activation's, e.g. an fp32 weight beside bf16
 // x) as fp32. Uses 16-byte accesses when N * sizeof(T) is a multiple of 16 and `vec` says p is aligned;
 // element loads otherwise.
