@@ -101,20 +101,29 @@ def _check_key_mask(key_mask, xp, Bsz, Tk):
     return np.int64(key_mask.strides[0] // isz), np.int32(isz)
 
 
+def gqa_shapes(q, k, v, head_dims, *, k_name="k", v_name="v", len_name="seq_k", d_hint=""):
+    """``(batch, q_len, heads, head_dim, k_len, kv_heads)`` of grouped-query attention operands laid out
+    [batch, len, heads, head_dim], checked: head_dim in ``head_dims``, k [batch, k_len, kv_heads, head_dim] with
+    kv_heads dividing the query heads, v shaped like k (errors name ``k_name`` / ``v_name``). Shared with
+    decode_attention (the KV cache)."""
+    Bsz, Tq, H, D = (int(s) for s in q.shape)
+    if D not in head_dims:
+        raise ValueError(f"q: head_dim must be one of {head_dims}; got {D}{d_hint}")
+    if k.shape[0] != Bsz or k.shape[3] != D:
+        raise ValueError(f"{k_name}: expected shape ({Bsz}, {len_name}, kv_heads, {D}) to match q {tuple(q.shape)}; "
+                         f"got {tuple(k.shape)}")
+    Tk, Hkv = int(k.shape[1]), int(k.shape[2])
+    B.check_shape(v_name, v, k.shape, f" (the shape of {k_name})")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"{k_name}: kv_heads ({Hkv}) must divide the query heads ({H})")
+    return Bsz, Tq, H, D, Tk, Hkv
+
+
 def _validate(q, k, v, causal, scale):
     _check_qkv("q", q, "[batch, seq_q, heads, head_dim]")
     _check_qkv("k", k, "[batch, seq_k, kv_heads, head_dim]")
     _check_qkv("v", v, "[batch, seq_k, kv_heads, head_dim]")
-    Bsz, Tq, H, D = (int(s) for s in q.shape)
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D} (use attn_softmax for other sizes)")
-    if k.shape[0] != Bsz or k.shape[3] != D:
-        raise ValueError(f"k: expected shape ({Bsz}, seq_k, kv_heads, {D}) to match q {tuple(q.shape)}; "
-                         f"got {tuple(k.shape)}")
-    Tk, Hkv = int(k.shape[1]), int(k.shape[2])
-    B.check_shape("v", v, k.shape, " (the shape of k)")
-    if Hkv < 1 or H % Hkv:
-        raise ValueError(f"k: kv_heads ({Hkv}) must divide the query heads ({H})")
+    Bsz, Tq, H, D, Tk, Hkv = gqa_shapes(q, k, v, HEAD_DIMS, d_hint=" (use attn_softmax for other sizes)")
     return Bsz, Tq, Tk, H, Hkv, D, B.check_bool("causal", causal), _check_scale(scale, D)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from .. import _backend as B
 from .._loader import get_function
 from . import _launch
+from .attention import gqa_shapes
 from .rope import check_tables
 
 FAMILY = "decode_attention"
@@ -97,16 +98,8 @@ def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
     _check_4d("q", q, "[batch, new_tokens, heads, head_dim]")
     _check_4d("k_cache", k_cache, "[batch, max_len, kv_heads, head_dim]")
     _check_4d("v_cache", v_cache, "[batch, max_len, kv_heads, head_dim]")
-    Bsz, Tq, H, D = (int(s) for s in q.shape)
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim must be one of {HEAD_DIMS}; got {D}")
-    if k_cache.shape[0] != Bsz or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache: expected shape ({Bsz}, max_len, kv_heads, {D}) to match q {tuple(q.shape)}; "
-                         f"got {tuple(k_cache.shape)}")
-    Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
-    B.check_shape("v_cache", v_cache, k_cache.shape, " (the shape of k_cache)")
-    if Hkv < 1 or H % Hkv:
-        raise ValueError(f"k_cache: kv_heads ({Hkv}) must divide the query heads ({H})")
+    Bsz, Tq, H, D, Lmax, Hkv = gqa_shapes(q, k_cache, v_cache, HEAD_DIMS, k_name="k_cache", v_name="v_cache",
+                                          len_name="max_len")
     if Lmax >= 2**31:
         raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
     _check_cache_len(cache_len, Lmax)
