@@ -368,3 +368,11 @@ if [ "$stage" = "s8d" ]; then  # session 8, call D (final): the whole GPU suite,
   timeout 100 python benchmarks/bench_train.py --model gpt2 --steps 10 --json "$out/bench_gpt2.json" 2>&1 \
     | grep -E "ms/step" | tee "$out/bench_gpt2.log"
 fi
+if [ "$stage" = "s8e" ]; then  # session 8, call E: layer_norm forward with one Chan merge a row; its tests, rows, GPT-2
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_layer_norm.py tests/test_gpt2.py \
+    tests/test_rms_norm.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only layer_norm --json "$out/bench_ops.json" \
+    > "$out/bench_ops.log" 2>&1; grep -E "layer_norm|copy" "$out/bench_ops.log" | head -12
+  timeout 80 python benchmarks/bench_train.py --model gpt2 --steps 10 2>&1 | grep -E "ms/step" | tee "$out/bench_gpt2.log"
+fi
