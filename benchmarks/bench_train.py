@@ -51,6 +51,7 @@ DIST = {"group": None}  # under the launcher (--nproc): the process group; the s
 ZERO_BUCKET = 1 << 25
 QUEUED = 6  # steps queued back to back for the "queued" figure (OurStep.run)
 ZERO_OVERLAP_GATHER = 1  # --nproc: the shadows' all-gathers under the next forward (ZeroAdamW overlap_gather)
+GRAD_BF16 = 0  # 1 GPU: AdamW's gradient buffers in bf16 (the bf16 GEMMs write them); --ab "__main__.GRAD_BF16=1"
 
 # GPT-2: the fused-softmax/LayerNorm write-up's switch, with everything else on (fused AdamW, shadows, graph).
 GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
@@ -283,7 +284,8 @@ class OurStep:
             emb = model.input_embedding().weight
             opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                  shadow_dtype=ck.bfloat16, no_decay={p.name for p in no_decay},
-                                 sparse={emb.name} if "sparse_emb" in f else None)
+                                 sparse={emb.name} if "sparse_emb" in f else None,
+                                 grad_dtype=ck.bfloat16 if GRAD_BF16 else np.float32)
             if "sparse_emb" in f:
                 opt.attach_sparse(emb)
         else:

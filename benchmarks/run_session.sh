@@ -376,3 +376,10 @@ if [ "$stage" = "s8e" ]; then  # session 8, call E: layer_norm forward with one 
     > "$out/bench_ops.log" 2>&1; grep -E "layer_norm|copy" "$out/bench_ops.log" | head -12
   timeout 80 python benchmarks/bench_train.py --model gpt2 --steps 10 2>&1 | grep -E "ms/step" | tee "$out/bench_gpt2.log"
 fi
+if [ "$stage" = "s8f" ]; then  # session 8, call F: bf16 gradient buffers (AdamW grad_dtype): GPU tests, the 1B step A/B
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_optim.py tests/test_trainer.py \
+    tests/test_graph.py tests/test_adam.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+  timeout 200 python benchmarks/bench_train.py --configs b4t64,b8t1024 --steps 10 --ab "__main__.GRAD_BF16=1" \
+    --json "$out/bench_llama.json" 2>&1 | grep -E "ms/step|Error|error" | tee "$out/bench_llama.log"
+fi

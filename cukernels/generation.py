@@ -24,6 +24,8 @@ from .io import hf_folder
 from .models import CausalLM, from_pretrained, model_class
 from .graph import CapturedStep
 from .nn import init_context
+from .nn import Attention
+from .ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from .ops.decode_attention import kv_cache_write
 from .ops import _launch
 from .ops.sampling import sample_tokens, sample_workspace
@@ -58,6 +60,15 @@ def sample(logits, *, temperature=1.0, top_k=None, rng=None):
     return np.minimum(out, lg.shape[-1] - 1)
 
 
+def _static_default(model, use_cache, on_gpu, autocast) -> bool:
+    """Whether generate() takes the static engine by default: a cache, the GPU, bf16 weights or bf16 autocast, and
+    every attention's head_dim one that ck.decode_attention takes (32, 64, 128; others decode on the dynamic
+    engine, which takes any)."""
+    bf16 = model.parameters()[0].dtype == bfloat16 or (autocast is not None and np.dtype(autocast) == bfloat16)
+    return bool(use_cache and on_gpu and bf16
+                and all(m.D in DECODE_HEAD_DIMS for m in model.modules() if isinstance(m, Attention)))
+
+
 def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
              seed=None, rng=None, use_cache=True, eos_token_id=None, autocast=None, on_token=None,
              attention_mask=None, static=None, graph=True, stats=None):
@@ -66,7 +77,7 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     Two engines:
 
     * **static** (default for a model on the GPU with bf16 weights, ``from_pretrained(..., dtype=ck.bfloat16)``,
-      or under bf16 autocast): a preallocated :class:`cukernels.nn.StaticKVCache`, the prompt once through the
+      or under bf16 autocast, whose attention head_dim is 32, 64 or 128): a preallocated :class:`cukernels.nn.StaticKVCache`, the prompt once through the
       fused attention (prefill), then one decode step per token -- projections, ``ck.kv_cache_write`` at the
       device length, ``ck.decode_attention`` (split-KV), the head and ``ck.sample_tokens`` on the device --
       captured as one CUDA graph (``graph=True``) and replayed per token. The host reads the tokens back at the
@@ -109,9 +120,7 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
             raise ValueError("attention_mask: expected left padding (each row's zeros first, then ones)")
     xp = _model_xp(model)
     if static is None:
-        static = (use_cache and xp is not np
-                  and (model.parameters()[0].dtype == bfloat16 or (autocast is not None and
-                                                                   np.dtype(autocast) == bfloat16)))
+        static = _static_default(model, use_cache, xp is not np, autocast)
     if (top_p is not None or repetition_penalty is not None) and not static:
         raise ValueError("top_p, repetition_penalty: sampled on the device by the static engine (a model on the GPU "
                          "with bf16 weights or bf16 autocast, use_cache=True)")

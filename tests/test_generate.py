@@ -23,6 +23,20 @@ def _model(xp=np, fused=False, seed=0, **kw):
     return ck.Llama(ck.LlamaConfig(**d), xp=xp, seed=seed, fused=fused)
 
 
+def test_static_engine_is_the_default_only_for_head_dims_decode_attention_takes():
+    """generate()'s default engine: static on the GPU for bf16 models whose attention head_dim ck.decode_attention
+    takes (32, 64, 128); a head_dim-16 model (hidden 64, 4 heads) decodes on the dynamic engine instead of
+    failing at the first token (session 8: the trainer's end-of-run sample of such a model on the GPU raised)."""
+    from cukernels.generation import _static_default
+
+    small, wide = _model(), _model(hidden_size=128, num_attention_heads=4)  # head_dim 16, 32
+    assert not _static_default(small, True, True, ck.bfloat16)
+    assert _static_default(wide, True, True, ck.bfloat16)
+    assert not _static_default(wide, True, False, ck.bfloat16)  # NumPy: always dynamic
+    assert not _static_default(wide, False, True, ck.bfloat16)  # use_cache=False: recompute
+    assert not _static_default(wide, True, True, None)  # fp32 weights, no autocast
+
+
 @pytest.mark.parametrize("B,tied", [(1, False), (2, True)])
 def test_kv_cache_greedy_equals_recompute(B, tied):
     m = _model(tie_word_embeddings=tied)

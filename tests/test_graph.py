@@ -15,10 +15,13 @@ OVR = ["device=gpu", "fused=true", "max_steps=8", "eval_every=0", "log_every=1",
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["autocast=bf16", "sparse_embedding=true"]], ids=["fp32", "bf16-sparse"])
+@pytest.mark.parametrize("extra", [[], ["autocast=bf16", "sparse_embedding=true"],
+                                   ["autocast=bf16", "sparse_embedding=true", "grad_dtype=bfloat16",
+                                    "total_batch_size=128"]], ids=["fp32", "bf16-sparse", "bf16-grads"])
 def test_graph_steps_equal_eager_steps(tmp_path, extra):
     """graph: true (capture after 2 warm-up steps, then replays with new batches copied into fixed buffers)
-    gives the same losses and grad norms as graph: false, step for step (2 micro-batches per step)."""
+    gives the same losses and grad norms as graph: false, step for step (2 micro-batches per step; one with bf16
+    gradient buffers)."""
     runs = {}
     for g in (False, True):
         cfg = load_config(CFG, OVR + extra + [f"graph={str(g).lower()}", f"out_dir={tmp_path / str(g)}"])

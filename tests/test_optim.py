@@ -74,6 +74,42 @@ def test_pairs_are_copied_and_viewed(rng):
     assert np.array_equal(a, a.copy())  # the caller's array is untouched
 
 
+@pytest.mark.parametrize("xp_name", ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_bf16_gradient_buffers_update_as_fp32_on_rounded_gradients(rng, xp_name):
+    """grad_dtype=bf16: the dense groups' gradient buffers are bf16 (the sparse table keeps fp32 rows), clipping
+    and the update read them, and the result is bit for bit the fp32-buffer optimizer fed the same gradients
+    rounded to bf16 (the update widens them in registers)."""
+    import importlib
+
+    xp = importlib.import_module(xp_name)
+    _, host = make_params(rng)
+    pa = [Param(n, xp.asarray(a)) for n, a in host.items()]
+    pb = [Param(n, xp.asarray(a)) for n, a in host.items()]
+    kw = dict(lr=2.0 ** -6, weight_decay=0.1, no_decay=NO_DECAY, sparse=SPARSE)
+    opt_a, opt_b = AdamW(pa, grad_dtype=ck.bfloat16, **kw), AdamW(pb, **kw)
+    assert [str(g.dtype) for g in opt_a.flat_grads] == ["bfloat16", "bfloat16", "float32"]
+    assert opt_a.grad("w1").dtype == BF16 and opt_a.grad("tok_emb").dtype == F32
+    for _ in range(3):
+        g = grads_for(rng)
+        for p, q in zip(pa, pb):
+            r = g[p.name] if p.name in SPARSE else g[p.name].astype(BF16).astype(F32)
+            p.grad[...] = xp.asarray(g[p.name]).astype(p.grad.dtype)
+            q.grad[...] = xp.asarray(r)
+        for opt in (opt_a, opt_b):
+            _, scale = opt.clip_grad_norm(1.0)
+            opt.step(grad_scale=scale)
+            opt.zero_grad()
+    for a, b in zip(pa, pb):
+        assert np.array_equal(to_host(a.data), to_host(b.data)), a.name
+
+
+def test_grad_dtype_must_be_fp32_or_bf16(rng):
+    params, _ = make_params(rng)
+    for bad in (np.float16, "nonsense", np.int32):
+        with pytest.raises(TypeError, match="grad_dtype: expected float32 or ck.bfloat16"):
+            AdamW(params, grad_dtype=bad)
+
+
 # ---------------------------------------------------------------- CPU: the update
 def run_reference(rng, nsteps=3, *, clip=None):
     """Optimizer on the NumPy path, and the float64 textbook per parameter; returns both and the optimizer."""

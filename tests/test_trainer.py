@@ -69,6 +69,22 @@ def test_composite_path_with_grad_accumulation(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "log.csv"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_bf16_gradients_track_fp32_gradients(tmp_path, device):
+    """grad_dtype: bfloat16 (autocast, one micro-batch): the same run as fp32 gradient buffers within bf16
+    rounding of the weight gradients; two micro-batches a step are refused (they would round each)."""
+    base = ["autocast=bf16", "sparse_embedding=true", "total_batch_size=256", "max_steps=8", f"device={device}",
+            "sample_chars=0"]
+    runs = {}
+    for gd in ("float32", "bfloat16"):
+        tr, _ = _run(tmp_path / gd, base + [f"grad_dtype={gd}"])
+        runs[gd] = np.array([(r["loss"], r["grad_norm"]) for r in tr])
+    np.testing.assert_allclose(runs["bfloat16"], runs["float32"], rtol=2e-3)
+    assert not np.array_equal(runs["bfloat16"], runs["float32"])  # the buffers did change precision
+    with pytest.raises(ck.train.ConfigError, match="grad_dtype: bfloat16 needs one micro-batch a step"):
+        load_config(CFG("tiny"), SMALL + base[:2] + ["grad_dtype=bfloat16", "total_batch_size=512"])
+
+
 @pytest.mark.parametrize("override,match", [
     ("max_step=5", r"max_step: unknown config key \(did you mean 'max_steps'\?\)"),
     ("model.num_layers=3", r"model.num_layers: unknown key for model.type llama \(did you mean 'num_hidden_layers'\?\)"),
@@ -85,6 +101,8 @@ def test_composite_path_with_grad_accumulation(tmp_path):
     ("model.type=gpt9", "model.type: expected one of"),
     ("model.hidden_size=15", "model: .*hidden_size \\(15\\) must be a multiple"),
     ("total_batch_size=100", "total_batch_size: 100 is not a multiple of batch_size \\* seq_len"),
+    ("grad_dtype=bfloat16", "grad_dtype: bfloat16 needs autocast: bf16"),
+    ("grad_dtype=float16", r"grad_dtype: expected one of \['float32', 'bfloat16'\]"),
     ("nokey", "expected key=value"),
 ])
 def test_config_errors_name_the_key(override, match):

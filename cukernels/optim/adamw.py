@@ -124,6 +124,13 @@ class AdamW:
         sparse: names or ``callable(name, array) -> bool`` of 2-D parameters updated on listed rows only
             (lazy Adam, see :func:`cukernels.adam_step_rows`) once rows are registered with :meth:`set_rows`;
             without registered rows they get the dense update.
+        grad_dtype: float32 (default) or ``ck.bfloat16``: the dtype of the dense groups' gradient buffers (sparse
+            parameters keep fp32 rows). bf16 is what bf16 autocast produces anyway -- a weight-gradient GEMM of
+            bf16 operands rounded once to bf16 (PyTorch's autocast casts that bf16 result up to its fp32 .grad) --
+            written straight into the buffer, and it halves the gradient's bytes: the GEMM's write, the norm's
+            and the update's reads (issue 17: ~7.4 GB a LLaMA-1B step, NOTES.md). Every further write to a
+            parameter's gradient in the same step (gradient accumulation, a tied weight's second use) rounds to
+            bf16 again: use it with one micro-batch.
 
     Example::
 
@@ -134,13 +141,20 @@ class AdamW:
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 shadow_dtype=B.bfloat16, no_decay=None, sparse=None):
+                 shadow_dtype=B.bfloat16, no_decay=None, sparse=None, grad_dtype=np.float32):
         beta1, beta2 = betas
         _A._hyper(beta1, beta2, eps, weight_decay)
         if not (_A._is_number(lr) and np.isfinite(lr)):
             raise ValueError(f"lr: expected a finite number; got {lr!r}")
         if shadow_dtype is not None and np.dtype(shadow_dtype) != B.bfloat16:
             raise TypeError(f"shadow_dtype: expected ck.bfloat16 or None; got {np.dtype(shadow_dtype)}")
+        try:
+            gdt = np.dtype(grad_dtype)
+        except TypeError:
+            gdt = None
+        if gdt not in (np.dtype(np.float32), np.dtype(B.bfloat16)):
+            raise TypeError(f"grad_dtype: expected float32 or ck.bfloat16; got {grad_dtype!r}")
+        self.grad_dtype = gdt
         self.betas = (float(beta1), float(beta2))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.shadow_dtype = None if shadow_dtype is None else B.bfloat16
@@ -217,7 +231,7 @@ class AdamW:
             for (_, _, a), off in zip(items, offsets):
                 g.P[off:off + a.size] = a.reshape(-1)
             zeros = lambda dt: xp.zeros((total,), dtype=dt)  # noqa: E731
-        g.G, g.M, g.V = zeros(np.float32), zeros(np.float32), zeros(np.float32)
+        g.G, g.M, g.V = zeros(np.float32 if sparse else self.grad_dtype), zeros(np.float32), zeros(np.float32)
         g.S = g.P.astype(B.bfloat16) if self.shadow_dtype is not None else None
         for (name, obj, a), off in zip(items, offsets):
             s = _Slot()

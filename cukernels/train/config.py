@@ -96,6 +96,9 @@ SCHEMA = {
     "betas": Key([0.9, 0.95], "AdamW betas, each in [0, 1)", "betas"),
     "eps": Key(1e-8, "AdamW epsilon", "float", check=_gt(0)),
     "grad_clip": Key(1.0, "clip the global gradient norm to this (0: no clipping)", "float", check=_ge(0)),
+    "grad_dtype": Key("float32", "gradient buffers: float32, or bfloat16 under autocast (the weight-gradient GEMMs "
+                                 "write bf16, as autocast's do; half the gradient bytes; one micro-batch a step, "
+                                 "one GPU)", "choice", ("float32", "bfloat16")),
     "eval_every": Key(50, "validation loss every N steps and at the end (0: never)", "int", check=_ge(0)),
     "eval_steps": Key(4, "validation batches per evaluation", "int", check=_gt(0)),
     "log_every": Key(10, "log a train line every N steps", "int", check=_gt(0)),
@@ -244,6 +247,13 @@ def validate(cfg: dict) -> dict:
     tbs = out["total_batch_size"]
     if tbs is not None and tbs % (B * T):
         raise ConfigError(f"total_batch_size: {tbs} is not a multiple of batch_size * seq_len = {B * T}")
+    if out["grad_dtype"] == "bfloat16":
+        if out["autocast"] != "bf16" or not out["fused"]:
+            raise ConfigError("grad_dtype: bfloat16 needs autocast: bf16 and fused: true (bf16 weight gradients "
+                              "come from the bf16 GEMMs into the fused optimizer's buffers)")
+        if tbs is not None and tbs != B * T:
+            raise ConfigError(f"grad_dtype: bfloat16 needs one micro-batch a step (total_batch_size = batch_size * "
+                              f"seq_len = {B * T}; got {tbs}): accumulating in bf16 would round every micro-batch")
     return out
 
 

@@ -51,6 +51,7 @@ from ..optim import AdamW, CompositeAdamW, WarmupCosine
 from ..optim.zero import ZeroAdamW, consolidate_state
 from . import ckpt_files as CF
 from .config import RESUME_FREE, ZERO_RESUME_FREE, ConfigError, check_world, save_yaml
+from .config import defaults as config_defaults
 from .console import Console, Logger
 
 
@@ -200,6 +201,9 @@ def make_zero_optimizer(cfg, model, xp, group):
     if not cfg["fused"]:
         raise SystemExit("distributed: needs fused: true (ZeroAdamW shards the fused optimizer's flat buffers; the "
                          "composite optimizer keeps one process's state)")
+    if cfg.get("grad_dtype") == "bfloat16":
+        raise SystemExit("grad_dtype: bfloat16 is one GPU only (ZeroAdamW keeps fp32 gradient buckets and puts "
+                         "them on the wire in zero.wire_dtype); set grad_dtype: float32 with distributed")
     named = list(model.named_parameters())
     no_decay = {n for n, p in named if p.ndim < 2}
     params = [p for _, p in named]
@@ -232,7 +236,8 @@ def make_optimizer(cfg, model, xp):
     if not cfg["fused"]:
         return CompositeAdamW(params, **kw), False
     sparse = {n for n, p in named if getattr(p, "_sparse_rows", False)}
-    opt = AdamW(params, shadow_dtype=B.bfloat16 if cfg["autocast"] else None, sparse=sparse or None, **kw)
+    opt = AdamW(params, shadow_dtype=B.bfloat16 if cfg["autocast"] else None, sparse=sparse or None,
+                grad_dtype=B.bfloat16 if cfg.get("grad_dtype") == "bfloat16" else np.float32, **kw)
     for n in sparse:
         opt.attach_sparse(n)  # the embedding backward lists touched rows; Adam updates only those
     if cfg["autocast"]:
@@ -514,7 +519,10 @@ def read_resume(path, cfg, run, say):
         mom = {f"{n}/{k}": _Like(a) for n, s in C.optimizer_state(arrays, meta)["state"].items()
                for k, a in s.items()}
         C.check_compatible(path, mom, want, "optimizer")
-    saved = meta.get("config", {})
+    saved = dict(meta.get("config", {}))
+    for k, v in config_defaults().items():  # a scalar key newer than the checkpoint had its default there
+        if not isinstance(v, dict):
+            saved.setdefault(k, v)
     changed = sorted(k for k in set(saved) | set(cfg) if k not in RESUME_FREE and k != "zero"
                      and saved.get(k) != cfg.get(k))
     sz, cz = saved.get("zero") or {}, cfg.get("zero") or {}
