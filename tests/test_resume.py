@@ -121,6 +121,21 @@ def test_mismatched_checkpoint_is_refused(tmp_path, one_ckpt):
         _resume(tmp_path, other)
 
 
+def test_keys_newer_than_the_checkpoint_resume_at_their_defaults(tmp_path, one_ckpt, capsys):
+    """A checkpoint written before a config key existed (grad_dtype, session 8) resumes without a warning when the
+    run keeps that key's default; a key whose value changed is still named."""
+    arrays, meta = C.load(one_ckpt)
+    meta = dict(meta, config={k: v for k, v in meta["config"].items() if k != "grad_dtype"})
+    old = C.save(tmp_path / "old" / "step_00000002.ckpt", dict(arrays), meta)
+    capsys.readouterr()
+    same = ["fused=false", "max_steps=2", f"resume={old}"]
+    trainer.train(_cfg(tmp_path / "again", same), quiet=False)
+    assert "with a different" not in capsys.readouterr().out
+    trainer.train(_cfg(tmp_path / "again2", same + ["grad_clip=0.5"]), quiet=False)
+    out = capsys.readouterr().out
+    assert "with a different grad_clip (1.0 -> 0.5)" in out and "grad_dtype" not in out, out
+
+
 def test_cli_resume_latest_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     rc = cli.main(["--config", os.path.join(ROOT, "examples", "configs", "tiny.yaml"), "--resume", "latest",
                    f"out_dir={tmp_path}", "fused=false"])
