@@ -1,6 +1,6 @@
-"""rms_norm / layer_norm backward on the pipelined kernels: pipeline depths and block sizes at 8192 x 2048, then a row sweep of the defaults that splits each call into a fixed cost and a streaming rate
-(t = a + bytes / bw, least squares), so the % of copy at 8192 x 2048 can be read against what the kernel
-streams at. GPU only.
+"""rms_norm / layer_norm backward on the pipelined kernels: pipeline depths and block sizes at 8192 x 2048, then
+a row sweep of the defaults that splits each call into a fixed cost and a streaming rate (t = a + bytes / bw,
+least squares), so the % of copy at 8192 x 2048 can be read against what the kernel streams at. GPU only.
 
     PYTHONPATH=. python benchmarks/tune_norm_backward.py [--quick]
 """

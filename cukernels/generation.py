@@ -77,12 +77,13 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     Two engines:
 
     * **static** (default for a model on the GPU with bf16 weights, ``from_pretrained(..., dtype=ck.bfloat16)``,
-      or under bf16 autocast, whose attention head_dim is 32, 64 or 128): a preallocated :class:`cukernels.nn.StaticKVCache`, the prompt once through the
-      fused attention (prefill), then one decode step per token -- projections, ``ck.kv_cache_write`` at the
-      device length, ``ck.decode_attention`` (split-KV), the head and ``ck.sample_tokens`` on the device --
-      captured as one CUDA graph (``graph=True``) and replayed per token. The host reads the tokens back at the
-      end (or every token when ``on_token`` streams them). Samples are reproducible by ``seed`` (Philox on the
-      device: the same seed, prompt and weights give the same tokens).
+      or under bf16 autocast, whose attention head_dim is 32, 64 or 128): a preallocated
+      :class:`cukernels.nn.StaticKVCache`, the prompt once through the fused attention (prefill), then one decode
+      step per token -- projections, ``ck.kv_cache_write`` at the device length, ``ck.decode_attention``
+      (split-KV), the head and ``ck.sample_tokens`` on the device -- captured as one CUDA graph (``graph=True``)
+      and replayed per token. The host reads the tokens back at the end (or every token when ``on_token`` streams
+      them). Samples are reproducible by ``seed`` (Philox on the device: the same seed, prompt and weights give
+      the same tokens).
     * **dynamic**: a growing :class:`cukernels.nn.KVCache` (or ``use_cache=False``: recompute everything, the
       reference), logits read to the host and sampled there with a NumPy ``Generator`` (``seed`` / ``rng``);
       works on NumPy and CuPy, any dtype.

@@ -32,7 +32,7 @@
 //   partials, written and re-read through L2 (4 % of the fp32 backward's bytes, 8 % of bf16's).
 //   The loop kernel accumulates into its (memset-zeroed) partial rows instead, one block per SM.
 // - Issue 17: on the 16-byte path with >= 32 threads a row the launcher takes ln_bwd_pipe instead of
-//   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, two per SM: 2 x 264 partial rows).
+//   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, three per SM: 2 x 396 partial rows).
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 #include "common/pipe.cuh"
@@ -258,7 +258,7 @@ __device__ __forceinline__ void ln_bwd_reg(const T* __restrict__ dy, const T* __
 // Here each thread copies its own packs of x and dy for the next nstages - 1 row groups (a kernel argument,
 // 2..4) into shared memory with cp.async while it computes the current one; packs are read back from shared
 // memory (twice) instead of being held in registers. Blocks of NTH threads (512: one per SM at ~96 registers;
-// 256: two per SM, so one block's barriers overlap the other's work).
+// 256: three per SM, so one block's barriers overlap the others' work).
 // A thread reads back only the packs it copied itself: no barrier per stage (see rms_norm.cu, rms_bwd_pipe).
 // Stage layout: [tensor][k][thread] 16-byte packs (no bank conflicts).
 // The row's mean and rstd are loaded one group ahead (session 8: loaded after the wait they cost one exposed
@@ -543,9 +543,9 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
 // ln_bwdp_<x>_<param>_<VPT>_<threads>x<blocks per SM>.
 #define LN_PIPE(T, W, TN, WN, VPT, NTH, MINB)                                                                   \
   extern "C" __global__ void __launch_bounds__(NTH, MINB)                                                      \
-      ln_bwdp_##TN##_##WN##_##VPT##_##NTH##x##MINB(const T* dy, const T* x, const W* gamma, const float* mean,          \
-                                          const float* rstd, T* dx, float* part, long long rows, int C,       \
-                                          int nstages, bool w_vec) {                                          \
+      ln_bwdp_##TN##_##WN##_##VPT##_##NTH##x##MINB(const T* dy, const T* x, const W* gamma, const float* mean, \
+                                                   const float* rstd, T* dx, float* part, long long rows,     \
+                                                   int C, int nstages, bool w_vec) {                          \
     ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, nstages, w_vec);                       \
   }
 #define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN) \

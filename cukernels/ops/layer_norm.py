@@ -114,8 +114,9 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
 
 # Pipelined backward (ln_bwd_pipe): PIPE_THREADS threads a block (256: three blocks an SM, 3 x SMs partial rows;
 # 512: one; a row of 512 threads takes 512), PIPE_STAGES cp.async row groups in flight a block (2..4, fewer where
-# the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster than 3, 4 slower). Rows of fewer than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up
-# to 512 row slots a block, the final in-order combine of the slots' dgamma/dbeta would be a long serial loop.
+# the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster than 3, 4 slower). Rows of fewer
+# than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up to 512 row slots a block,
+# the final in-order combine of the slots' dgamma/dbeta would be a long serial loop.
 PIPE_THREADS = 256
 PIPE_STAGES = 2
 PIPE_MIN_TPR = 32

@@ -34,8 +34,9 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(T* p, co
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
-// A pack to fp32 and back in the fewest instructions (issue 17, session 8: ncu found the bf16 norm backwards
-// issue-bound, ~37 instructions an element, a third of them in to_f32 / from_f32 on single elements). bf16 pairs
+// A pack to fp32 and back in the fewest instructions (issue 17, session 8: ncu counted ~37 instructions an element
+// in the bf16 norm backwards, many of them to_f32 / from_f32 on single elements; with these and the other
+// session 8 changes 32 an element, though the kernel time did not move: it was not issue-bound). bf16 pairs
 // are read as 32-bit words: the low element is the word shifted left 16, the high one the word masked (one
 // instruction each, where a per-element to_f32 costs a byte permute and a shift), and stored with one
 // cvt.rn.bf16x2.f32 a pair (the same round-to-nearest-even as from_f32<bf16>, bit for bit).
@@ -57,7 +58,8 @@ template <typename T, int E> __device__ __forceinline__ Pack<T, E> pack_f32(cons
   if constexpr (sizeof(T) == 2 && E % 2 == 0) {
     unsigned* w = reinterpret_cast<unsigned*>(&p);
 #pragma unroll
-    for (int i = 0; i < E / 2; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
+    for (int i = 0; i < E / 2; ++i)
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
   } else {
 #pragma unroll
     for (int i = 0; i < E; ++i) p.v[i] = from_f32<T>(f[i]);
