@@ -196,6 +196,24 @@ def test_reference_accumulate_out_buffers_and_eval(rng):
     np.testing.assert_allclose(dw3, 2 * dw, rtol=1e-6)
 
 
+def test_reference_bf16_grad_weight_is_one_chunk_rounded_once(rng):
+    """A bf16 grad_weight (an optimizer's bf16 gradient) takes the single chunk's fp32 dW rounded once; a call
+    of several chunks, or accumulate, would round per chunk and is refused with the fix named."""
+    x, w, t = _case(rng, 12, 8, 30, ck.bfloat16)
+    _, _, dw = linear_cross_entropy(x, w, t)
+    gw = np.full((30, 8), np.nan, ck.bfloat16)
+    _, _, got = linear_cross_entropy(x, w, t, grad_weight=gw)
+    assert got is gw
+    np.testing.assert_array_equal(gw.view(np.uint16), dw.astype(ck.bfloat16).view(np.uint16))
+    with pytest.raises(ValueError, match=r"grad_weight: a bfloat16 buffer takes dW from a single chunk \(N = 12 "
+                                         r"rows, chunks of 5\).*pass a float32 buffer"):
+        linear_cross_entropy(x, w, t, grad_weight=gw, chunk_rows=5)
+    with pytest.raises(ValueError, match="without accumulate"):
+        linear_cross_entropy(x, w, t, grad_weight=gw, accumulate=True)
+    with pytest.raises(TypeError, match="grad_weight"):
+        linear_cross_entropy(x, w, t, grad_weight=np.zeros((30, 8), np.float16))
+
+
 def test_reference_int64_targets_ignore_index_in_range_and_empty(rng):
     x, w, t = _case(rng, 7, 3, 6, np.float32, ignore_frac=0.0, idt=np.int64)
     t[[1, 4]] = 0
@@ -286,7 +304,7 @@ def _bad(**kw):
         (_bad(reduction="avg"), ValueError, "reduction"),
         (_bad(label_smoothing=1.5), ValueError, "label_smoothing"),
         (_bad(label_smoothing="a"), TypeError, "label_smoothing"),
-        (_bad(grad_weight=np.zeros((5, 4), ck.bfloat16)), TypeError, "grad_weight: expected dtype float32"),
+        (_bad(grad_weight=np.zeros((5, 4), np.float16)), TypeError, "grad_weight: expected dtype float32"),
         (_bad(grad_weight=np.zeros((4, 5), np.float32)), ValueError, r"grad_weight: expected shape \(5, 4\)"),
         (_bad(grad_weight=np.zeros((4, 5), np.float32).T), ValueError, "grad_weight: expected a C-contiguous"),
         (_bad(accumulate=True), ValueError, "grad_weight: required when accumulate=True"),
@@ -419,6 +437,22 @@ def test_gpu_accumulate_adds_into_grad_weight(rng, dtype):
     assert dw is gw
     gr, ga = GRAD_TOL[np.dtype(dtype)]
     _close(gw, g0 + dw_ref, gr, ga, "g0 + dW")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, V", [(256, 2000), (37, 4099)])
+def test_gpu_bf16_grad_weight_single_chunk(rng, N, V):
+    """bf16 grad_weight, one chunk, poisoned: the fp32 dW rounded once, within a bf16 ulp of the rounded
+    reference (cuBLAS may pick another kernel, i.e. another summation order, for a bf16 output)."""
+    H = 64
+    x, w, t = _case(rng, N, H, V, ck.bfloat16)
+    _, _, dw_ref = linear_cross_entropy(x, w, t)
+    gw = poisoned((V, H), ck.bfloat16)
+    _, _, dw = linear_cross_entropy(device_copy(x), device_copy(w), device_copy(t), grad_weight=gw)
+    assert dw is gw
+    got = to_host(gw).astype(np.float32)
+    assert np.isfinite(got).all()
+    _close(got, dw_ref, *GRAD_TOL[np.dtype(ck.bfloat16)], "bf16 dW")
 
 
 @pytest.mark.gpu

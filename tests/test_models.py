@@ -265,6 +265,35 @@ def test_fused_head_loss_with_lazy_zero_and_accumulation(rng, which):
     _assert_grads_equal(g12, r12, what=f"{which} accumulated")
 
 
+@pytest.mark.parametrize("which", ["llama-untied", "gpt2-tied"])
+def test_fused_head_loss_writes_a_bf16_grad_directly(rng, which, monkeypatch):
+    """AdamW(grad_dtype=bf16), lazy zero: the head's dW (one chunk) goes straight into the bf16 .grad, the fp32
+    dW rounded once -- bit-identical to rounding the fp32 path's head gradient when untied; a tied table then adds
+    its rows (one more rounding). A second micro-batch falls back to an fp32 dW added by the autograd."""
+    ids, tgt = _batch(rng, _head_model(which))
+    _, ref = _loss_and_grads(_head_model(which), ids, tgt, False)
+    m = _head_model(which)
+    opt = ck.optim.AdamW(m.parameters(), lr=0.0, shadow_dtype=None, grad_dtype=ck.bfloat16)
+    head = m.output_weight()[1]
+    buf = head.grad
+    buf[...] = np.nan  # stale garbage a lazy zero must never read
+    opt.zero_grad(lazy=True)
+    from cukernels.functional import loss_ops
+    seen, lce = [], loss_ops._lce
+    monkeypatch.setattr(loss_ops, "_lce", lambda *a, grad_weight=None, **k: (seen.append(grad_weight),
+                                                                             lce(*a, grad_weight=grad_weight, **k))[1])
+    _, got = _loss_and_grads(m, ids, tgt, True, expect=LinearCrossEntropyF)
+    assert head.grad is buf and buf.dtype == np.dtype(ck.bfloat16) and seen[-1] is buf
+    if which == "llama-untied":
+        want = ref[head.name].astype(np.float32).astype(ck.bfloat16).astype(np.float64)
+        np.testing.assert_array_equal(got[head.name], want)
+    _assert_grads_equal(got, ref, rtol=2**-7, atol=2**-8, what=which)
+    _, got2 = _loss_and_grads(m, ids, tgt, True, expect=LinearCrossEntropyF)  # .grad not stale: adds
+    assert seen[-1] is None  # a fresh fp32 dW
+    np.testing.assert_allclose(got2[head.name], 2 * ref[head.name], rtol=2**-6,
+                               atol=2**-7 * np.abs(ref[head.name]).max())
+
+
 @pytest.mark.parametrize("which", ["llama-tied", "gpt2-untied"])
 def test_fused_head_loss_scaled_backward(rng, which):
     """loss * s: dx and dW scaled when dW is the buffer's first write of the step (or a fresh array); on top of an

@@ -17,8 +17,10 @@ done in the FORWARD of this Function:
   added to earlier content (gradient accumulation, a non-lazy zero_grad) dW cannot be rescaled and the
   backward raises RuntimeError saying what to do (the trainer calls ``loss.backward()`` unscaled and folds
   1 / accumulation into the optimizer's ``grad_scale``).
-* Without a usable ``.grad`` buffer (none yet, a bf16 one, a non-leaf weight) dW is a fresh fp32 array,
-  returned by ``backward`` like any gradient.
+* A bf16 ``.grad`` (``grad_dtype=ck.bfloat16``) is written the same way when this is its first write of the step
+  and the rows fit one chunk (B4xT64 at the LLaMA shape: 256 rows; the GEMM's fp32 sum is rounded once);
+  otherwise, and without a usable ``.grad`` buffer (none yet, a non-leaf weight), dW is a fresh fp32 array,
+  returned by ``backward`` like any gradient (and added into a bf16 ``.grad`` by the autograd).
 
 Consequences for callers: the head weight's ``.grad`` changes during the forward, so a loss computed with
 gradients enabled should be back-propagated (compute it under ``no_grad()`` otherwise: then no gradient is
@@ -34,6 +36,7 @@ import numpy as np
 
 from .. import _backend as B
 from ..autograd import Function, _xp
+from ..ops.linear_cross_entropy import chunk_rows_for
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce
 from .array_ops import _data, _padded_weight
 
@@ -73,9 +76,15 @@ class LinearCrossEntropyF(Function):
         buf, acc = None, False
         if need_w:
             cand = ctx.leaf_grad(1)
-            if (cand is not None and cand.dtype == np.float32 and cand.flags.c_contiguous
-                    and B._kind(cand) is xp and tuple(cand.shape) == tuple(w.shape)):
-                buf, acc = ctx.leaf_grad_write(1)  # clears grad_stale: later writers of a tied weight add
+            if (cand is not None and cand.flags.c_contiguous and B._kind(cand) is xp
+                    and tuple(cand.shape) == tuple(w.shape)):
+                if cand.dtype == np.float32:
+                    buf, acc = ctx.leaf_grad_write(1)  # clears grad_stale: later writers of a tied weight add
+                elif (cand.dtype == B.bfloat16 and ctx.inputs[1].grad_stale
+                      and x2.shape[0] <= chunk_rows_for(x2.shape[0], wl.shape[0], x2.itemsize)):
+                    # a bf16 .grad (grad_dtype=bf16): its first write of the step, in one chunk -> the dW GEMM
+                    # writes the rounded sum straight into it (no fp32 [V, H] temporary, no add pass)
+                    buf, acc = ctx.leaf_grad_write(1)
         loss, dx, dw = _lce(x2, wl, t, grad_weight=buf, accumulate=acc, **kw)
         ctx.dx = dx if need_x else None
         if need_w:

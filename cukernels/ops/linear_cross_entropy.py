@@ -146,7 +146,8 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
         if accumulate:
             raise ValueError("accumulate: True, but compute_grad=False computes no gradients")
     if grad_weight is not None:
-        B.check_out("grad_weight", grad_weight, (V, H), np.float32)
+        B.check_out("grad_weight", grad_weight, (V, H), grad_weight.dtype if grad_weight.dtype == B.bfloat16
+                    else np.float32)
     elif accumulate:
         raise ValueError("grad_weight: required when accumulate=True (the weight gradient is added into it)")
     if grad_input is not None:
@@ -185,6 +186,8 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         ignore_index, reduction ("mean" | "sum" | "none"), label_smoothing: as in ``ck.cross_entropy``.
         grad_weight: optional ``[V, H]`` float32 C-contiguous buffer for dW (e.g. the master weight's fp32
             gradient): overwritten, or added into with ``accumulate=True``. Default: a new float32 array.
+            A bfloat16 buffer (an optimizer's bf16 gradient) takes a single chunk's dW, the GEMM's fp32 sum
+            rounded once, without ``accumulate`` (ValueError otherwise: each chunk would round again).
         accumulate: add dW into ``grad_weight`` (GEMM beta = 1) instead of overwriting it.
         compute_grad: False computes the loss only (evaluation): no dlogits, dx or dW, no gradient buffers.
         chunk_rows: rows per chunk (positive int); default :func:`chunk_rows_for` (<= 512 MiB of logits).
@@ -200,7 +203,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
 
     Returns:
         ``(loss, dx, dweight)``: loss a 0-d float32 array ("mean"/"sum") or float32 ``[N]`` ("none"); dx
-        ``[N, H]`` in x's dtype; dweight float32 ``[V, H]`` (``grad_weight`` when given). With
+        ``[N, H]`` in x's dtype; dweight float32 ``[V, H]`` (``grad_weight`` when given, in its dtype). With
         ``compute_grad=False``: ``(loss, None, None)``.
 
     Example::
@@ -215,6 +218,10 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         chunk_rows, grad_input, error, num_classes)
     dscalar, darr = _check_dloss(xp, dloss)
     C = min(chunk_rows, N) if chunk_rows is not None else chunk_rows_for(N, Vw, x.itemsize)
+    if grad_weight is not None and grad_weight.dtype == B.bfloat16 and (accumulate or N > C):
+        # dW is one GEMM's fp32 sum rounded once only when the call is a single chunk and overwrites
+        raise ValueError(f"grad_weight: a bfloat16 buffer takes dW from a single chunk (N = {N} rows, chunks of "
+                         f"{C}) without accumulate; pass a float32 buffer (or chunk_rows >= N)")
     if xp is np:
         # The padding rows take no part in the math (their logits are not read, their dlogits are 0).
         return _reference(x, weight[:V], targets, N, V, ig, eps, reduction, darr if darr is not None else dscalar,
@@ -231,7 +238,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
     dx = dw = None
     if compute_grad:
         dx = B.empty(xp, (N, H), x.dtype, grad_input, name="grad_input")
-        dw = B.empty(xp, (V, H), np.float32, grad_weight, name="grad_weight")
+        dw = grad_weight if grad_weight is not None else xp.empty((V, H), dtype=np.float32)
         if N == 0 and not accumulate:
             B.zero_(dw)  # no chunk writes it
     if N:
@@ -290,7 +297,7 @@ def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight,
     dx = dw = None
     if compute_grad:
         dx = B.empty(np, (N, H), x.dtype, grad_input, name="grad_input")
-        dw = B.empty(np, (V, H), np.float32, grad_weight, name="grad_weight")
+        dw = grad_weight if grad_weight is not None else np.empty((V, H), dtype=np.float32)
         if not accumulate:
             dw[...] = 0.0
     for c0 in range(0, N, max(C, 1)):
