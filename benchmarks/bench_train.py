@@ -51,7 +51,8 @@ DIST = {"group": None}  # under the launcher (--nproc): the process group; the s
 ZERO_BUCKET = 1 << 25
 QUEUED = 6  # steps queued back to back for the "queued" figure (OurStep.run)
 ZERO_OVERLAP_GATHER = 1  # --nproc: the shadows' all-gathers under the next forward (ZeroAdamW overlap_gather)
-GRAD_BF16 = 0  # 1 GPU: AdamW's gradient buffers in bf16 (the bf16 GEMMs write them); --ab "__main__.GRAD_BF16=1"
+SPARSE_EXCHANGE = 1  # --nproc: the sparse embedding's rows exchanged + lazy update (0: dense reduce-scatter + update)
+GRAD_BF16 = 0  # (Zero)AdamW's gradient buffers in bf16 (the bf16 GEMMs write them); --ab "__main__.GRAD_BF16=1"
 
 # GPT-2: the fused-softmax/LayerNorm write-up's switch, with everything else on (fused AdamW, shadows, graph).
 GPT2_ROWS = [("unfused: composite LayerNorm / attention softmax / GELU / cross-entropy", ["adam", "shadow", "graph"]),
@@ -275,7 +276,9 @@ class OurStep:
                                      sparse={emb.name} if "sparse_emb" in f else None,
                                      wire_dtype=ck.bfloat16 if DIST.get("wire", "bf16") == "bf16" else np.float32,
                                      bucket_elems=ZERO_BUCKET, sm_margin=DIST.get("sm_margin", 0),
-                                     overlap_gather=bool(ZERO_OVERLAP_GATHER))
+                                     overlap_gather=bool(ZERO_OVERLAP_GATHER),
+                                     grad_dtype=ck.bfloat16 if GRAD_BF16 and accum == 1 else np.float32,
+                                     sparse_rows=B * T * accum if "sparse_emb" in f and SPARSE_EXCHANGE else None)
             if "sparse_emb" in f:
                 opt.attach_sparse(emb)
             opt.broadcast_params(0)

@@ -10,7 +10,7 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
 stage=${1:-tests}; shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-case "$stage" in s6g|s7*|s8*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
+case "$stage" in s6g|s7*|s8*|s9*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
 # the families a training step uses (no gemv: its ~100 s compile is the long pole)
 TRAIN_FAMS="['adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations','softmax','layer_norm','dropout']"
 case "$stage" in
@@ -382,4 +382,27 @@ if [ "$stage" = "s8f" ]; then  # session 8, call F: bf16 gradient buffers (AdamW
     tests/test_graph.py tests/test_adam.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
   timeout 200 python benchmarks/bench_train.py --configs b4t64,b8t1024 --steps 10 --ab "__main__.GRAD_BF16=1" \
     --json "$out/bench_llama.json" 2>&1 | grep -E "ms/step|Error|error" | tee "$out/bench_llama.log"
+fi
+if [ "$stage" = "s9a" ]; then  # session 9, call A (2-GPU machine): the step benches, 1 GPU and 2 GPUs, A/B rows
+  python -c "from cukernels import _loader; _loader.precompile($TRAIN_FAMS)"
+  timeout 90 python -m pytest -m gpu -q -p no:cacheprovider -n 4 tests/test_embedding.py tests/test_linear_cross_entropy.py \
+    -k "pack or bf16_grad" 2>&1 | tail -n 15 | tee "$out/new_tests.log"
+  timeout 200 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --ab "__main__.GRAD_BF16=1" \
+    --json "$out/bench_1gpu.json" > "$out/bench_1gpu.log" 2>&1; grep -E "ms/step|Error" "$out/bench_1gpu.log"
+  timeout 330 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --nproc 2 \
+    --ab "__main__.SPARSE_EXCHANGE=0;__main__.GRAD_BF16=1;__main__.GRAD_BF16=1,__main__.SPARSE_EXCHANGE=0" \
+    --json "$out/bench_2gpu.json" > "$out/bench_2gpu.log" 2>&1
+  grep -E "ms/step|Error|Traceback" "$out/bench_2gpu.log"; grep -B2 -A12 -m2 Traceback "$out/bench_2gpu.log" | head -60
+fi
+if [ "$stage" = "s9b" ]; then  # session 9, call B: the whole GPU suite (2-GPU tests included) + new kernel rows
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 420 python -m pytest -m gpu -q -p no:cacheprovider -n 8 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 40
+fi
+if [ "$stage" = "s9c" ]; then  # session 9, one GPU: the whole GPU suite (2-GPU tests skip), the 1-GPU step with bf16 grads A/B
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 360 python -m pytest -m gpu -q -p no:cacheprovider -n 8 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 40
+  timeout 150 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --ab "__main__.GRAD_BF16=1" \
+    --json "$out/bench_1gpu.json" > "$out/bench_1gpu.log" 2>&1; grep -E "ms/step|Error" "$out/bench_1gpu.log"
 fi

@@ -357,3 +357,91 @@ def test_gpu_capture_forward_backward_sparse(rng):
     assert_close(dt, ref, np.float32, rtol=1e-5, atol=1e-5)
     assert_close(g.grad, ref, np.float32, rtol=1e-5, atol=1e-5)
     assert int(to_host(g.count)) == np.unique(h_ids).size
+
+
+# ---------------------------------------------------------------- sparse rows across ranks: pack + merge
+def _ranks_packs(xp, rng, V, D, batches, wire, conv=lambda a: a, poison=False):
+    """One SparseRowGrad per 'rank', each accumulating its own batch; returns (grads, packs, dense sums)."""
+    grads, packs, dense = [], [], []
+    for ids in batches:
+        g = ck.SparseRowGrad(V, D, xp=xp)
+        dout = randn(rng, (ids.size, D), np.float32)
+        g.accumulate(conv(ids), conv(dout))
+        cap = ids.size + 3  # room for every touched row, then -1 padding
+        pid = xp.full((cap,), 7, np.int32)
+        prow = (poisoned((cap, D), wire) if poison else xp.full((cap, D), np.nan, wire))
+        g.pack(pid, prow)
+        d = np.zeros((V, D), np.float32)
+        np.add.at(d, ids, dout)
+        grads.append(g), packs.append((pid, prow)), dense.append(d)
+    return grads, packs, dense
+
+
+@pytest.mark.parametrize("wire", DTYPES, ids=["wire_f32", "wire_bf16"])
+def test_reference_pack_and_merge_across_ranks(rng, wire):
+    """Each rank packs its listed rows; every rank merges all packs in rank order: the same bits everywhere,
+    equal to scale * the rank-order sum of the ranks' (wire-rounded) row sums, the union listed once, zero
+    elsewhere; zero() then clears the union."""
+    V, D = 40, 6
+    batches = [np.array([3, 7, 3, 0], np.int32), np.array([7, 39, 1], np.int32), np.array([5], np.int32)]
+    grads, packs, dense = _ranks_packs(np, rng, V, D, batches, wire)
+    pid, prow = packs[0]
+    assert list(pid) == list(grads[0].rows[:3]) + [-1] * 4  # 3 distinct rows, then padding
+    union = sorted({int(v) for b in batches for v in b})
+    want = np.zeros((V, D), np.float32)
+    for k, d in enumerate(dense):  # rank order, wire-rounded, scaled, multiply then add
+        x = np.float32(0.5) * d.astype(wire).astype(np.float32)
+        want = x if k == 0 else want + x
+    for g in grads:
+        g.merge(packs, scale=0.5)
+        assert int(g.count) == len(union) and sorted(g.rows[:int(g.count)]) == union
+        w = want.copy()
+        w[np.setdiff1d(np.arange(V), union)] = 0
+        np.testing.assert_array_equal(g.grad, w)  # on every rank: the same bits
+        g.zero()
+        assert not g.grad.any() and int(g.count) == 0
+
+
+def test_reference_pack_overflow_and_checks(rng):
+    g = ck.SparseRowGrad(10, 4, xp=np)
+    g.accumulate(np.array([1, 2, 3], np.int32), np.ones((3, 4), np.float32))
+    err = np.zeros((), np.int32)
+    g.pack(np.zeros(2, np.int32), np.zeros((2, 4), np.float32), error=err)
+    assert int(err) == 2
+    with pytest.raises(ValueError, match="3 rows are listed; the pack holds 2"):
+        g.pack(np.zeros(2, np.int32), np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match=r"rows: expected shape \(3, 4\)"):
+        g.pack(np.zeros(3, np.int32), np.zeros((3, 5), np.float32))
+    with pytest.raises(TypeError, match="ids: expected dtype int32"):
+        g.pack(np.zeros(3, np.int64), np.zeros((3, 4), np.float32))
+    with pytest.raises(TypeError, match="merge: the exchange merges into a float32 gradient"):
+        ck.SparseRowGrad(10, 4, ck.bfloat16, xp=np).merge([(np.zeros(3, np.int32), np.zeros((3, 4), np.float32))])
+    with pytest.raises(ValueError, match="packs: expected"):
+        g.merge([])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 37])  # 16-byte packs, and the scalar path
+@pytest.mark.parametrize("wire", DTYPES, ids=["wire_f32", "wire_bf16"])
+def test_gpu_pack_and_merge_match_reference(rng, D, wire):
+    """GPU pack + merge (padding rows poisoned: never read) equal the NumPy path bit for bit, on every rank;
+    a pack too small ORs 2 into the error word."""
+    import cupy as cp
+
+    V = 4099
+    batches = [rng.integers(0, V, n).astype(np.int32) for n in (700, 1, 333)]
+    seed = int(rng.integers(1 << 30))
+    gg, gp, _ = _ranks_packs(cp, np.random.default_rng(seed), V, D, batches, wire, conv=device_copy, poison=True)
+    hg, hp, _ = _ranks_packs(np, np.random.default_rng(seed), V, D, batches, wire)
+    for (a, b), (c, d) in zip(gp, hp):
+        assert sorted(to_host(a)) == sorted(c)  # the same rows (the GPU list is in no particular order)
+    hg[0].merge(hp, scale=1 / 3)
+    for g in gg:
+        g.merge(gp, scale=1 / 3)
+        assert int(to_host(g.count)) == int(hg[0].count)
+        assert sorted(to_host(g.rows)[:int(to_host(g.count))]) == sorted(hg[0].rows[:int(hg[0].count)])
+        np.testing.assert_array_equal(to_host(g.grad), hg[0].grad)
+    g = gg[0]
+    err = cp.zeros((), cp.int32)
+    g.pack(cp.zeros(5, cp.int32), cp.zeros((5, D), wire), error=err)
+    assert int(err) == 2

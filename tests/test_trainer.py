@@ -81,8 +81,13 @@ def test_bf16_gradients_track_fp32_gradients(tmp_path, device):
         runs[gd] = np.array([(r["loss"], r["grad_norm"]) for r in tr])
     np.testing.assert_allclose(runs["bfloat16"], runs["float32"], rtol=2e-3)
     assert not np.array_equal(runs["bfloat16"], runs["float32"])  # the buffers did change precision
+    from cukernels.train.config import check_world
+    cfg = load_config(CFG("tiny"), SMALL + base[:2] + ["grad_dtype=bfloat16", "total_batch_size=512"])
     with pytest.raises(ck.train.ConfigError, match="grad_dtype: bfloat16 needs one micro-batch a step"):
-        load_config(CFG("tiny"), SMALL + base[:2] + ["grad_dtype=bfloat16", "total_batch_size=512"])
+        check_world(cfg, 1)
+    with pytest.raises(ck.train.ConfigError, match=r"batch_size \* seq_len \* 2 ranks = 512; got 1024"):
+        check_world(dict(cfg, total_batch_size=1024), 2)
+    assert check_world(cfg, 2)[1] == 1  # 2 ranks x one micro-batch each
 
 
 @pytest.mark.parametrize("override,match", [

@@ -298,6 +298,53 @@ def test_bf16_wire(world):
         assert mem["W"] > 0 and mem["GS"] * world == mem["W"]  # bf16 send buffer, bf16 shard
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_bf16_gradient_buffers_equal_the_bf16_wire(world):
+    """grad_dtype=bf16: the backward writes bf16 gradients (one micro-batch, rounded once) and each bucket is
+    reduce-scattered from them as they are: the same bf16 values the fp32 buffer's wire cast would send, so
+    parameters, shadows and clipped norms are bit-identical to the bf16 wire; no send buffer, half the G bytes."""
+    values, grads = init_values(), rank_grads(world, 3)
+    ref = zero_run(values, grads, world, wire_dtype=ck.bfloat16, bucket_elems=300, max_norm=0.3)
+    got = zero_run(values, grads, world, wire_dtype=ck.bfloat16, bucket_elems=300, max_norm=0.3,
+                   grad_dtype=ck.bfloat16)
+    for (pa, sa, na, oa), (pb, sb, nb, ob) in zip(got, ref):
+        assert na == nb, (na, nb)
+        assert all(oa.grad(n).dtype == BF16 for n in SHAPES)
+        for n in SHAPES:
+            assert np.array_equal(pa[n], pb[n]), n
+            assert np.array_equal(sa[n].view(np.uint16), sb[n].view(np.uint16)), n
+        ma, mb = oa.memory_bytes(), ob.memory_bytes()
+        assert ma["W"] == 0 and ma["G"] * 2 == mb["G"] and ma["GS"] == (0 if world == 1 else mb["GS"])
+
+
+def test_bf16_gradient_buffers_under_a_sparse_embedding():
+    """The sparse embedding's SparseRowGrad writes its rows (summed in fp32) into the bf16 group gradient: the
+    same result as the fp32 buffer on the bf16 wire."""
+    values = init_values()
+    ids = [np.array([[3, 7, 3], [0, 39, 7]], np.int32), np.array([[1, 2, 3], [4, 5, 6]], np.int32)]
+    rng = np.random.default_rng(5)
+    douts = [[rng.standard_normal((2, 3, 16)).astype(np.float32) for _ in range(2)] for _ in range(2)]
+
+    def body(g, gd):
+        ps, opt = make(ZeroAdamW, values, group=g, sparse={"emb"}, wire_dtype=ck.bfloat16, grad_dtype=gd, **KW)
+        sg = opt.attach_sparse("emb")
+        for t in range(2):
+            opt.zero_grad(lazy=True)
+            sg.accumulate(ids[g.rank], douts[t][g.rank])
+            for p in ps:
+                if p.name != "emb":
+                    p.grad[...] = np.full(p.data.shape, 0.25 * (t + 1), np.float32)
+                    p.grad_stale = False
+            opt.step()
+        return {p.name: p.data.copy() for p in ps}
+
+    ref = FakeGroup(2).run(lambda g: body(g, np.float32))
+    got = FakeGroup(2).run(lambda g: body(g, ck.bfloat16))
+    for a, b in zip(got, ref):
+        for n in SHAPES:
+            assert np.array_equal(a[n], b[n]), n
+
+
 def test_sum_instead_of_average():
     values, grads = init_values(), rank_grads(2, 2)
     ref, _, _ = adamw_reference(values, grads, 2, op="sum")
@@ -442,13 +489,135 @@ def test_sparse_embedding_is_dense_under_zero(lazy):
             assert all(p.grad_stale == (lazy and p.name != "emb") for p in ps)
             sg.accumulate(ids[g.rank], douts[t][g.rank])
             opt.step()
-        with pytest.raises(ValueError, match="updates every row"):
+        with pytest.raises(ValueError, match="takes the rows from attach_sparse"):
             opt.set_rows("emb", None, None)
         return {p.name: p.data.copy() for p in ps}
 
     for params in FakeGroup(2).run(body):
         for n in SHAPES:
             assert np.array_equal(params[n], ref[n]), n
+
+
+def _sparse_case(world, steps=3, seed=5):
+    """Per step and rank: the embedding's ids and dout, and the other parameters' gradients."""
+    rng = np.random.default_rng(seed)
+    ids = [[rng.integers(0, 40, (2, 3)).astype(np.int32) for _ in range(world)] for _ in range(steps)]
+    douts = [[rng.standard_normal((2, 3, 16)).astype(np.float32) for _ in range(world)] for _ in range(steps)]
+    return ids, douts, rank_grads(world, steps, seed=seed + 1)
+
+
+def _rows_of(ids_, dout):
+    g = np.zeros(SHAPES["emb"], np.float32)
+    np.add.at(g, ids_.reshape(-1), dout.reshape(-1, 16))
+    return g
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sparse_rows_exchange_is_one_process_lazy_adamw(world):
+    """sparse_rows=: each rank packs its touched rows, every rank merges all packs in rank order (times 1/N) and
+    runs the lazy row update on a replicated table state -- bit for bit one-process AdamW(sparse=) fed the same
+    rank-order sum on the union rows (untouched rows frozen: param, moments, shadow), on every rank; the
+    checkpoint shards consolidate to that AdamW's state."""
+    values = init_values()
+    ids, douts, grads = _sparse_case(world)
+    ps, ref = make(AdamW, values, sparse={"emb"}, **KW)
+    for t in range(3):
+        ref.zero_grad()
+        by = {p.name: p for p in ps}
+        for p in ps:
+            if p.name != "emb":
+                p.grad += model_avg([grads[t][0][r][p.name] for r in range(world)], world)
+        want = None
+        for r in range(world):  # the merge's arithmetic: scale * rows, rank order, multiply then add
+            x = np.float32(1.0 / world) * _rows_of(ids[t][r], douts[t][r])
+            want = x if want is None else want + x
+        union = np.unique(np.concatenate([i.reshape(-1) for i in ids[t]])).astype(np.int32)
+        by["emb"].grad[...] = 0
+        by["emb"].grad[union] = want[union]
+        ref.set_rows("emb", union, np.asarray(union.size, np.int32))
+        ref.step()
+    want_params = {p.name: p.data.copy() for p in ps}
+    untouched = np.setdiff1d(np.arange(40), np.concatenate([i.reshape(-1) for s in ids for i in s]))
+    assert untouched.size > 0
+
+    def body(g):
+        ps, opt = make(ZeroAdamW, values, group=g, sparse={"emb"}, sparse_rows=6, **KW)
+        sg = opt.attach_sparse("emb")
+        for t in range(3):
+            opt.zero_grad(lazy=True)
+            sg.accumulate(ids[t][g.rank], douts[t][g.rank])
+            for p in ps:
+                if p.name != "emb":
+                    p.grad[...] = grads[t][0][g.rank][p.name]
+                    p.grad_stale = False
+            opt.step()
+            assert int(sg.count) == np.unique(np.concatenate([i.reshape(-1) for i in ids[t]])).size
+        return ({p.name: p.data.copy() for p in ps}, opt.shadow("emb").copy(), opt.state_dict_shard(),
+                opt.memory_bytes())
+
+    outs = FakeGroup(world).run(body)
+    for params, shadow, _, mem in outs:
+        for n in SHAPES:
+            assert np.array_equal(params[n], want_params[n]), n
+        assert np.array_equal(shadow.view(np.uint16), want_params["emb"].astype(BF16).view(np.uint16))
+        assert np.array_equal(params["emb"][untouched], values["emb"][untouched])  # lazy: frozen rows
+        assert (mem["X"] > 0) == (world > 1)
+    state, params = consolidate_state([o[2] for o in outs])
+    rs = ref.state_dict()["state"]
+    for n in SHAPES:
+        assert np.array_equal(params[n], want_params[n])
+        assert np.array_equal(state["state"][n]["exp_avg"], rs[n]["exp_avg"]), n
+        assert np.array_equal(state["state"][n]["exp_avg_sq"], rs[n]["exp_avg_sq"]), n
+
+
+def test_sparse_rows_resume_across_world_sizes_and_errors():
+    """A replicated table's state is written as slices (one per rank) and loads whole on every rank, from shards
+    of any world size (2 -> 1: the same state); the ranks' tables stay identical after a resumed step; a pack
+    too small raises at check_errors; a missing attach_sparse is named."""
+    values = init_values()
+    ids, douts, grads = _sparse_case(3, steps=2)
+
+    def run(g, state=None, steps=(0, 1)):
+        ps, opt = make(ZeroAdamW, values, group=g, sparse={"emb"}, sparse_rows=6, **KW)
+        sg = opt.attach_sparse("emb")
+        if state is not None:
+            opt.load_state_dict(state)
+        for t in steps:
+            opt.zero_grad(lazy=True)
+            sg.accumulate(ids[t][g.rank], douts[t][g.rank])
+            for p in ps:
+                if p.name != "emb":
+                    p.grad[...] = 0.1
+                    p.grad_stale = False
+            opt.step()
+        return opt.state_dict_shard(), {p.name: p.data.copy() for p in ps}
+
+    first = [o[0] for o in FakeGroup(2).run(lambda g: run(g, steps=(0,)))]
+    two = FakeGroup(2).run(lambda g: run(g, first, steps=(1,)))
+    one = FakeGroup(1).run(lambda g: run(g, first, steps=()))
+    s1, _ = consolidate_state([one[0][0]])
+    s2, _ = consolidate_state(first)
+    for n in SHAPES:  # 2 -> 1 loads the same state
+        assert np.array_equal(s1["state"][n]["exp_avg_sq"], s2["state"][n]["exp_avg_sq"])
+    assert all(np.array_equal(two[0][1][n], two[1][1][n]) for n in SHAPES)
+
+    def overflow(g):
+        ps, opt = make(ZeroAdamW, values, group=g, sparse={"emb"}, sparse_rows=2, **KW)
+        opt.attach_sparse("emb").accumulate(ids[0][g.rank], douts[0][g.rank])
+        opt.step()
+        with pytest.raises(ValueError, match="touched more rows of a sparse table than sparse_rows=2"):
+            opt.check_errors()
+        return True
+
+    assert FakeGroup(2).run(overflow) == [True, True]
+
+    def missing(g):
+        _, opt = make(ZeroAdamW, values, group=g, sparse={"emb"}, sparse_rows=6, **KW)
+        with pytest.raises(RuntimeError, match=r"call attach_sparse\('emb'\) before the first backward"):
+            opt.step()
+        return True
+
+    assert FakeGroup(1).run(missing) == [True]
 
 
 @pytest.mark.parametrize("reads", ["forward", "none", "wait_gathers"])
@@ -708,6 +877,10 @@ def test_validation_names_the_argument():
         make(ZeroAdamW, values, wire_dtype=np.float16, **KW)
     with pytest.raises(ValueError, match="bucket_elems"):
         make(ZeroAdamW, values, bucket_elems=0, **KW)
+    with pytest.raises(TypeError, match="grad_dtype: expected float32 or ck.bfloat16"):
+        make(ZeroAdamW, values, grad_dtype=np.float16, wire_dtype=ck.bfloat16, **KW)
+    with pytest.raises(ValueError, match="pass wire_dtype=ck.bfloat16 with grad_dtype=ck.bfloat16"):
+        make(ZeroAdamW, values, grad_dtype=ck.bfloat16, **KW)
     with pytest.raises(TypeError, match="group: expected a cukernels.distributed ProcessGroup"):
         make(ZeroAdamW, values, group="nccl", **KW)
     with pytest.raises(TypeError, match="gather_fp32: expected a set of names"):

@@ -346,5 +346,90 @@ class SparseRowGrad:
         get_function(FAMILY, "emb_rows_reset")((1,), (1, 1, 1), (self.count, self.generation))
         return self
 
+    # ------------------------------------------------------------------ across ranks (ZeroAdamW's exchange)
+    def _check_pack(self, ids, rows, what):
+        xp = B.array_module(ids=ids, rows=rows)
+        if xp is not self.xp:
+            raise TypeError(f"ids: is a {xp.__name__} array but this SparseRowGrad holds {self.xp.__name__} arrays")
+        if self.dtype != np.float32:
+            raise TypeError(f"{what}: the exchange merges into a float32 gradient; this buffer is {self.dtype}")
+        B.check_dtype("ids", ids, (np.int32,))
+        if ids.ndim != 1:
+            raise ValueError(f"ids: expected a 1-D int32 array (the pack's capacity); got shape {tuple(ids.shape)}")
+        B.check_dtype("rows", rows, B.FLOATS)
+        B.check_shape("rows", rows, (ids.shape[0], self.dim), " ([capacity, dim])")
+        for name, a in (("ids", ids), ("rows", rows)):
+            B.check_contiguous(name, a)
+        return ids.shape[0]
+
+    def pack(self, ids, rows, *, error=None):
+        """Copy the listed rows into a fixed-size pack for the other ranks: ``ids[i] = self.rows[i]`` and
+        ``rows[i] = grad[self.rows[i]]`` (in ``rows``' dtype, float32 or bfloat16) for ``i < count``, ``ids[i] =
+        -1`` after that. ``ids`` (int32 ``[cap]``) and ``rows`` (``[cap, dim]``) are the caller's buffers; a
+        count above ``cap`` sends the first ``cap`` rows and ORs 2 into ``error`` (default
+        ``ck.embedding_error()``): size ``cap`` by the tokens a step can touch. Device-side, capturable."""
+        cap = self._check_pack(ids, rows, "pack")
+        xp, D = self.xp, self.dim
+        if xp is np:
+            c = int(self.count)
+            n = min(c, cap)
+            ids[:n] = self.rows[:n]
+            ids[n:] = -1
+            rows[:n] = self.grad[self.rows[:n]].astype(rows.dtype)
+            if c > cap:
+                if error is None:
+                    raise ValueError(f"pack: {c} rows are listed; the pack holds {cap}")
+                error[...] |= 2
+            return self
+        err = _error_word(xp, error)
+        vec = D % 4 == 0 and B.aligned16(self.grad) and rows.data.ptr % (4 * rows.itemsize) == 0
+        tpr, rpb = _row_plan(D // 4 if vec else D)
+        k = get_function(FAMILY, f"emb_rows_pack_{B.DTYPE_TAG[rows.dtype]}_{'v' if vec else 's'}")
+        grid = max(1, min(B.sm_count() * max(1, 2048 // (tpr * rpb)), (cap + rpb - 1) // rpb))
+        k((grid,), (tpr, rpb, 1), (self.rows, self.count, self.grad, ids, rows, err, np.int32(cap), np.int32(D)))
+        return self
+
+    def merge(self, packs, *, scale=1.0):
+        """Rebuild the gradient from the packs of every rank (``[(ids, rows)]`` in rank order, this rank's own
+        included): the row list restarts (a new generation), then for each pack in order each listed row is
+        written (its first listing) or added to (``grad[id] = grad[id] + scale * rows[i]``, fp32, multiply then
+        add), and listed once. Every rank that merges the same packs in the same order holds the same bits.
+        The gradient stays zero outside the new list: this rank's old rows are in its own pack."""
+        packs = list(packs)
+        if not packs:
+            raise ValueError("packs: expected the (ids, rows) of every rank; got none")
+        s = B.check_f32("scale", scale)
+        caps = [self._check_pack(i, r, "merge") for i, r in packs]
+        xp, D, V = self.xp, self.dim, self.vocab_size
+        if xp is np:
+            self.count[...] = 0
+            g = int(self.generation) + 1
+            self.generation[...] = g = g if g <= np.iinfo(np.int32).max else 1
+            c = 0
+            for ids, rows in packs:
+                for i in range(ids.shape[0]):
+                    v = int(ids[i])
+                    if not 0 <= v < V:
+                        continue
+                    x = np.float32(s) * rows[i].astype(np.float32)
+                    if self.stamps[v] != g:
+                        self.stamps[v] = g
+                        self.rows[c] = v
+                        c += 1
+                        self.grad[v] = x
+                    else:
+                        self.grad[v] = self.grad[v] + x
+            self.count[...] = c
+            return self
+        get_function(FAMILY, "emb_rows_reset")((1,), (1, 1, 1), (self.count, self.generation))
+        for (ids, rows), cap in zip(packs, caps):
+            vec = D % 4 == 0 and B.aligned16(self.grad) and rows.data.ptr % (4 * rows.itemsize) == 0
+            tpr, rpb = _row_plan(D // 4 if vec else D)
+            k = get_function(FAMILY, f"emb_rows_merge_{B.DTYPE_TAG[rows.dtype]}_{'v' if vec else 's'}")
+            grid = max(1, min(B.sm_count() * max(1, 2048 // (tpr * rpb)), (cap + rpb - 1) // rpb))
+            k((grid,), (tpr, rpb, 1), (ids, rows, self.grad, self.stamps, self.generation, self.rows, self.count,
+                                       np.int32(cap), np.int32(D), np.int64(V), np.float32(s)))
+        return self
+
     def __repr__(self):
         return f"SparseRowGrad(vocab_size={self.vocab_size}, dim={self.dim}, dtype={self.dtype}, xp={self.xp.__name__})"

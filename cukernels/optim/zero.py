@@ -13,10 +13,12 @@ Buffers per rank (n parameters, N ranks; bytes per parameter in brackets):
 * full, as on one GPU: fp32 parameters ``P`` [4] (the model's ``p.data`` are views of it), fp32 gradients ``G``
   [4] (the backward accumulates into ``p.grad`` views), bf16 shadow ``S`` [2] (autocast reads it);
 * the rank's shard: Adam moments ``M``, ``V`` [8/N] and the reduced gradient ``GS`` [4/N fp32 or 2/N bf16];
-* bf16 wire only: a bf16 copy of the gradient to send, ``W`` [2].
+* bf16 wire only: a bf16 copy of the gradient to send, ``W`` [2] -- unless ``grad_dtype=ck.bfloat16``: then ``G``
+  itself is bf16 [2] (the backward's bf16 GEMMs write it) and is sent as it is, with no ``W``.
 
 So for 1.5e9 parameters on 2 GPUs: AdamW keeps 4+4+4+4+2 = 18 bytes/param (27 GB), ZeroAdamW 10 + 8/2 + 4/2 = 16
-(fp32 wire, 24 GB) or 10 + 8/2 + 2/2 + 2 = 17 (bf16 wire, 25.5 GB); on 8 GPUs 11.5 / 13.25. The saving grows with
+(fp32 wire, 24 GB) or 10 + 8/2 + 2/2 + 2 = 17 (bf16 wire, 25.5 GB), 4 + 2 + 2 + 8/2 + 2/2 = 13 with bf16
+gradients (19.5 GB); on 8 GPUs 11.5 / 13.25 / 9.25. The saving grows with
 N; the fp32 gradient stays full (ZeRO-2 would shard it too, but our backward accumulates into one flat buffer),
 and the bf16 wire trades 2 bytes/param of send buffer for half the bytes on the wire.
 
@@ -52,12 +54,23 @@ Default ``gather_fp32=None`` gathers every fp32 parameter (always correct, twice
 autocast with shadows attached, the GEMM weights are read only through their shadows, so
 ``gather_fp32=lambda name, a: a.ndim < 2`` (norm weights, biases) is enough.
 
-Embedding rows (``sparse=``): the rows a batch touches differ from rank to rank, so there is no sparse reduction;
-ZeroAdamW treats the table densely: :meth:`~ZeroAdamW.attach_sparse` still gives the embedding backward its
-``SparseRowGrad`` over the flat gradient (the backward writes only the touched rows), but the whole V x D gradient
-is reduce-scattered and updated (dense AdamW: untouched rows' moments decay, as without ``sparse``). Cost for
-LLaMA-3.2-1B (V x D = 262.7e6): 0.53 GB of bf16 per step on the wire (about 1 ms of the 5.4 ms measured for all
-1.5e9 parameters on 2 x H200) and 262.7e6 / N more elements through Adam than the touched rows.
+Embedding rows (``sparse=``): the rows a batch touches differ from rank to rank. Two ways:
+
+* ``sparse_rows=n`` (the trainer's default; n = the tokens a rank reads per step, an upper bound on its touched
+  rows): the lazy row update of one-GPU ``AdamW(sparse=)``, across ranks. Each sparse table is a group of its
+  own, **replicated**: full fp32 moments on every rank (+8 (N-1)/N bytes a table element against sharding), no
+  reduce-scatter, no all-gather. After its backward each rank packs its listed rows (``SparseRowGrad.pack``: ids
+  + rows in the wire dtype, n of them), the packs are all-gathered, and every rank merges all packs in rank order
+  (``SparseRowGrad.merge``: the rank-order sum, times 1/N with ``average``): every rank then holds the same bits
+  for the union of the rows, listed once, and runs the same ``adam_step_rows`` on them -- the tables stay
+  identical with nothing gathered. The norm counts each rank's 1/N slice of the (identical) table gradient.
+  Cost at LLaMA-3.2-1B, B8xT1024 per rank (D = 2048): N packs of 8192 x 4 KB (bf16) = 34 MB each against the
+  dense 0.53 GB reduce-scatter + 0.53 GB all-gather, and ~8-16k rows through Adam instead of V / N = 64k.
+  A pack that overflows n sets an error :meth:`~ZeroAdamW.check_errors` raises.
+* ``sparse_rows=None``: the table is treated densely. :meth:`~ZeroAdamW.attach_sparse` still gives the embedding
+  backward its ``SparseRowGrad`` over the flat gradient (the backward writes only the touched rows), but the
+  whole V x D gradient is reduce-scattered and updated (dense AdamW: untouched rows' moments decay, as without
+  ``sparse``): 0.53 GB of bf16 per step on the wire each way at the LLaMA shape.
 
 Gradient accumulation: the backward accumulates micro-batches into ``G``; the reduce-scatter runs once per
 optimizer step. With grad hooks attached, wrap every backward but the last of a step in :meth:`no_sync`.
@@ -335,12 +348,14 @@ class _Slot:
 class _Group:
     """One flat group: its layout, full buffers P / G / S (/ W), shard buffers M / V / GS."""
 
-    def __init__(self, wd, full):
-        self.wd, self.full = wd, full
+    def __init__(self, wd, full, replicated=False):
+        self.wd, self.full, self.replicated = wd, full, replicated
         self.slots = []
         self.layout = None
         self.P = self.G = self.S = self.W = self.M = self.V = self.GS = None
         self.sparse_grads = []  # (slot, SparseRowGrad) attached over G
+        # replicated (a sparse table with sparse_rows): full M, V on every rank, no GS; the exchange's buffers
+        self.X = None  # (send ids [cap], send rows [cap, D], gathered ids [N * cap], gathered rows [N * cap, D])
 
 
 class _ShadowWait:
@@ -389,6 +404,13 @@ class ZeroAdamW:
         gather_fp32: names or ``callable(name, array) -> bool`` of the parameters whose fp32 values must be
             complete on every rank after each step (read in fp32 by the forward). Default None: all of them.
         wire_dtype: float32 (default) or ``ck.bfloat16``: the gradient's dtype on the wire.
+        sparse_rows: None (default: ``sparse`` tables reduced and updated densely) or the most rows of a sparse
+            table one rank touches in a step (its tokens per step): the rows are then exchanged and updated
+            lazily on a replicated table state (module docstring); needs :meth:`attach_sparse` for each.
+        grad_dtype: float32 (default) or ``ck.bfloat16`` (with the bf16 wire): the full gradient buffers ``G``
+            in bf16, written by the bf16 weight-gradient GEMMs under autocast (as ``AdamW(grad_dtype=)``); each
+            bucket is then reduce-scattered straight from ``G``: no fp32 gradient write, no wire cast, no ``W``.
+            Every further write to a gradient in the same step rounds to bf16 again: one micro-batch a step.
         average: reduce with ``avg`` (True, default: each rank's loss is a mean over its own batch) or ``sum``.
         bucket_elems: bucket size in elements (None: one bucket per group); with :meth:`attach_grad_hooks`,
             about 2**25 (64 MiB of bf16) overlaps well.
@@ -418,7 +440,8 @@ class ZeroAdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, group=None,
                  shadow_dtype=B.bfloat16, no_decay=None, sparse=None, gather_fp32=None, wire_dtype=np.float32,
-                 average=True, bucket_elems=None, sm_margin=0, overlap_gather=False):
+                 average=True, bucket_elems=None, sm_margin=0, overlap_gather=False, grad_dtype=np.float32,
+                 sparse_rows=None):
         beta1, beta2 = betas
         _A._hyper(beta1, beta2, eps, weight_decay)
         if not (_A._is_number(lr) and np.isfinite(lr)):
@@ -428,6 +451,17 @@ class ZeroAdamW:
         wire = np.dtype(wire_dtype)
         if wire not in (np.dtype(np.float32), B.bfloat16):
             raise TypeError(f"wire_dtype: expected float32 or ck.bfloat16; got {wire}")
+        try:
+            gdt = np.dtype(grad_dtype)
+        except TypeError:
+            gdt = None
+        if gdt not in (np.dtype(np.float32), B.bfloat16):
+            raise TypeError(f"grad_dtype: expected float32 or ck.bfloat16; got {grad_dtype!r}")
+        if gdt == B.bfloat16 and wire != B.bfloat16:
+            raise ValueError("grad_dtype: bf16 gradient buffers go on the wire as they are; pass "
+                             "wire_dtype=ck.bfloat16 with grad_dtype=ck.bfloat16")
+        self.grad_dtype = gdt
+        self.sparse_rows = None if sparse_rows is None else B.check_int("sparse_rows", sparse_rows, min=1)
         self.average = B.check_bool("average", average)
         if bucket_elems is not None:
             bucket_elems = B.check_int("bucket_elems", bucket_elems, min=1)
@@ -460,6 +494,7 @@ class ZeroAdamW:
         is_full = (lambda name, a: True) if gather_fp32 is None else _matcher(gather_fp32, "gather_fp32")
 
         keyed = {}  # (weight decay, gathers fp32) -> [(order, name, obj, array)]
+        replicated = []  # sparse tables exchanged by rows (sparse_rows): a group each
         self._sparse_names = set()
         for order, (name, obj, a) in enumerate(entries):
             B.check_dtype(f"params[{name!r}]", a, (np.float32,))
@@ -469,9 +504,13 @@ class ZeroAdamW:
                                      f"{tuple(a.shape)}")
                 self._sparse_names.add(name)
             wd = 0.0 if is_nd(name, a) else self.weight_decay
+            if self.sparse_rows is not None and is_sparse(name, a):
+                replicated.append(((order, name, obj, a), wd))
+                continue
             keyed.setdefault((wd, bool(is_full(name, a))), []).append((order, name, obj, a))
         self._by_name, self._by_id = {}, {}
         self._groups = [self._build(keyed[k], *k) for k in sorted(keyed, key=lambda k: (-k[0], not k[1]))]
+        self._groups += [self._build([item], wd, True, replicated=True) for item, wd in replicated]
         self._by_name = {name: self._by_name[name] for name, _, _ in entries}
 
         # One fixed launch order for every rank: buckets by descending first-parameter position (the backward
@@ -497,6 +536,8 @@ class ZeroAdamW:
         # Device error word of this optimizer's updates (as AdamW's): a NaN clip scale skips the update on every
         # rank alike (the norm is all-reduced), sets a bit here, and check_errors() raises at the next host read.
         self._err = None if xp is np else xp.zeros((), dtype=np.int32)
+        # The sparse exchange's error word: a pack that overflowed sparse_rows (check_errors raises).
+        self._xerr = xp.zeros((), dtype=np.int32)
         self._hooks = []
         self._sync_grads = True
         self._comm = None  # side stream (CuPy, world > 1)
@@ -506,19 +547,26 @@ class ZeroAdamW:
         self._new_step()
 
     # ------------------------------------------------------------------------------------------ layout
-    def _build(self, items, wd, full):
+    def _build(self, items, wd, full, replicated=False):
         xp, N = self.xp, self.world_size
-        g = _Group(wd, full)
-        g.layout = L = shard_layout([a.size for _, _, _, a in items], N, bucket_elems=self.bucket_elems)
+        g = _Group(wd, full, replicated)
+        # (a replicated group's layout only says which rank writes which slice into a checkpoint)
+        g.layout = L = shard_layout([a.size for _, _, _, a in items], N,
+                                    bucket_elems=None if replicated else self.bucket_elems)
         g.P = xp.zeros((L.total,), dtype=np.float32)
         for (_, _, _, a), off in zip(items, L.offsets):
             g.P[off:off + a.size] = a.reshape(-1)
-        g.G = xp.zeros((L.total,), dtype=np.float32)
+        g.G = xp.zeros((L.total,), dtype=np.float32 if replicated else self.grad_dtype)
         g.S = g.P.astype(B.bfloat16) if self.shadow_dtype is not None else None
-        g.M = xp.zeros((L.shard_size,), dtype=np.float32)
-        g.V = xp.zeros((L.shard_size,), dtype=np.float32)
+        n_state = L.total if replicated else L.shard_size
+        g.M = xp.zeros((n_state,), dtype=np.float32)
+        g.V = xp.zeros((n_state,), dtype=np.float32)
         # A world of one owns everything: the shard space is the flat space, the reduction is in place (no copy).
-        if self.wire_dtype == B.bfloat16:
+        if replicated:
+            pass  # rows exchanged through the SparseRowGrad packs (attach_sparse), no reduce-scatter
+        elif self.grad_dtype == B.bfloat16:  # the backward's bf16 gradient is the wire buffer: no W, no cast
+            g.GS = g.G if N == 1 else xp.zeros((L.shard_size,), dtype=B.bfloat16)
+        elif self.wire_dtype == B.bfloat16:
             g.W = xp.zeros((L.total,), dtype=B.bfloat16)
             g.GS = g.W if N == 1 else xp.zeros((L.shard_size,), dtype=B.bfloat16)
         else:
@@ -579,12 +627,15 @@ class ZeroAdamW:
         return s.shadow
 
     def memory_bytes(self):
-        """``{buffer name: bytes on this rank}`` (P, G, S, W, M, V, GS; GS aliasing G or W counts 0)."""
-        out = dict.fromkeys(("P", "G", "S", "W", "M", "V", "GS"), 0)
+        """``{buffer name: bytes on this rank}`` (P, G, S, W, M, V, GS; GS aliasing G or W counts 0; X: the sparse
+        exchange's packs)."""
+        out = dict.fromkeys(("P", "G", "S", "W", "M", "V", "GS", "X"), 0)
         for g in self._groups:
             for k in out:
                 a = getattr(g, k)
-                if a is not None and not (k == "GS" and (a is g.G or a is g.W)):
+                if k == "X":
+                    out[k] += sum(x.nbytes for x in a) if a is not None else 0
+                elif a is not None and not (k == "GS" and (a is g.G or a is g.W)):
                     out[k] += a.nbytes
         return out
 
@@ -600,6 +651,11 @@ class ZeroAdamW:
     def check_errors(self):
         """Raise FloatingPointError if an update since the last check found an invalid device lr, step or
         grad_scale (that update was skipped on every rank: parameters and moments unchanged). A host sync."""
+        if int(self._xerr):
+            self._xerr.fill(0)
+            raise ValueError(f"rank {self.rank}: a step touched more rows of a sparse table than sparse_rows="
+                             f"{self.sparse_rows} (the rows past it were not exchanged: this step's update is wrong); "
+                             f"pass sparse_rows >= the tokens a rank reads per step (batch * seq_len * micro-batches)")
         if self._err is None:
             return
         code = int(self._err)
@@ -667,14 +723,23 @@ class ZeroAdamW:
         if len(s.shape) != 2:
             raise ValueError(f"{s.name}: not a 2-D parameter (shape {s.shape})")
         sg = SparseRowGrad(s.shape[0], s.shape[1], xp=self.xp, grad=s.grad)
+        g = s.group
+        if g.replicated:
+            if g.sparse_grads:
+                raise ValueError(f"{s.name}: attach_sparse was called already")
+            if self.world_size > 1:
+                xp, cap, D, N = self.xp, self.sparse_rows, s.shape[1], self.world_size
+                wire = self.wire_dtype
+                g.X = (xp.zeros((cap,), np.int32), xp.zeros((cap, D), wire), xp.zeros((N * cap,), np.int32),
+                       xp.zeros((N * cap, D), wire))
         s.group.sparse_grads.append((s, sg))
         if s.obj is not None:
             s.obj.sparse_grad = sg
         return sg
 
     def set_rows(self, p, rows, row_count):
-        raise ValueError(f"{self._slot(p).name}: ZeroAdamW updates every row (the ranks touch different rows); use "
-                         f"attach_sparse for the sparse backward, or ck.optim.AdamW on one GPU for lazy row updates")
+        raise ValueError(f"{self._slot(p).name}: ZeroAdamW takes the rows from attach_sparse's SparseRowGrad (with "
+                         f"sparse_rows= they are exchanged and updated lazily; without, every row is updated)")
 
     def zero_grad(self, lazy=False):
         """Zero every gradient. ``lazy=True`` (parameters given as autograd Tensors): dense gradients are only marked
@@ -808,6 +873,8 @@ class ZeroAdamW:
         for i in b.params:  # a gradient nothing wrote this step is zero, not stale garbage
             self._flush(g.slots[i])
         self._launched.add((gi, bi))
+        if g.replicated:
+            return self._exchange(g)
         if b.stop == b.start:
             return
         send = g.G[b.start:b.stop]
@@ -820,6 +887,25 @@ class ZeroAdamW:
                 send = _cast(send, B.bfloat16, out=g.W[b.start:b.stop])
             self.group.reduce_scatter(send, g.GS[b.shard_offset:b.shard_offset + b.piece],
                                       "avg" if self.average else "sum")
+
+    def _exchange(self, g):
+        """A sparse table's rows across the ranks, on the side stream: pack this rank's listed rows, all-gather the
+        packs, merge them in rank order (every rank then holds the same summed rows, and the union as its list)."""
+        if not g.sparse_grads:
+            raise RuntimeError(f"{g.slots[0].name}: sparse_rows= exchanges the rows listed by attach_sparse's "
+                               f"SparseRowGrad; call attach_sparse({g.slots[0].name!r}) before the first backward")
+        if self.world_size == 1:
+            return  # the local rows are the rows
+        (_, sg), = g.sparse_grads
+        ids, rows, all_ids, all_rows = g.X
+        cap, N = ids.shape[0], self.world_size
+        side = self._fork()
+        with side if side is not None else contextlib.nullcontext():
+            sg.pack(ids, rows, error=self._xerr)
+            self.group.all_gather(ids, all_ids)
+            self.group.all_gather(rows.reshape(-1), all_rows.reshape(-1))
+            sg.merge([(all_ids[k * cap:(k + 1) * cap], all_rows[k * cap:(k + 1) * cap]) for k in range(N)],
+                     scale=1.0 / N if self.average else 1.0)
 
     def reduce_gradients(self):
         """Send every bucket not sent yet (in the fixed order) and make the current stream wait for the
@@ -853,7 +939,9 @@ class ZeroAdamW:
         of the one-GPU norm (the per-shard fp32 square roots round once more)."""
         pre = B.check_f32("prescale", prescale, min=0, min_open=True)
         self.reduce_gradients()
-        shards = [g.GS for g in self._groups]
+        # a replicated table's gradient is the same on every rank: each counts its own slice of it once
+        shards = [g.G[slice(*g.layout.buckets[0].piece_range(self.rank))] if g.replicated else g.GS
+                  for g in self._groups]
         if self._norm_ws is None:
             self._norm_ws = _A.global_norm_workspace(shards)
         xp = self.xp
@@ -911,6 +999,9 @@ class ZeroAdamW:
         for gi, bi in self._fwd_order if self.overlap_gather else self._order:
             g = self._groups[gi]
             b = g.layout.buckets[bi]
+            if g.replicated:  # every rank: the same lazy update of the same rows (the exchange's union)
+                self._step_rows(g, grad_scale)
+                continue
             if b.piece == 0:
                 continue
             lo, hi = b.piece_range(r)
@@ -938,10 +1029,21 @@ class ZeroAdamW:
                 g.slots[i].obj.shadow_wait = wait
         self._new_step()
 
+    def _step_rows(self, g, grad_scale):
+        (s, sg), = g.sparse_grads  # (the exchange raised already without one)
+        n, shape = s.data.size, s.shape
+        off = g.layout.offsets[s.index]
+        view = lambda a: a[off:off + n].reshape(shape)  # noqa: E731
+        b1, b2 = self.betas
+        _A.adam_step_rows(view(g.P), view(g.G), view(g.M), view(g.V), sg.rows, sg.count, lr=self._lr,
+                          step=self._step, beta1=b1, beta2=b2, eps=self.eps, weight_decay=g.wd,
+                          shadow=view(g.S) if g.S is not None else None, grad_scale=grad_scale,
+                          **({"error": self._err} if self._err is not None else {}))
+
     def _deferrable(self, g, b):
         """Whether bucket b's all-gather may wait for the next forward: overlap_gather, shadows only (no fp32
         gather), every parameter an object that can carry ``shadow_wait``."""
-        return (self.overlap_gather and not g.full and g.S is not None
+        return (self.overlap_gather and not g.full and not g.replicated and g.S is not None
                 and all(g.slots[i].obj is not None for i in b.params))
 
     def _launch_deferred(self):
@@ -989,7 +1091,7 @@ class ZeroAdamW:
         for gi, bi in self._order:
             g = self._groups[gi]
             b = g.layout.buckets[bi]
-            if g.full or b.piece == 0:
+            if g.full or g.replicated or b.piece == 0:
                 continue
             lo, hi = b.piece_range(self.rank)
             side = self._fork()
@@ -1036,6 +1138,8 @@ class ZeroAdamW:
             else:
                 lo, hi, so = own
                 off = L.offsets[s.index]
+                if g.replicated:  # full moments on every rank: each writes its layout slice of them
+                    so = off + lo
                 e = {"param": take(g.P[off + lo:off + hi]), "exp_avg": take(g.M[so:so + hi - lo]),
                      "exp_avg_sq": take(g.V[so:so + hi - lo])}
             state[name] = dict(shape=list(s.shape), start=lo, stop=hi, **e)
@@ -1098,6 +1202,9 @@ class ZeroAdamW:
             if params is not None:
                 s.data[...] = self.xp.asarray(host(params[n]).astype(np.float32, copy=False).reshape(s.shape))
             own = L.owned(s.index, self.rank)
+            if g.replicated:  # every rank keeps the whole of a replicated table's moments
+                off = L.offsets[s.index]
+                own = (0, s.data.size, off)
             if own is None:
                 continue
             lo, hi, so = own
@@ -1113,7 +1220,7 @@ class ZeroAdamW:
         self.refresh_shadows()
 
     def __repr__(self):
-        groups = ", ".join(f"(wd={g.wd}, fp32 gathered={g.full}, n={len(g.slots)}, buckets={len(g.layout.buckets)})"
-                           for g in self._groups)
+        groups = ", ".join(f"(wd={g.wd}, fp32 gathered={g.full}, n={len(g.slots)}, buckets={len(g.layout.buckets)}"
+                           f"{', sparse rows exchanged' if g.replicated else ''})" for g in self._groups)
         return (f"ZeroAdamW(rank={self.rank}, world_size={self.world_size}, wire={self.wire_dtype}, "
                 f"average={self.average}, groups=[{groups}])")

@@ -70,6 +70,9 @@ ZERO = {
                          "gradient-ready hooks); false: reduce everything after the backward", "bool"),
     "overlap_gather": Key(True, "under bf16 autocast, all-gather the updated shadows under the next forward (each "
                                 "layer waits for its own) instead of at the end of the step", "bool"),
+    "sparse_exchange": Key(True, "with sparse_embedding: exchange each rank's touched rows and update them lazily, "
+                                 "as one GPU does (the table's moments replicated); false: reduce and update the "
+                                 "whole table densely", "bool"),
     "sm_margin": Key(0, "multiprocessors left to NCCL while collectives overlap the backward's GEMMs and the "
                         "update (cuBLAS SM target, Adam grid); 0: none", "int", check=_ge(0)),
 }
@@ -251,9 +254,6 @@ def validate(cfg: dict) -> dict:
         if out["autocast"] != "bf16" or not out["fused"]:
             raise ConfigError("grad_dtype: bfloat16 needs autocast: bf16 and fused: true (bf16 weight gradients "
                               "come from the bf16 GEMMs into the fused optimizer's buffers)")
-        if tbs is not None and tbs != B * T:
-            raise ConfigError(f"grad_dtype: bfloat16 needs one micro-batch a step (total_batch_size = batch_size * "
-                              f"seq_len = {B * T}; got {tbs}): accumulating in bf16 would round every micro-batch")
     return out
 
 
@@ -266,7 +266,13 @@ def check_world(cfg: dict, world_size: int):
     if tbs % (B * T * world_size):
         raise ConfigError(f"total_batch_size: {tbs} tokens per step are not a multiple of batch_size * seq_len * "
                           f"{world_size} ranks = {B * T * world_size}")
-    return tbs, tbs // (B * T * world_size)
+    accum = tbs // (B * T * world_size)
+    if cfg.get("grad_dtype") == "bfloat16" and accum > 1:
+        ranks = f" * {world_size} ranks" if world_size > 1 else ""
+        raise ConfigError(f"grad_dtype: bfloat16 needs one micro-batch a step (total_batch_size = batch_size * "
+                          f"seq_len{ranks} = {B * T * world_size}; got {tbs}): accumulating in bf16 would round "
+                          f"every micro-batch")
+    return tbs, accum
 
 
 def _parse_override(o):

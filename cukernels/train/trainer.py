@@ -195,26 +195,32 @@ def zero_wire(cfg):
 def make_zero_optimizer(cfg, model, xp, group):
     """ZeroAdamW over ``group``: AdamW's groups and hyperparameters, the moments sharded; fp32 values gathered
     after each step for every parameter (fp32 forward) or only the 1-D ones (bf16 autocast: the 2-D weights are
-    read through their bf16 shadows); the sparse-row embedding keeps its sparse backward (reduced and updated
-    densely); gradient-ready hooks so each bucket's reduce-scatter starts during the backward
+    read through their bf16 shadows); the sparse-row embedding keeps its sparse backward and, with
+    ``zero.sparse_exchange``, its lazy row update (the ranks' rows exchanged; else reduced and updated densely);
+    gradient-ready hooks so each bucket's reduce-scatter starts during the backward
     (``zero.overlap``); every rank starts from rank 0's parameters."""
     if not cfg["fused"]:
         raise SystemExit("distributed: needs fused: true (ZeroAdamW shards the fused optimizer's flat buffers; the "
                          "composite optimizer keeps one process's state)")
-    if cfg.get("grad_dtype") == "bfloat16":
-        raise SystemExit("grad_dtype: bfloat16 is one GPU only (ZeroAdamW keeps fp32 gradient buckets and puts "
-                         "them on the wire in zero.wire_dtype); set grad_dtype: float32 with distributed")
+    grad_bf16 = cfg.get("grad_dtype") == "bfloat16"
+    if grad_bf16 and zero_wire(cfg) != B.bfloat16:
+        raise SystemExit("grad_dtype: bfloat16 sends the bf16 gradient buffers as they are; set zero.wire: bf16 "
+                         "(or auto) with it, or grad_dtype: float32 for an fp32 wire")
     named = list(model.named_parameters())
     no_decay = {n for n, p in named if p.ndim < 2}
     params = [p for _, p in named]
     sparse = {n for n, p in named if getattr(p, "_sparse_rows", False)}
     z = cfg["zero"]
+    # a rank touches at most its tokens per step of a table's rows: the exchange's pack size
+    tokens = check_world(cfg, group.world_size)[0] // group.world_size
     opt = ZeroAdamW(params, lr=cfg["lr"], betas=tuple(cfg["betas"]), eps=cfg["eps"],
                     weight_decay=cfg["weight_decay"], group=group, no_decay=no_decay, sparse=sparse or None,
                     shadow_dtype=B.bfloat16 if cfg["autocast"] else None,
                     gather_fp32=(lambda n, a: a.ndim < 2) if cfg["autocast"] else None,
                     wire_dtype=zero_wire(cfg), bucket_elems=z["bucket_elems"], sm_margin=z["sm_margin"],
-                    overlap_gather=bool(z["overlap_gather"] and cfg["autocast"]))
+                    overlap_gather=bool(z["overlap_gather"] and cfg["autocast"]),
+                    grad_dtype=B.bfloat16 if grad_bf16 else np.float32,
+                    sparse_rows=tokens if sparse and z["sparse_exchange"] else None)
     for n in sparse:
         opt.attach_sparse(n)
     if cfg["autocast"]:
