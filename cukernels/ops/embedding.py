@@ -362,6 +362,16 @@ class SparseRowGrad:
             B.check_contiguous(name, a)
         return ids.shape[0]
 
+    def _pack_launch(self, kind, rows, cap):
+        """(kernel, grid, block) of emb_rows_pack / emb_rows_merge over a pack of ``cap`` rows: 16-byte fp32 units
+        when D % 4 == 0 and both buffers allow it, a fixed grid striding over the pack."""
+        D = self.dim
+        vec = D % 4 == 0 and B.aligned16(self.grad) and rows.data.ptr % (4 * rows.itemsize) == 0
+        tpr, rpb = _row_plan(D // 4 if vec else D)
+        k = get_function(FAMILY, f"emb_rows_{kind}_{B.DTYPE_TAG[rows.dtype]}_{'v' if vec else 's'}")
+        grid = max(1, min(B.sm_count() * max(1, 2048 // (tpr * rpb)), (cap + rpb - 1) // rpb))
+        return k, (grid,), (tpr, rpb, 1)
+
     def pack(self, ids, rows, *, error=None):
         """Copy the listed rows into a fixed-size pack for the other ranks: ``ids[i] = self.rows[i]`` and
         ``rows[i] = grad[self.rows[i]]`` (in ``rows``' dtype, float32 or bfloat16) for ``i < count``, ``ids[i] =
@@ -382,11 +392,8 @@ class SparseRowGrad:
                 error[...] |= 2
             return self
         err = _error_word(xp, error)
-        vec = D % 4 == 0 and B.aligned16(self.grad) and rows.data.ptr % (4 * rows.itemsize) == 0
-        tpr, rpb = _row_plan(D // 4 if vec else D)
-        k = get_function(FAMILY, f"emb_rows_pack_{B.DTYPE_TAG[rows.dtype]}_{'v' if vec else 's'}")
-        grid = max(1, min(B.sm_count() * max(1, 2048 // (tpr * rpb)), (cap + rpb - 1) // rpb))
-        k((grid,), (tpr, rpb, 1), (self.rows, self.count, self.grad, ids, rows, err, np.int32(cap), np.int32(D)))
+        k, grid, block = self._pack_launch("pack", rows, cap)
+        k(grid, block, (self.rows, self.count, self.grad, ids, rows, err, np.int32(cap), np.int32(D)))
         return self
 
     def merge(self, packs, *, scale=1.0):
@@ -423,12 +430,9 @@ class SparseRowGrad:
             return self
         get_function(FAMILY, "emb_rows_reset")((1,), (1, 1, 1), (self.count, self.generation))
         for (ids, rows), cap in zip(packs, caps):
-            vec = D % 4 == 0 and B.aligned16(self.grad) and rows.data.ptr % (4 * rows.itemsize) == 0
-            tpr, rpb = _row_plan(D // 4 if vec else D)
-            k = get_function(FAMILY, f"emb_rows_merge_{B.DTYPE_TAG[rows.dtype]}_{'v' if vec else 's'}")
-            grid = max(1, min(B.sm_count() * max(1, 2048 // (tpr * rpb)), (cap + rpb - 1) // rpb))
-            k((grid,), (tpr, rpb, 1), (ids, rows, self.grad, self.stamps, self.generation, self.rows, self.count,
-                                       np.int32(cap), np.int32(D), np.int64(V), np.float32(s)))
+            k, grid, block = self._pack_launch("merge", rows, cap)
+            k(grid, block, (ids, rows, self.grad, self.stamps, self.generation, self.rows, self.count,
+                            np.int32(cap), np.int32(D), np.int64(V), np.float32(s)))
         return self
 
     def __repr__(self):
