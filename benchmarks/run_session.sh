@@ -406,3 +406,27 @@ if [ "$stage" = "s9c" ]; then  # session 9, one GPU: the whole GPU suite (2-GPU 
   timeout 150 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --ab "__main__.GRAD_BF16=1" \
     --json "$out/bench_1gpu.json" > "$out/bench_1gpu.log" 2>&1; grep -E "ms/step|Error" "$out/bench_1gpu.log"
 fi
+if [ "$stage" = "s10a" ]; then  # session 10, call A (one GPU): the sparse-exchange kernels after the review refactor,
+  # their bench rows, and where the sm_90 attention kernels' time goes (sweep fit + Nsight Compute sections)
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(['embedding','attention_sm90','attention']); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_embedding.py tests/test_zero.py 2>&1 \
+    | tee "$out/gpu_tests_emb.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only embedding --json "$out/bench_emb.json" \
+    > "$out/bench_emb.log" 2>&1; grep -E "^embedding|Error" "$out/bench_emb.log"
+  timeout 150 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log"
+  ncu --query-metrics --chip gh100 2>/dev/null | grep -iE "gmma|pipe_tensor" | head -20 > "$out/ncu_metrics.txt"
+  cat > /tmp/ncu_attn.py <<'PY'
+import cupy as cp, cukernels as ck
+r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)
+for B, T in ((8, 1024), (2, 4096)):
+    q, k, v, do = r(B, T, 32, 64), r(B, T, 8, 64), r(B, T, 8, 64), r(B, T, 32, 64)
+    for _ in range(2):
+        o, lse = ck.flash_attention_sm90(q, k, v, causal=True, return_lse=True)
+        ck.flash_attention_backward_sm90(do, q, k, v, o, lse, causal=True)
+    cp.cuda.Device().synchronize()
+PY
+  timeout 200 ncu --clock-control none -k regex:attn_sm90 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    python /tmp/ncu_attn.py > "$out/ncu_attn.txt" 2> "$out/ncu_attn.err"; echo "ncu rc $?"
+  grep -E "attn_sm90|Duration|SM Busy|Compute \(SM\)|Memory Throughput|Achieved Occupancy|Issue Slots|Executed Ipc A|Stall|L2 Hit|DRAM Throughput" "$out/ncu_attn.txt" | head -150
+fi

@@ -64,4 +64,22 @@ def cases(ctx):
         out.append(Case("embedding bwd sparse+zero", shape, dn, n * D * s + 3 * uniq * D * 4 + 4 * n,
                         "n*D*s + 3*u*D*4 (u touched rows: add read+write, zero write)", sparse,
                         note=f"fp32 grad, u={uniq}", extra=dict(nsets=k)))
+        # ZeroAdamW's sparse exchange (one rank's side of a 2-rank step): pack this rank's u touched fp32 rows
+        # into the bf16 wire, then merge 2 packs (its own and a peer's) back into the fp32 gradient. The merge
+        # writes each row of the first pack and read-modify-writes the rows the second pack shares with it.
+        g.accumulate(ids[0], douts[0])
+        pid = [cp.empty(n, dtype=cp.int32) for _ in range(2)]
+        prow = [cp.empty((n, D), dtype=ck.bfloat16) for _ in range(2)]
+        g.pack(pid[0], prow[0])
+        g2 = ck.SparseRowGrad(V, D, xp=cp)
+        g2.accumulate(ids[-1], douts[-1])
+        g2.pack(pid[1], prow[1])
+        u2 = int(cp.unique(cp.concatenate([ids[0], ids[-1]])).size)
+        out.append(Case("embedding rows pack", shape, dn, uniq * D * (4 + 2) + 8 * uniq, "u*D*(4+2) + 8*u",
+                        lambda i, g=g: g.pack(pid[0], prow[0]), note=f"fp32 rows -> bf16 wire, u={uniq}"))
+        out.append(Case("embedding rows merge x2", shape, dn,
+                        2 * n * D * 2 + u2 * D * 4 + (2 * uniq - u2) * D * 8 + 16 * n,
+                        "2 packs read + u2 rows written + shared rows read+written",
+                        lambda i, g=g: g.merge(list(zip(pid, prow)), scale=0.5),
+                        note=f"2 ranks' bf16 packs -> fp32 rows, union u2={u2}"))
     return out

@@ -1,0 +1,142 @@
+"""Where the sm_90 attention kernels' time goes: each kernel (fwd, bwd dq, bwd dkdv) timed alone over a sweep of
+sequence lengths at a fixed token count, causal and full, then fitted per kernel to
+
+    time x SMs = fixed x CTAs + per_tile x tiles        (least squares over the sweep)
+
+so ``fixed`` is what a CTA costs beyond its key (or query) tiles: the prologue (barrier init, the Q / K-V
+pipeline filling from HBM), the epilogue (O / dQ / dK-dV stores) and the wave tail. PyTorch's SDPA (cuDNN /
+flash) forward and forward+backward are timed beside for reference. GPU only (sm_90).
+
+    PYTHONPATH=. python benchmarks/attention_sweep.py [--tokens 8192] [--reps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import cupy as cp
+
+sys.path.insert(0, ".")
+import cukernels as ck  # noqa: E402
+from cukernels.ops import attention_sm90 as A  # noqa: E402
+
+
+def _time(fn, reps):
+    for _ in range(2):
+        fn()
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    best = []
+    for _ in range(3):
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        best.append(cp.cuda.get_elapsed_time(s, e) / reps * 1e3)
+    return min(best)  # microseconds
+
+
+def _work(T, H, Hkv, D, causal):
+    """(CTAs, tiles) of the three kernels: fwd (128 query rows, BN-key tiles), dq (128 rows, 64-key tiles),
+    dkdv (128 keys, BQ-query tiles x G heads)."""
+    bn, _ = A.CONFIG[D]
+    dbn, _, bq, _ = A.BWD_CONFIG[D]
+    nmb, G = -(-T // 128), H // Hkv
+    fw = sum((min(T, q0 + 128) if causal else T) // bn + ((min(T, q0 + 128) if causal else T) % bn > 0)
+             for q0 in range(0, T, 128))
+    dq = sum(-(-(min(T, q0 + 128) if causal else T) // dbn) for q0 in range(0, T, 128))
+    nqb = -(-T // bq)
+    kv = sum(G * (nqb - (k0 // bq if causal else 0)) for k0 in range(0, T, 128))
+    return {"fwd": (nmb * H, fw * H), "dq": (nmb * H, dq * H), "dkdv": (nmb * Hkv, kv)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--heads", default="32/8")
+    ap.add_argument("--dim", type=int, default=64)
+    a = ap.parse_args()
+    H, Hkv = map(int, a.heads.split("/"))
+    D = a.dim
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception:
+        torch = None
+    rows = []
+    print(f"H{H}/{Hkv} D{D}, {a.tokens} tokens a call, {sms} SMs; times in us (best of 3 x {a.reps})")
+    print(f"{'T':>5s} {'B':>3s} {'causal':>6s} | {'fwd':>7s} {'dq':>7s} {'dkdv':>7s} {'bwd':>7s} | "
+          f"{'sdpa fwd':>8s} {'sdpa bwd':>8s} | fwd x  bwd x")
+    for causal in (True, False):
+        for T in (256, 512, 1024, 2048, 4096):
+            Bsz = max(1, a.tokens // T)
+            r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)
+            q, k, v, do = r(Bsz, T, H, D), r(Bsz, T, Hkv, D), r(Bsz, T, Hkv, D), r(Bsz, T, H, D)
+            o, lse = A.flash_attention_sm90(q, k, v, causal=causal, return_lse=True)
+            dq, dk, dv = (cp.empty_like(q), cp.empty_like(k), cp.empty_like(v))
+            delta = cp.empty((Bsz, H, T), dtype=cp.float32)
+            sq, sk, sv, sd = (A._strides(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do)))
+            tail = (np.int32(T), np.int32(T), np.int32(H), np.int32(Hkv), np.float32(D ** -0.5), np.bool_(causal))
+            kf, smf = A._kernel(D, A.VARIANT)
+            kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
+            kd, smd = A._kernel(D, A.BWD_VARIANT, "dkdv")
+            nmb = -(-T // 128)
+            t = {
+                "fwd": _time(lambda: kf((nmb, H, Bsz), (A.THREADS, 1, 1), (q, k, v, o, lse, *sq, *sk, *sv, *tail),
+                                        shared_mem=smf), a.reps),
+                "dq": _time(lambda: kq((nmb, H, Bsz), (A.THREADS, 1, 1),
+                                       (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail),
+                                       shared_mem=smq), a.reps),
+                "dkdv": _time(lambda: kd((nmb, Hkv, Bsz), (A.THREADS, 1, 1),
+                                         (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail),
+                                         shared_mem=smd), a.reps),
+            }
+            tf = tb = float("nan")
+            if torch is not None:
+                tq = torch.randn(Bsz, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                tk = torch.randn(Bsz, Hkv, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                tv = torch.randn(Bsz, Hkv, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                tdo = torch.randn(Bsz, H, T, D, device="cuda", dtype=torch.bfloat16)
+                fw = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+                to = fw()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                best_f, best_b = [], []
+                for _ in range(3):
+                    ev[0].record()
+                    for _ in range(a.reps):
+                        fw()
+                    ev[1].record()
+                    for _ in range(a.reps):
+                        torch.autograd.grad(to, (tq, tk, tv), tdo, retain_graph=True)
+                    ev[2].record()
+                    torch.cuda.synchronize()
+                    best_f.append(ev[0].elapsed_time(ev[1]) / a.reps * 1e3)
+                    best_b.append(ev[1].elapsed_time(ev[2]) / a.reps * 1e3)
+                tf, tb = min(best_f), min(best_b)
+            bwd = t["dq"] + t["dkdv"]
+            print(f"{T:5d} {Bsz:3d} {str(causal):>6s} | {t['fwd']:7.1f} {t['dq']:7.1f} {t['dkdv']:7.1f} {bwd:7.1f} | "
+                  f"{tf:8.1f} {tb:8.1f} | {tf / t['fwd']:.2f}x {tb / bwd:.2f}x")
+            w = _work(T, H, Hkv, D, causal)
+            for kname in t:
+                c, n = w[kname]
+                rows.append((kname, T, causal, Bsz * c, Bsz * n, t[kname]))
+            del q, k, v, do, o, lse, dq, dk, dv, delta
+    print("\nfit per kernel: time x SMs = fixed x CTAs + per_tile x tiles (us of one SM)")
+    for kname in ("fwd", "dq", "dkdv"):
+        R = [r for r in rows if r[0] == kname]
+        X = np.array([[r[3], r[4]] for r in R], dtype=np.float64)
+        y = np.array([r[5] * sms for r in R])
+        (c0, c1), *_ = np.linalg.lstsq(X, y, rcond=None)
+        worst = max(abs(X[i] @ (c0, c1) - y[i]) / y[i] for i in range(len(R)))
+        print(f"  {kname:5s} fixed {c0:6.2f} us a CTA, {c1:6.3f} us a tile (worst fit error {worst:.0%})")
+        for r in R:
+            if (r[1] in (1024, 4096)) and r[2]:
+                share = c0 * r[3] / (r[5] * sms)
+                print(f"        T{r[1]} causal: {r[3]} CTAs, {r[4]} tiles, {r[5]:.1f} us; fixed part {share:.0%}")
+
+
+if __name__ == "__main__":
+    main()
