@@ -38,8 +38,8 @@ def _time(fn, reps):
 
 
 def _work(T, H, Hkv, D, causal):
-    """(CTAs, tiles) of the three kernels: fwd (128 query rows, BN-key tiles), dq (128 rows, 64-key tiles),
-    dkdv (128 keys, BQ-query tiles x G heads)."""
+    """(work tiles, inner tiles) of the three kernels per batch row: fwd (128 query rows, BN-key tiles), dq (128
+    rows, 64-key tiles), dkdv (128 keys, BQ-query tiles x G heads)."""
     bn, _ = A.CONFIG[D]
     dbn, _, bq, _ = A.BWD_CONFIG[D]
     nmb, G = -(-T // 128), H // Hkv
@@ -48,7 +48,7 @@ def _work(T, H, Hkv, D, causal):
     dq = sum(-(-(min(T, q0 + 128) if causal else T) // dbn) for q0 in range(0, T, 128))
     nqb = -(-T // bq)
     kv = sum(G * (nqb - (k0 // bq if causal else 0)) for k0 in range(0, T, 128))
-    return {"fwd": (nmb * H, fw * H), "dq": (nmb * H, dq * H), "dkdv": (nmb * Hkv, kv)}
+    return {"fwd": (nmb * H, fw * H), "dq": (nmb * H, dq * H), "dkdv": (nmb * Hkv, kv * Hkv)}
 
 
 def main():
@@ -68,8 +68,8 @@ def main():
         torch = None
     rows = []
     print(f"H{H}/{Hkv} D{D}, {a.tokens} tokens a call, {sms} SMs; times in us (best of 3 x {a.reps})")
-    print(f"{'T':>5s} {'B':>3s} {'causal':>6s} | {'fwd':>7s} {'dq':>7s} {'dkdv':>7s} {'bwd':>7s} | "
-          f"{'sdpa fwd':>8s} {'sdpa bwd':>8s} | fwd x  bwd x")
+    print(f"{'T':>5s} {'B':>3s} {'causal':>6s} {'grid':>8s} | {'fwd':>7s} {'dq':>7s} {'dkdv':>7s} {'bwd':>7s} | "
+          f"{'sdpa fwd':>8s} {'sdpa bwd':>8s} | fwd x bwd x  f+b x")
     for causal in (True, False):
         for T in (256, 512, 1024, 2048, 4096):
             Bsz = max(1, a.tokens // T)
@@ -83,17 +83,24 @@ def main():
             kf, smf = A._kernel(D, A.VARIANT)
             kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
             kd, smd = A._kernel(D, A.BWD_VARIANT, "dkdv")
+            tail = (*tail, np.int32(Bsz))
             nmb = -(-T // 128)
-            t = {
-                "fwd": _time(lambda: kf((nmb, H, Bsz), (A.THREADS, 1, 1), (q, k, v, o, lse, *sq, *sk, *sv, *tail),
-                                        shared_mem=smf), a.reps),
-                "dq": _time(lambda: kq((nmb, H, Bsz), (A.THREADS, 1, 1),
-                                       (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail),
-                                       shared_mem=smq), a.reps),
-                "dkdv": _time(lambda: kd((nmb, Hkv, Bsz), (A.THREADS, 1, 1),
-                                         (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail),
-                                         shared_mem=smd), a.reps),
-            }
+            tq_, tkv = nmb * H * Bsz, nmb * Hkv * Bsz
+            tp = {}
+            for persistent in (False, True):  # one CTA per work tile (the old schedule), then persistent CTAs
+                A.PERSISTENT = persistent
+                tp[persistent] = {
+                    "fwd": _time(lambda: kf((A.grid(tq_),), (A.THREADS, 1, 1),
+                                            (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smf), a.reps),
+                    "dq": _time(lambda: kq((A.grid(tq_),), (A.THREADS, 1, 1),
+                                           (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail),
+                                           shared_mem=smq), a.reps),
+                    "dkdv": _time(lambda: kd((A.grid(tkv),), (A.THREADS, 1, 1),
+                                             (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail),
+                                             shared_mem=smd), a.reps),
+                }
+            A.PERSISTENT = True
+            t = tp[False]
             tf = tb = float("nan")
             if torch is not None:
                 tq = torch.randn(Bsz, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -116,15 +123,18 @@ def main():
                     best_f.append(ev[0].elapsed_time(ev[1]) / a.reps * 1e3)
                     best_b.append(ev[1].elapsed_time(ev[2]) / a.reps * 1e3)
                 tf, tb = min(best_f), min(best_b)
-            bwd = t["dq"] + t["dkdv"]
-            print(f"{T:5d} {Bsz:3d} {str(causal):>6s} | {t['fwd']:7.1f} {t['dq']:7.1f} {t['dkdv']:7.1f} {bwd:7.1f} | "
-                  f"{tf:8.1f} {tb:8.1f} | {tf / t['fwd']:.2f}x {tb / bwd:.2f}x")
+            for persistent in (False, True):
+                t_ = tp[persistent]
+                bwd = t_["dq"] + t_["dkdv"]
+                print(f"{T:5d} {Bsz:3d} {str(causal):>6s} {'persist' if persistent else 'per-tile':>8s} | "
+                      f"{t_['fwd']:7.1f} {t_['dq']:7.1f} {t_['dkdv']:7.1f} {bwd:7.1f} | "
+                      f"{tf:8.1f} {tb:8.1f} | {tf / t_['fwd']:.2f}x {tb / bwd:.2f}x {(tf + tb) / (t_['fwd'] + bwd):.2f}x")
             w = _work(T, H, Hkv, D, causal)
             for kname in t:
                 c, n = w[kname]
                 rows.append((kname, T, causal, Bsz * c, Bsz * n, t[kname]))
             del q, k, v, do, o, lse, dq, dk, dv, delta
-    print("\nfit per kernel: time x SMs = fixed x CTAs + per_tile x tiles (us of one SM)")
+    print("\nfit per kernel, one CTA per tile: time x SMs = fixed x CTAs + per_tile x tiles (us of one SM)")
     for kname in ("fwd", "dq", "dkdv"):
         R = [r for r in rows if r[0] == kname]
         X = np.array([[r[3], r[4]] for r in R], dtype=np.float64)

@@ -430,3 +430,13 @@ PY
     python /tmp/ncu_attn.py > "$out/ncu_attn.txt" 2> "$out/ncu_attn.err"; echo "ncu rc $?"
   grep -E "attn_sm90|Duration|SM Busy|Compute \(SM\)|Memory Throughput|Achieved Occupancy|Issue Slots|Executed Ipc A|Stall|L2 Hit|DRAM Throughput" "$out/ncu_attn.txt" | head -150
 fi
+if [ "$stage" = "s10b" ]; then  # session 10, call B: the persistent attention kernels (tests first, a hang shows)
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(['attention_sm90','attention','embedding']); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 90 python -m pytest -m gpu -q -p no:cacheprovider -x --tb=short tests/test_attention_sm90.py -k smoke 2>&1 \
+    | tee "$out/sm90_smoke.log" | tail -n 8
+  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_attention_sm90.py \
+    tests/test_attention.py 2>&1 | tee "$out/gpu_tests_attn.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 30
+  timeout 200 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log"
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only attention_sm90,embedding \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^(flash|embedding)|Error" "$out/bench_ops.log"
+fi

@@ -35,7 +35,10 @@
 //     tests/test_attention_sm90.py (CPU), checked before any GPU run.
 //   * Causal: key tiles past the CTA's last visible key are never loaded; a consumer whose 64 rows see none of a
 //     tile's keys skips its math (it still releases the stage); only tiles crossing the diagonal (or Tk) are
-//     masked. CTAs are scheduled heaviest first.
+//     masked. Work tiles are taken heaviest first.
+//   * Persistent CTAs (one per SM, striding over the work tiles): the producer loads the next tile's Q and
+//     first K / V stages while the consumers finish the current one; a "Q empty" mbarrier, arrived on once the
+//     tile's last S has read Q, orders the reuse of the Q tile (the backward kernels' fixed tiles likewise).
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 
@@ -307,22 +310,54 @@ struct Strides {
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
 
+// Persistent CTAs: the grid is at most one CTA per SM and each CTA walks an ordered list of work tiles (heaviest
+// first), so the producer loads the next tile's Q (or K / V) and first stages while the consumers finish the
+// current tile (last products, epilogue). Measured before (session 10, run A, the sweep fit of
+// benchmarks/attention_sweep.py): a CTA cost ~3.9 us beyond its tiles (fwd; dq 4.0, dkdv ~11), 41 % of the
+// forward at B8 x T1024 causal. Tile t = (r, rest): r = t / (heads * B) is the row block (heaviest first under
+// the causal mask), rest % heads the head, rest / heads the batch (the G query heads of a K/V head adjacent).
+// The walk is a snake: round k takes tiles k * grid .. (k + 1) * grid - 1, CTA c the c-th of them in even rounds
+// and the (grid - 1 - c)-th in odd ones, so the CTA that drew the heaviest tile of a round draws the lightest of
+// the next (static stride instead: the dkdv kernel at B2 x T4096 causal would give its busiest CTA 672 query
+// tiles against a mean of 543; the snake gives 544).
+struct TileIdx {
+  int blk, h, b;
+};
+__device__ __forceinline__ TileIdx tile_at(int t, int nblk, int heads, int B, bool rev) {
+  const int per = heads * B, r = t / per, rest = t - r * per;
+  return TileIdx{rev ? nblk - 1 - r : r, rest % heads, rest / heads};
+}
+__device__ __forceinline__ int snake_tile(int k) {
+  return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+// A running ring position: stage index and mbarrier phase of the n-th use of a STAGES-deep ring.
+template <int STAGES> struct Ring {
+  int st = 0, ph = 0;
+  __device__ __forceinline__ void next() {
+    if (++st == STAGES) {
+      st = 0;
+      ph ^= 1;
+    }
+  }
+};
+
 template <int D, int BN, int STAGES> struct Smem {
   static constexpr int Q = BM * D * 2;       // Q tile bytes
   static constexpr int KV = BN * D * 2;      // one K (or V) stage
-  static constexpr int BARS = 8 * (1 + 2 * STAGES);
+  static constexpr int BARS = 8 * (2 + 2 * STAGES);  // Q full, Q empty, full and empty per stage
   static constexpr int BYTES = Q + 2 * STAGES * KV + BARS + 1024;  // + 1024: the base is aligned up at run time
 };
 
 }  // namespace
 
 // ================================================================================================ forward
-// Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory Smem<D, BN, STAGES>::BYTES.
+// Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
+// Smem<D, BN, STAGES>::BYTES.
 template <int D, int BN, int STAGES, bool PP>
 __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
-                                              int Tk, int H, int Hkv, float scale, bool causal) {
+                                              int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {
   using SM = Smem<D, BN, STAGES>;
   static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle rows / wgmma N steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -331,23 +366,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   unsigned char* Qs = base;
   unsigned char* Ks = base + SM::Q;            // [STAGES][BN x D]
   unsigned char* Vs = Ks + STAGES * SM::KV;    // [STAGES][BN x D]
-  const unsigned qbar = smem_addr(Vs + STAGES * SM::KV);
-  const unsigned full0 = qbar + 8, empty0 = qbar + 8 + 8 * STAGES;
+  const unsigned qbar = smem_addr(Vs + STAGES * SM::KV), qempty = qbar + 8;
+  const unsigned full0 = qbar + 16, empty0 = qbar + 16 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // heaviest causal tiles first
-  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
-  const int q0 = mb * BM;
   const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
-  int kend = Tk;
-  if (causal) kend = min(Tk, q0 + BM + off);
-  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+  const int nmb = (Tq + BM - 1) / BM, ntiles = nmb * H * Bsz;
 
   if (tid == 0) {
-    mbar_init(qbar, WG);
+    mbar_init(qbar, WG);        // one cp.async arrive per producer thread
+    mbar_init(qempty, 2 * WG);  // one arrive per consumer thread: the tile's last S has read Q
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, WG);       // one cp.async arrive per producer thread
-      mbar_init(empty0 + 8 * s, 2 * WG);  // one arrive per consumer thread
+      mbar_init(full0 + 8 * s, WG);
+      mbar_init(empty0 + 8 * s, 2 * WG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -355,18 +386,27 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    const bf16* kp = k + b * sk.b + j * sk.h;
-    const bf16* vp = v + b * sv.b + j * sv.h;
-    load_swz<D, BM>(Qs, q + b * sq.b + h * sq.h, sq.t, q0, Tq, tid);
-    cp_async_arrive(qbar);
-    for (int jb = 0; jb < nkb; ++jb) {
-      const int st = jb % STAGES;
-      // Stage st was last used by tile jb - STAGES; its consumers' release completed phase jb / STAGES - 1.
-      // (The first STAGES waits ask for parity 1, the phase "before" a fresh barrier's: they pass at once.)
-      mbar_wait(empty0 + 8 * st, ((jb / STAGES) & 1) ^ 1);
-      load_swz<D, BN>(Ks + st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
-      load_swz<D, BN>(Vs + st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
-      cp_async_arrive(full0 + 8 * st);
+    Ring<STAGES> ring;
+    int tc = 0;
+    for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+      const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);  // heaviest causal tiles first
+      const int q0 = ti.blk * BM, j = ti.h / (H / Hkv);
+      const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+      const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+      const bf16* kp = k + ti.b * sk.b + j * sk.h;
+      const bf16* vp = v + ti.b * sv.b + j * sv.h;
+      // The previous tile's consumers release Q after its last S (the first wait asks for the phase "before" a
+      // fresh barrier's and passes at once); the new Q then lands under their last P V and epilogue.
+      mbar_wait(qempty, (tc & 1) ^ 1);
+      load_swz<D, BM>(Qs, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
+      cp_async_arrive(qbar);
+      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+        // This stage was last filled STAGES uses ago (possibly for the previous tile); wait for its release.
+        mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
+        load_swz<D, BN>(Ks + ring.st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
+        load_swz<D, BN>(Vs + ring.st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
+        cp_async_arrive(full0 + 8 * ring.st);
+      }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     return;
@@ -375,148 +415,166 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   // ---------------------------------------------------------------------------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
-  const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
   const float sl2 = scale * LOG2E;
   const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128;  // this warpgroup's 64 rows in each column block
+  Ring<STAGES> ring;
+  int tc = 0;
+  for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+    const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
+    const int h = ti.h, b = ti.b, q0 = ti.blk * BM;
+    const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+    const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+    const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
 
-  float acc[D / 8][4];
-  zero(acc);
-  float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
-  mbar_wait(qbar, 0);
+    float acc[D / 8][4];
+    zero(acc);
+    float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
+    mbar_wait(qbar, tc & 1);
 
-  if constexpr (!PP) {
-    // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the warp
-    // schedulers happen to interleave them.
-    for (int jb = 0; jb < nkb; ++jb) {
-      const int st = jb % STAGES, n0 = jb * BN;
-      mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
-      // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release it.
-      if (causal && n0 > rbase + 63 + off) {
-        mbar_arrive(empty0 + 8 * st);
-        continue;
+    if constexpr (!PP) {
+      // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the
+      // warp schedulers happen to interleave them.
+      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+        const int st = ring.st, n0 = jb * BN;
+        mbar_wait(full0 + 8 * st, ring.ph);
+        // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release
+        // it.
+        if (causal && n0 > rbase + 63 + off) {
+          mbar_arrive(empty0 + 8 * st);
+          continue;
+        }
+        fence_proxy_async();
+        float s[BN / 8][4];
+        zero(s);
+        fence_regs(s);
+        wgmma_fence();
+        issue_s<D, BN>(s, qaddr, smem_addr(Ks + st * SM::KV));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+        online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
+        unsigned pa[BN / 16][4];
+        pack_p<BN>(pa, s);
+        fence_regs(acc);
+        wgmma_fence();
+        issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(pa);
+        mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
       }
-      fence_proxy_async();
+      mbar_arrive(qempty);
+    } else if (nkb > 0) {
+      // Pipelined (FlashAttention-3's schedule): each "GEMM block" issues S for tile j + 1 and P V for tile j
+      // back to back, then the softmax of tile j + 1 runs while P V (tile j) is still on the tensor cores
+      // (wait_group 1: S, committed first, is done). Ping-pong: named barrier 1 + cw lets warpgroup cw issue its
+      // GEMM block, after which it lets the other one go, so one warpgroup's exponentials overlap the other's
+      // GEMMs (at D = 64 the 16 K exp2 of a 128 x 128 tile take ~1000 cycles of the SM's MUFU, about as long as
+      // its 4.2 MFLOP of wgmma). Block count per warpgroup: 1 (S of tile 0) + nkb; every sync on a barrier is
+      // matched by exactly one arrive of the other warpgroup (warpgroup 1 opens with one, and skips its very
+      // last), so none is left pending at the end of a work tile. Both warpgroups run every tile (no
+      // per-warpgroup causal skip here: it would unbalance the barriers; the -inf rows of a fully masked tile
+      // leave the softmax state unchanged).
+      const int mine = 1 + cw, other = 2 - cw;
+      if (cw == 1) named_arrive(other);
       float s[BN / 8][4];
-      zero(s);
-      fence_regs(s);
-      wgmma_fence();
-      issue_s<D, BN>(s, qaddr, smem_addr(Ks + st * SM::KV));
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(s);
-      if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
-      online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
       unsigned pa[BN / 16][4];
-      pack_p<BN>(pa, s);
-      fence_regs(acc);
-      wgmma_fence();
-      issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
-      fence_regs(pa);
-      mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
-    }
-  } else if (nkb > 0) {
-    // Pipelined (FlashAttention-3's schedule): each "GEMM block" issues S for tile j + 1 and P V for tile j back
-    // to back, then the softmax of tile j + 1 runs while P V (tile j) is still on the tensor cores (wait_group 1:
-    // S, committed first, is done). Ping-pong: named barrier 1 + cw lets warpgroup cw issue its GEMM block, after
-    // which it lets the other one go, so one warpgroup's exponentials overlap the other's GEMMs (at D = 64 the
-    // 16 K exp2 of a 128 x 128 tile take ~1000 cycles of the SM's MUFU, about as long as its 4.2 MFLOP of wgmma).
-    // Block count per warpgroup: 1 (S of tile 0) + nkb; every sync on a barrier is matched by exactly one arrive
-    // of the other warpgroup (warpgroup 1 opens with one, and skips its very last), so none is left pending.
-    // Both warpgroups run every tile (no per-warpgroup causal skip here: it would unbalance the barriers; the
-    // -inf rows of a fully masked tile leave the softmax state unchanged).
-    const int mine = 1 + cw, other = 2 - cw;
-    if (cw == 1) named_arrive(other);
-    float s[BN / 8][4];
-    unsigned pa[BN / 16][4];
-    mbar_wait(full0, 0);
-    fence_proxy_async();
-    named_sync(mine);
-    zero(s);
-    fence_regs(s);
-    wgmma_fence();
-    issue_s<D, BN>(s, qaddr, smem_addr(Ks));
-    wgmma_commit();
-    named_arrive(other);
-    wgmma_wait<0>();
-    fence_regs(s);
-    if (BN > Tk || (causal && BN - 1 > row0 + off)) mask_tile<BN>(s, row0, 0, Tk, off, causal, lane);
-    float cr0, cr1;
-    softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);  // acc is still 0: no rescale needed
-    pack_p<BN>(pa, s);
-    // Blocks 1 .. nkb - 1: S of tile jb + 1 and P V of tile jb. Straight-line wgmma issue (no branch between
-    // the issues and their waits: ptxas serialises every wgmma of a function whose pipeline it cannot follow
-    // through a divergent path).
-    for (int jb = 0; jb + 1 < nkb; ++jb) {
-      const int st = jb % STAGES, st1 = (jb + 1) % STAGES, n1 = (jb + 1) * BN;
-      mbar_wait(full0 + 8 * st1, ((jb + 1) / STAGES) & 1);
+      mbar_wait(full0 + 8 * ring.st, ring.ph);
       fence_proxy_async();
       named_sync(mine);
       zero(s);
       fence_regs(s);
+      wgmma_fence();
+      issue_s<D, BN>(s, qaddr, smem_addr(Ks + ring.st * SM::KV));
+      wgmma_commit();
+      named_arrive(other);
+      wgmma_wait<0>();
+      fence_regs(s);
+      if (nkb == 1) mbar_arrive(qempty);  // the tile's last S has read Q
+      if (BN > Tk || (causal && BN - 1 > row0 + off)) mask_tile<BN>(s, row0, 0, Tk, off, causal, lane);
+      float cr0, cr1;
+      softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);  // acc is still 0: no rescale needed
+      pack_p<BN>(pa, s);
+      // Blocks 1 .. nkb - 1: S of tile jb + 1 and P V of tile jb. Straight-line wgmma issue (no branch between
+      // the issues and their waits: ptxas serialises every wgmma of a function whose pipeline it cannot follow
+      // through a divergent path).
+      for (int jb = 0; jb + 1 < nkb; ++jb) {
+        const int st = ring.st, n1 = (jb + 1) * BN;
+        ring.next();
+        const int st1 = ring.st;
+        mbar_wait(full0 + 8 * st1, ring.ph);
+        fence_proxy_async();
+        named_sync(mine);
+        zero(s);
+        fence_regs(s);
+        fence_regs(acc);
+        fence_regs(pa);
+        wgmma_fence();
+        issue_s<D, BN>(s, qaddr, smem_addr(Ks + st1 * SM::KV));
+        wgmma_commit();
+        issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
+        wgmma_commit();
+        named_arrive(other);
+        wgmma_wait<1>();  // S of tile jb + 1 is done; P V of tile jb may still run
+        fence_regs(s);
+        if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n1, Tk, off, causal, lane);
+        softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);
+        wgmma_wait<0>();
+        fence_regs(acc);
+        fence_regs(pa);
+        mbar_arrive(empty0 + 8 * st);  // V of tile jb read (its K was read before the previous block ended)
+        if (jb + 2 == nkb) mbar_arrive(qempty);  // S of the last tile has read Q
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+          acc[nt][0] *= cr0;
+          acc[nt][1] *= cr0;
+          acc[nt][2] *= cr1;
+          acc[nt][3] *= cr1;
+        }
+        pack_p<BN>(pa, s);
+      }
+      // Last block: P V of tile nkb - 1 (warpgroup 1 does not open another block of warpgroup 0's).
+      const int st = ring.st;
+      ring.next();
+      named_sync(mine);
       fence_regs(acc);
       fence_regs(pa);
       wgmma_fence();
-      issue_s<D, BN>(s, qaddr, smem_addr(Ks + st1 * SM::KV));
-      wgmma_commit();
       issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
       wgmma_commit();
-      named_arrive(other);
-      wgmma_wait<1>();  // S of tile jb + 1 is done; P V of tile jb may still run
-      fence_regs(s);
-      if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n1, Tk, off, causal, lane);
-      softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);
+      if (cw == 0) named_arrive(other);
       wgmma_wait<0>();
       fence_regs(acc);
       fence_regs(pa);
-      mbar_arrive(empty0 + 8 * st);  // V of tile jb read (its K was read before the previous block ended)
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        acc[nt][0] *= cr0;
-        acc[nt][1] *= cr0;
-        acc[nt][2] *= cr1;
-        acc[nt][3] *= cr1;
-      }
-      pack_p<BN>(pa, s);
+      mbar_arrive(empty0 + 8 * st);
+    } else {
+      mbar_arrive(qempty);  // no key visible (Tk = 0, or every key past the causal bound): Q unused
     }
-    // Last block: P V of tile nkb - 1 (warpgroup 1 does not open another block of warpgroup 0's).
-    const int st = (nkb - 1) % STAGES;
-    named_sync(mine);
-    fence_regs(acc);
-    fence_regs(pa);
-    wgmma_fence();
-    issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
-    wgmma_commit();
-    if (cw == 0) named_arrive(other);
-    wgmma_wait<0>();
-    fence_regs(acc);
-    fence_regs(pa);
-    mbar_arrive(empty0 + 8 * st);
-  }
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  // o [B, Tq, H, D] contiguous; lse [B, H, Tq] in natural-log units (attention.cu's format). A row that saw no
-  // key (Tq > Tk under the causal alignment) gets o = 0 and lse = -inf.
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  const int r0 = row0 + g, r1 = r0 + 8, c2 = (lane & 3) * 2;
-  bf16* op = o + ((long long)b * Tq * H + h) * D;
-  const long long ld = (long long)H * D;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    // o [B, Tq, H, D] contiguous; lse [B, H, Tq] in natural-log units (attention.cu's format). A row that saw no
+    // key (Tq > Tk under the causal alignment) gets o = 0 and lse = -inf.
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    const int r0 = row0 + g, r1 = r0 + 8, c2 = (lane & 3) * 2;
+    bf16* op = o + ((long long)b * Tq * H + h) * D;
+    const long long ld = (long long)H * D;
 #pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    if (r0 < Tq)
-      *reinterpret_cast<unsigned*>(op + r0 * ld + nt * 8 + c2) = pack_bf16(acc[nt][0] * inv0, acc[nt][1] * inv0);
-    if (r1 < Tq)
-      *reinterpret_cast<unsigned*>(op + r1 * ld + nt * 8 + c2) = pack_bf16(acc[nt][2] * inv1, acc[nt][3] * inv1);
-  }
-  if ((lane & 3) == 0) {
-    float* lp = lse + ((long long)b * H + h) * Tq;
-    if (r0 < Tq) lp[r0] = l0 > 0.f ? (m0 + __log2f(l0)) / LOG2E : -CK_INF;
-    if (r1 < Tq) lp[r1] = l1 > 0.f ? (m1 + __log2f(l1)) / LOG2E : -CK_INF;
+    for (int nt = 0; nt < D / 8; ++nt) {
+      if (r0 < Tq)
+        *reinterpret_cast<unsigned*>(op + r0 * ld + nt * 8 + c2) = pack_bf16(acc[nt][0] * inv0, acc[nt][1] * inv0);
+      if (r1 < Tq)
+        *reinterpret_cast<unsigned*>(op + r1 * ld + nt * 8 + c2) = pack_bf16(acc[nt][2] * inv1, acc[nt][3] * inv1);
+    }
+    if ((lane & 3) == 0) {
+      float* lp = lse + ((long long)b * H + h) * Tq;
+      if (r0 < Tq) lp[r0] = l0 > 0.f ? (m0 + __log2f(l0)) / LOG2E : -CK_INF;
+      if (r1 < Tq) lp[r1] = l1 > 0.f ? (m1 + __log2f(l1)) / LOG2E : -CK_INF;
+    }
   }
 }
 
@@ -553,39 +611,38 @@ __device__ __forceinline__ void store_acc(bf16* dst, long long ld, int row0, int
 __device__ __forceinline__ float lse_offset(float l) { return l == -CK_INF ? CK_INF : l * LOG2E; }
 
 template <int D, int BN, int STAGES> struct SmemDq {
-  static constexpr int FIX = 2 * BM * D * 2;  // Q and dO tiles
+  static constexpr int FIX = 3 * BM * D * 2;  // Q, dO and O tiles (O: delta = rowsum(dO * O) from shared memory)
   static constexpr int KV = BN * D * 2;
-  static constexpr int BYTES = FIX + 2 * STAGES * KV + 8 * (1 + 2 * STAGES) + 1024;
+  static constexpr int BYTES = FIX + 2 * STAGES * KV + 8 * (2 + 2 * STAGES) + 1024;
 };
 
-// Grid (ceil(Tq / 128), H, B); 384 threads; dynamic shared memory SmemDq<D, BN, STAGES>::BYTES.
+// Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
+// SmemDq<D, BN, STAGES>::BYTES.
 template <int D, int BN, int STAGES, bool PP>
 __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ v, const bf16* __restrict__ o,
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
                                                  float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                                  Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                                 float scale, bool causal) {
+                                                 float scale, bool causal, int Bsz) {
   using SM = SmemDq<D, BN, STAGES>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* Qs = base;
   unsigned char* dOs = base + BM * D * 2;
+  unsigned char* Os = base + 2 * BM * D * 2;
   unsigned char* Ks = base + SM::FIX;        // [STAGES][BN x D]
   unsigned char* Vs = Ks + STAGES * SM::KV;  // [STAGES][BN x D]
-  const unsigned fixbar = smem_addr(Vs + STAGES * SM::KV);
-  const unsigned full0 = fixbar + 8, empty0 = fixbar + 8 + 8 * STAGES;
+  const unsigned fixbar = smem_addr(Vs + STAGES * SM::KV), fixempty = fixbar + 8;
+  const unsigned full0 = fixbar + 16, empty0 = fixbar + 16 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
-  const int mb = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, j = h / (H / Hkv);
-  const int q0 = mb * BM, off = Tk - Tq;
-  int kend = Tk;
-  if (causal) kend = min(Tk, q0 + BM + off);
-  const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+  const int off = Tk - Tq;
+  const int nmb = (Tq + BM - 1) / BM, ntiles = nmb * H * Bsz;
 
   if (tid == 0) {
     mbar_init(fixbar, WG);
+    mbar_init(fixempty, 2 * WG);  // the tile's last S / dP have read Q and dO
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
       mbar_init(empty0 + 8 * s, 2 * WG);
@@ -596,17 +653,26 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    const bf16* kp = k + b * sk.b + j * sk.h;
-    const bf16* vp = v + b * sv.b + j * sv.h;
-    load_swz<D, BM>(Qs, q + b * sq.b + h * sq.h, sq.t, q0, Tq, tid);
-    load_swz<D, BM>(dOs, dout + b * sdo.b + h * sdo.h, sdo.t, q0, Tq, tid);
-    cp_async_arrive(fixbar);
-    for (int jb = 0; jb < nkb; ++jb) {
-      const int st = jb % STAGES;
-      mbar_wait(empty0 + 8 * st, ((jb / STAGES) & 1) ^ 1);
-      load_swz<D, BN>(Ks + st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
-      load_swz<D, BN>(Vs + st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
-      cp_async_arrive(full0 + 8 * st);
+    Ring<STAGES> ring;
+    int tc = 0;
+    for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+      const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
+      const int q0 = ti.blk * BM, j = ti.h / (H / Hkv);
+      const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+      const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+      const bf16* kp = k + ti.b * sk.b + j * sk.h;
+      const bf16* vp = v + ti.b * sv.b + j * sv.h;
+      mbar_wait(fixempty, (tc & 1) ^ 1);
+      load_swz<D, BM>(Qs, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
+      load_swz<D, BM>(dOs, dout + ti.b * sdo.b + ti.h * sdo.h, sdo.t, q0, Tq, tid);
+      load_swz<D, BM>(Os, o + ((long long)ti.b * Tq * H + ti.h) * D, (long long)H * D, q0, Tq, tid);
+      cp_async_arrive(fixbar);
+      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+        mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
+        load_swz<D, BN>(Ks + ring.st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
+        load_swz<D, BN>(Vs + ring.st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
+        cp_async_arrive(full0 + 8 * ring.st);
+      }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     return;
@@ -615,32 +681,41 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
   // ---------------------------------------------------------------------------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
-  const int rbase = q0 + cw * 64, row0 = rbase + warp * 16, r0 = row0 + g, r1 = r0 + 8;
   const float sl2 = scale * LOG2E;
   const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128, doaddr = smem_addr(dOs) + cw * 64 * 128;
+  const int lr0 = cw * 64 + warp * 16 + g, lr1 = lr0 + 8;  // this thread's two rows within the tile
+  const Turns<PP> turns(cw);
+  Ring<STAGES> ring;
+  int tc = 0;
+  for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+    const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
+    const int h = ti.h, b = ti.b, q0 = ti.blk * BM;
+    const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+    const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+    const int rbase = q0 + cw * 64, row0 = rbase + warp * 16, r0 = q0 + lr0, r1 = q0 + lr1;
+    // lse loads issued before the wait, so their latency hides under it
+    const float* lp = lse + ((long long)b * H + h) * Tq;
+    const float lo0 = r0 < Tq ? lse_offset(lp[r0]) : CK_INF, lo1 = r1 < Tq ? lse_offset(lp[r1]) : CK_INF;
+    mbar_wait(fixbar, tc & 1);
 
-  // delta of rows r0, r1 = <dO_r, O_r>: the quad's 4 lanes take D / 4 columns each (16-byte loads from global,
-  // o contiguous [B, Tq, H, D]), then a quad reduction; lane 0 of the quad writes it for attn_sm90_bwd_dkdv.
-  float dl0 = 0.f, dl1 = 0.f;
-  {
-    const int c0 = (lane & 3) * (D / 4);
-    const bf16* orow = o + ((long long)b * Tq * H + h) * D + c0;
-    const bf16* drow = dout + b * sdo.b + h * sdo.h + c0;
+    // delta of rows r0, r1 = <dO_r, O_r> from the swizzled tiles: the quad's 4 lanes take D / 4 columns each
+    // (D / 32 16-byte chunks, in column order), then a quad reduction; lane 0 of the quad writes it for
+    // attn_sm90_bwd_dkdv. Rows past Tq are zero-filled (delta 0, not written).
+    float dl0 = 0.f, dl1 = 0.f;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      const int r = rr ? r1 : r0;
+      const int lr = rr ? lr1 : lr0;
       float acc_d = 0.f;
-      if (r < Tq) {
 #pragma unroll
-        for (int c = 0; c < D / 4; c += 8) {
-          const uint4 ov = *reinterpret_cast<const uint4*>(orow + (long long)r * H * D + c);
-          const uint4 dv = *reinterpret_cast<const uint4*>(drow + (long long)r * sdo.t + c);
-          const unsigned ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+      for (int cc = 0; cc < D / 32; ++cc) {
+        const unsigned sw = swz<BM>(lr, (lane & 3) * (D / 32) + cc);
+        const uint4 ov = *reinterpret_cast<const uint4*>(Os + sw);
+        const uint4 dv = *reinterpret_cast<const uint4*>(dOs + sw);
+        const unsigned ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc_d = fmaf(__uint_as_float(ow[e] << 16), __uint_as_float(dw[e] << 16), acc_d);
-            acc_d = fmaf(__uint_as_float(ow[e] & 0xFFFF0000u), __uint_as_float(dw[e] & 0xFFFF0000u), acc_d);
-          }
+        for (int e = 0; e < 4; ++e) {
+          acc_d = fmaf(__uint_as_float(ow[e] << 16), __uint_as_float(dw[e] << 16), acc_d);
+          acc_d = fmaf(__uint_as_float(ow[e] & 0xFFFF0000u), __uint_as_float(dw[e] & 0xFFFF0000u), acc_d);
         }
       }
       acc_d += __shfl_xor_sync(0xffffffffu, acc_d, 1);
@@ -653,82 +728,82 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       if (r0 < Tq) dp[r0] = dl0;
       if (r1 < Tq) dp[r1] = dl1;
     }
-  }
-  const float* lp = lse + ((long long)b * H + h) * Tq;
-  const float lo0 = r0 < Tq ? lse_offset(lp[r0]) : CK_INF, lo1 = r1 < Tq ? lse_offset(lp[r1]) : CK_INF;
 
-  float acc[D / 8][4];
-  zero(acc);
-  mbar_wait(fixbar, 0);
-  const Turns<PP> turns(cw);
-  turns.open(nkb > 0);
-  for (int jb = 0; jb < nkb; ++jb) {
-    const int st = jb % STAGES, n0 = jb * BN;
-    const bool last = jb + 1 == nkb;
-    mbar_wait(full0 + 8 * st, (jb / STAGES) & 1);
-    if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
+    float acc[D / 8][4];
+    zero(acc);
+    turns.open(nkb > 0);
+    for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+      const int st = ring.st, n0 = jb * BN;
+      const bool last = jb + 1 == nkb;
+      mbar_wait(full0 + 8 * st, ring.ph);
+      if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
+        turns.begin();
+        turns.end(false);
+        if (last) mbar_arrive(fixempty);
+        turns.begin();
+        turns.end(last);
+        mbar_arrive(empty0 + 8 * st);
+        continue;
+      }
+      fence_proxy_async();
+      const unsigned kaddr = smem_addr(Ks + st * SM::KV), vaddr = smem_addr(Vs + st * SM::KV);
+      float s[BN / 8][4], dp[BN / 8][4];
+      zero(s);
+      zero(dp);
+      fence_regs(s);
+      fence_regs(dp);
       turns.begin();
+      wgmma_fence();
+      issue_s<D, BN>(s, qaddr, kaddr);
+      issue_s<D, BN>(dp, doaddr, vaddr);
+      wgmma_commit();
       turns.end(false);
-      turns.begin();
-      turns.end(last);
-      mbar_arrive(empty0 + 8 * st);
-      continue;
-    }
-    fence_proxy_async();
-    const unsigned kaddr = smem_addr(Ks + st * SM::KV), vaddr = smem_addr(Vs + st * SM::KV);
-    float s[BN / 8][4], dp[BN / 8][4];
-    zero(s);
-    zero(dp);
-    fence_regs(s);
-    fence_regs(dp);
-    turns.begin();
-    wgmma_fence();
-    issue_s<D, BN>(s, qaddr, kaddr);
-    issue_s<D, BN>(dp, doaddr, vaddr);
-    wgmma_commit();
-    turns.end(false);
-    wgmma_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-    if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+      if (last) mbar_arrive(fixempty);  // Q and dO read for the last time: the next tile's may load
+      if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {  // dS = P * (dP - delta), P = 2^(s * scale * log2(e) - lse * log2(e))
-      dp[nt][0] = ex2(fmaf(s[nt][0], sl2, -lo0)) * (dp[nt][0] - dl0);
-      dp[nt][1] = ex2(fmaf(s[nt][1], sl2, -lo0)) * (dp[nt][1] - dl0);
-      dp[nt][2] = ex2(fmaf(s[nt][2], sl2, -lo1)) * (dp[nt][2] - dl1);
-      dp[nt][3] = ex2(fmaf(s[nt][3], sl2, -lo1)) * (dp[nt][3] - dl1);
+      for (int nt = 0; nt < BN / 8; ++nt) {  // dS = P * (dP - delta), P = 2^(s * scale * log2(e) - lse * log2(e))
+        dp[nt][0] = ex2(fmaf(s[nt][0], sl2, -lo0)) * (dp[nt][0] - dl0);
+        dp[nt][1] = ex2(fmaf(s[nt][1], sl2, -lo0)) * (dp[nt][1] - dl0);
+        dp[nt][2] = ex2(fmaf(s[nt][2], sl2, -lo1)) * (dp[nt][2] - dl1);
+        dp[nt][3] = ex2(fmaf(s[nt][3], sl2, -lo1)) * (dp[nt][3] - dl1);
+      }
+      unsigned da[BN / 16][4];
+      pack_p<BN>(da, dp);
+      fence_regs(acc);
+      turns.begin();
+      wgmma_fence();
+      issue_pv<D, BN>(acc, da, kaddr);  // dQ += dS K: K [key][d] read MN-major
+      wgmma_commit();
+      turns.end(last);
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_regs(da);
+      mbar_arrive(empty0 + 8 * st);
     }
-    unsigned da[BN / 16][4];
-    pack_p<BN>(da, dp);
-    fence_regs(acc);
-    turns.begin();
-    wgmma_fence();
-    issue_pv<D, BN>(acc, da, kaddr);  // dQ += dS K: K [key][d] read MN-major
-    wgmma_commit();
-    turns.end(last);
-    wgmma_wait<0>();
-    fence_regs(acc);
-    fence_regs(da);
-    mbar_arrive(empty0 + 8 * st);
+    if (nkb == 0) mbar_arrive(fixempty);
+    store_acc<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, row0, Tq, acc, scale, lane);
   }
-  store_acc<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, row0, Tq, acc, scale, lane);
 }
 
 template <int D, int BQ, int STAGES> struct SmemDkdv {
   static constexpr int FIX = 2 * BM * D * 2;  // K and V tiles (BM = 128 keys)
   static constexpr int QT = BQ * D * 2;       // one Q (or dO) stage
   static constexpr int VEC = BQ * 4;          // one lse (or delta) stage
-  static constexpr int BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (1 + 2 * STAGES) + 1024;
+  static constexpr int BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 + 2 * STAGES) + 1024;
 };
 
-// Grid (ceil(Tk / 128), Hkv, B); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
+// Grid: min(tiles, SMs) persistent CTAs over ceil(Tk / 128) x Hkv x B tiles (low key tiles first: under the
+// causal mask they see the most queries); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
 template <int D, int BQ, int STAGES, bool PP>
 __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
-                                                   int Hkv, float scale, bool causal) {
+                                                   int Hkv, float scale, bool causal, int Bsz) {
   using SM = SmemDkdv<D, BQ, STAGES>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -738,19 +813,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   unsigned char* dOs = Qs + STAGES * SM::QT;    // [STAGES][BQ x D]
   float* Ls = reinterpret_cast<float*>(dOs + STAGES * SM::QT);  // [STAGES][BQ]
   float* Ds = Ls + STAGES * BQ;                                  // [STAGES][BQ]
-  const unsigned fixbar = smem_addr(Ds + STAGES * BQ);
-  const unsigned full0 = fixbar + 8, empty0 = fixbar + 8 + 8 * STAGES;
+  const unsigned fixbar = smem_addr(Ds + STAGES * BQ), fixempty = fixbar + 8;
+  const unsigned full0 = fixbar + 16, empty0 = fixbar + 16 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
-  const int j = blockIdx.y, b = blockIdx.z, G = H / Hkv;
-  const int k0 = blockIdx.x * BM, off = Tk - Tq;  // low key tiles see the most queries: launched first
-  // Query tiles that can see a key of this CTA: query i sees key n when n <= i + off, i.e. i >= k0 - off.
-  const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
+  const int G = H / Hkv, off = Tk - Tq;
+  const int nkt = (Tk + BM - 1) / BM, ntiles = nkt * Hkv * Bsz;
   const int nqb = (Tq + BQ - 1) / BQ;
-  const int nq = max(0, nqb - qstart), nit = G * nq;
 
   if (tid == 0) {
     mbar_init(fixbar, WG);
+    mbar_init(fixempty, 2 * WG);  // the tile's last S^T / dP^T have read K and V
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
       mbar_init(empty0 + 8 * s, 2 * WG);
@@ -761,22 +834,32 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    load_swz<D, BM>(Ks, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
-    load_swz<D, BM>(Vs, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
-    cp_async_arrive(fixbar);
-    for (int it = 0; it < nit; ++it) {
-      const int st = it % STAGES, hq = j * G + it / nq, qb0 = (qstart + it % nq) * BQ;
-      mbar_wait(empty0 + 8 * st, ((it / STAGES) & 1) ^ 1);
-      load_swz<D, BQ>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
-      load_swz<D, BQ>(dOs + st * SM::QT, dout + b * sdo.b + hq * sdo.h, sdo.t, qb0, Tq, tid);
-      const long long vrow = ((long long)b * H + hq) * Tq;
+    Ring<STAGES> ring;
+    int tc = 0;
+    for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+      const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
+      const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
+      // Query tiles that can see a key of this tile: query i sees key n when n <= i + off, i.e. i >= k0 - off.
+      const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
+      const int nq = max(0, nqb - qstart), nit = G * nq;
+      mbar_wait(fixempty, (tc & 1) ^ 1);
+      load_swz<D, BM>(Ks, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
+      load_swz<D, BM>(Vs, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
+      cp_async_arrive(fixbar);
+      for (int it = 0; it < nit; ++it, ring.next()) {
+        const int st = ring.st, hq = j * G + it / nq, qb0 = (qstart + it % nq) * BQ;
+        mbar_wait(empty0 + 8 * st, ring.ph ^ 1);
+        load_swz<D, BQ>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
+        load_swz<D, BQ>(dOs + st * SM::QT, dout + b * sdo.b + hq * sdo.h, sdo.t, qb0, Tq, tid);
+        const long long vrow = ((long long)b * H + hq) * Tq;
 #pragma unroll
-      for (int i = tid; i < 2 * BQ; i += WG) {  // lse and delta of the tile's queries, 4 bytes each (any Tq)
-        const int c = i % BQ, ok = qb0 + c < Tq;
-        const float* src = (i < BQ ? lse : delta) + vrow + (ok ? qb0 + c : 0);
-        cp_async4((i < BQ ? Ls : Ds) + st * BQ + c, src, ok);
+        for (int i = tid; i < 2 * BQ; i += WG) {  // lse and delta of the tile's queries, 4 bytes each (any Tq)
+          const int c = i % BQ, ok = qb0 + c < Tq;
+          const float* src = (i < BQ ? lse : delta) + vrow + (ok ? qb0 + c : 0);
+          cp_async4((i < BQ ? Ls : Ds) + st * BQ + c, src, ok);
+        }
+        cp_async_arrive(full0 + 8 * st);
       }
-      cp_async_arrive(full0 + 8 * st);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     return;
@@ -785,108 +868,120 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   // ---------------------------------------------------------------------------------- consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, c2 = (lane & 3) * 2;
-  const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
   const float sl2 = scale * LOG2E;
   const unsigned kaddr = smem_addr(Ks) + cw * 64 * 128, vaddr = smem_addr(Vs) + cw * 64 * 128;
-
-  float dka[D / 8][4], dva[D / 8][4];
-  zero(dka);
-  zero(dva);
-  mbar_wait(fixbar, 0);
   const Turns<PP> turns(cw);
-  turns.open(nit > 0);
-  for (int it = 0; it < nit; ++it) {
-    const int st = it % STAGES, qb0 = (qstart + it % nq) * BQ;
-    const bool last = it + 1 == nit;
-    mbar_wait(full0 + 8 * st, (it / STAGES) & 1);
-    if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
+  Ring<STAGES> ring;
+  int tc = 0;
+  for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+    const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
+    const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
+    const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
+    const int nq = max(0, nqb - qstart), nit = G * nq;
+    const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
+
+    float dka[D / 8][4], dva[D / 8][4];
+    zero(dka);
+    zero(dva);
+    mbar_wait(fixbar, tc & 1);
+    turns.open(nit > 0);
+    for (int it = 0; it < nit; ++it, ring.next()) {
+      const int st = ring.st, qb0 = (qstart + it % nq) * BQ;
+      const bool last = it + 1 == nit;
+      mbar_wait(full0 + 8 * st, ring.ph);
+      if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
+        turns.begin();
+        turns.end(false);
+        if (last) mbar_arrive(fixempty);
+        turns.begin();
+        turns.end(last);
+        mbar_arrive(empty0 + 8 * st);
+        continue;
+      }
+      fence_proxy_async();
+      const unsigned qaddr = smem_addr(Qs + st * SM::QT), doaddr = smem_addr(dOs + st * SM::QT);
+      float s[BQ / 8][4], dp[BQ / 8][4];  // S^T and dP^T: rows = keys, columns = queries
+      zero(s);
+      zero(dp);
+      fence_regs(s);
+      fence_regs(dp);
       turns.begin();
+      wgmma_fence();
+      issue_s<D, BQ>(s, kaddr, qaddr);
+      issue_s<D, BQ>(dp, vaddr, doaddr);
+      wgmma_commit();
       turns.end(false);
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+      if (last) mbar_arrive(fixempty);  // K and V read for the last time: the next tile's may load
+      // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
+      // 2^(0 - lse) may overflow), and the causal rule key > query + off.
+      if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
+        const int g = lane >> 2;
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = row0 + g + (e >> 1) * 8, qi = qb0 + nt * 8 + c2 + (e & 1);
+            if (qi >= Tq || key >= Tk || (causal && key > qi + off)) s[nt][e] = -CK_INF;
+          }
+      }
+      const float* Lt = Ls + st * BQ;
+      const float* Dt = Ds + st * BQ;
+#pragma unroll
+      for (int nt = 0; nt < BQ / 8; ++nt) {
+        const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
+        const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
+        const float lo0 = lse_offset(lq.x), lo1 = lse_offset(lq.y);
+        const float p00 = ex2(fmaf(s[nt][0], sl2, -lo0)), p01 = ex2(fmaf(s[nt][1], sl2, -lo1));
+        const float p10 = ex2(fmaf(s[nt][2], sl2, -lo0)), p11 = ex2(fmaf(s[nt][3], sl2, -lo1));
+        s[nt][0] = p00;
+        s[nt][1] = p01;
+        s[nt][2] = p10;
+        s[nt][3] = p11;
+        dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
+        dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
+        dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
+        dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
+      }
+      unsigned pa[BQ / 16][4], da[BQ / 16][4];
+      pack_p<BQ>(pa, s);
+      pack_p<BQ>(da, dp);
+      fence_regs(dva);
+      fence_regs(dka);
       turns.begin();
+      wgmma_fence();
+      issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
+      issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
+      wgmma_commit();
       turns.end(last);
+      wgmma_wait<0>();
+      fence_regs(dva);
+      fence_regs(dka);
+      fence_regs(pa);
+      fence_regs(da);
       mbar_arrive(empty0 + 8 * st);
-      continue;
     }
-    fence_proxy_async();
-    const unsigned qaddr = smem_addr(Qs + st * SM::QT), doaddr = smem_addr(dOs + st * SM::QT);
-    float s[BQ / 8][4], dp[BQ / 8][4];  // S^T and dP^T: rows = keys, columns = queries
-    zero(s);
-    zero(dp);
-    fence_regs(s);
-    fence_regs(dp);
-    turns.begin();
-    wgmma_fence();
-    issue_s<D, BQ>(s, kaddr, qaddr);
-    issue_s<D, BQ>(dp, vaddr, doaddr);
-    wgmma_commit();
-    turns.end(false);
-    wgmma_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-    // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
-    // 2^(0 - lse) may overflow), and the causal rule key > query + off.
-    if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
-      const int g = lane >> 2;
-#pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = row0 + g + (e >> 1) * 8, qi = qb0 + nt * 8 + c2 + (e & 1);
-          if (qi >= Tq || key >= Tk || (causal && key > qi + off)) s[nt][e] = -CK_INF;
-        }
-    }
-    const float* Lt = Ls + st * BQ;
-    const float* Dt = Ds + st * BQ;
-#pragma unroll
-    for (int nt = 0; nt < BQ / 8; ++nt) {
-      const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
-      const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
-      const float lo0 = lse_offset(lq.x), lo1 = lse_offset(lq.y);
-      const float p00 = ex2(fmaf(s[nt][0], sl2, -lo0)), p01 = ex2(fmaf(s[nt][1], sl2, -lo1));
-      const float p10 = ex2(fmaf(s[nt][2], sl2, -lo0)), p11 = ex2(fmaf(s[nt][3], sl2, -lo1));
-      s[nt][0] = p00;
-      s[nt][1] = p01;
-      s[nt][2] = p10;
-      s[nt][3] = p11;
-      dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
-      dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
-      dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
-      dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
-    }
-    unsigned pa[BQ / 16][4], da[BQ / 16][4];
-    pack_p<BQ>(pa, s);
-    pack_p<BQ>(da, dp);
-    fence_regs(dva);
-    fence_regs(dka);
-    turns.begin();
-    wgmma_fence();
-    issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
-    issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
-    wgmma_commit();
-    turns.end(last);
-    wgmma_wait<0>();
-    fence_regs(dva);
-    fence_regs(dka);
-    fence_regs(pa);
-    fence_regs(da);
-    mbar_arrive(empty0 + 8 * st);
+    if (nit == 0) mbar_arrive(fixempty);
+    const long long ld = (long long)Hkv * D;
+    store_acc<D>(dk + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dka, scale, lane);
+    store_acc<D>(dv + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dva, 1.f, lane);
   }
-  const long long ld = (long long)Hkv * D;
-  store_acc<D>(dk + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dka, scale, lane);
-  store_acc<D>(dv + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dva, 1.f, lane);
 }
 
 // ================================================================================================ entry points
 // attn_sm90_fwd_d{64,128}: same arguments as attention.cu's attn_fwd_d{D} (strides in elements: batch, token,
-// head; the last axis contiguous). Launch: 384 threads, grid (ceil(Tq / 128), H, B), dynamic shared memory
-// Smem<D, BN, STAGES>::BYTES (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
+// head; the last axis contiguous) plus the batch size Bsz. Launch: 384 threads, a 1-D grid of at most
+// ceil(Tq / 128) * H * Bsz persistent CTAs (one per SM), dynamic shared memory Smem<D, BN, STAGES>::BYTES
+// (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
 #define CK_ATTN90_FWD_1(D, BN, STAGES, PP, SUF)                                                                \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D##SUF(                           \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+      int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
     attn_fwd_sm90<D, BN, STAGES, PP>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
-                                     Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal);                      \
+                                     Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz);                 \
   }
 // attn_sm90_fwd_d{D}: the pipelined ping-pong consumers (production); attn_sm90_fwd_d{D}_serial: the serial
 // consumer loop (same tiles, same shared memory; kept as the fallback and the reference point of the benchmark).
@@ -899,25 +994,26 @@ CK_ATTN90_FWD(64, 128, 3)
 CK_ATTN90_FWD(128, 128, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
-// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D}. Grids (ceil(Tq / 128), H, B) and (ceil(Tk / 128), Hkv, B), 384 threads.
+// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
+// ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
 #define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, PP, SUF)                                                          \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal) {                                                      \
+      int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
     attn_bwd_dq_sm90<D, BN, STQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
-                                     Hkv, scale, causal);                                                      \
+                                     Hkv, scale, causal, Bsz);                                                 \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D##SUF(                      \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
-      int H, int Hkv, float scale, bool causal) {                                                              \
+      int H, int Hkv, float scale, bool causal, int Bsz) {                                                     \
     attn_bwd_dkdv_sm90<D, BQ, STK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
                                        Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
-                                       H, Hkv, scale, causal);                                                 \
+                                       H, Hkv, scale, causal, Bsz);                                            \
   }
 // attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
 #define CK_ATTN90_BWD(D, BN, STQ, BQ, STK)             \

@@ -234,8 +234,10 @@ def test_config_mirrors_the_kernel_instantiations():
     bwd = {int(d): tuple(int(x) for x in rest) for d, *rest in
            re.findall(r"^CK_ATTN90_BWD\((\d+), (\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
     assert bwd == A90.BWD_CONFIG
-    assert "BYTES = FIX + 2 * STAGES * KV + 8 * (1 + 2 * STAGES) + 1024" in src  # SmemDq: bwd_smem_bytes("dq")
-    assert "BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (1 + 2 * STAGES) + 1024" in src  # SmemDkdv
+    assert "FIX = 3 * BM * D * 2;  // Q, dO and O tiles" in src  # SmemDq: bwd_smem_bytes("dq")
+    assert "BYTES = FIX + 2 * STAGES * KV + 8 * (2 + 2 * STAGES) + 1024" in src
+    assert "BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 + 2 * STAGES) + 1024" in src  # SmemDkdv
+    assert "BARS = 8 * (2 + 2 * STAGES);" in src  # Smem (forward): smem_bytes
     m = re.search(r"BYTES = Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src)
     assert m, "Smem<>::BYTES changed: update attention_sm90.smem_bytes"
     assert re.search(r"constexpr int BM = 128;", src) and A90.BM == 128
@@ -607,6 +609,64 @@ def test_gpu_smoke(rng, variant, D):
     got = A90.flash_attention_backward_sm90(*(cp().asarray(x) for x in (w, q, k, v, ro, rl)))
     for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
         close(x, y, 3e-2, n)
+
+
+PERSIST = [(2, 300, 300, 4, 2, 64, True), (3, 130, 700, 8, 2, 64, True), (2, 300, 130, 4, 2, 128, True),
+           (1, 257, 1000, 4, 1, 128, False), (2, 1000, 1000, 8, 8, 64, True)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", PERSIST, ids=lambda c: "B%dTq%dTk%dH%d/%dD%d%s" % (*c[:6], "c" if c[6] else "f"))
+def test_gpu_persistent_grid_is_bit_identical(rng, variant, monkeypatch, case):
+    """The persistent kernels stride over the work tiles: with the grid capped at 1 and 3 CTAs (every CTA takes
+    many tiles of different lengths through the same mbarrier rings, Q / fixed-tile release included, and tiles
+    with no visible key: Tq > Tk, causal) and with one CTA per tile, fwd, dq, dk and dv are bit-identical to the
+    default grid (the per-tile math does not depend on which CTA runs it)."""
+    Bsz, Tq, Tk, H, Hkv, D, causal = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)[0]
+    Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
+
+    def run():
+        o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, return_lse=True)
+        return [to_host(x) for x in (o, lse, *A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal))]
+
+    ref = run()
+    for cap, persistent in ((1, True), (3, True), (None, False)):
+        monkeypatch.setattr(A90, "GRID_CAP", cap)
+        monkeypatch.setattr(A90, "PERSISTENT", persistent)
+        for x, y, n in zip(run(), ref, ("o", "lse", "dq", "dk", "dv")):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=f"{n}, grid cap {cap}")
+    mo, ml = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)  # and right, not only stable
+    close(ref[0], mo, 1.6e-2, "o vs flash_attention")
+    for x, y, n in zip(ref[2:], ck.flash_attention_backward(W, Q, K, V, mo, ml, causal=causal), ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n + " vs flash_attention_backward")
+
+
+@pytest.mark.parametrize("ntiles,grid", [(1, 1), (7, 3), (2048, 132), (512, 132), (133, 132), (10, 10)])
+def test_snake_walk_takes_every_tile_once(ntiles, grid):
+    """snake_tile (the kernels' walk): round k gives CTA c tile k * grid + c (k even) or + grid - 1 - c (k odd);
+    a CTA stops at its first tile past the end. Every tile is taken exactly once."""
+    src = CU.read_text()
+    assert "return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);" in src
+    assert src.count("for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {") == 6
+    seen = []
+    for c in range(grid):
+        k = 0
+        while (t := k * grid + ((grid - 1 - c) if k & 1 else c)) < ntiles:
+            seen.append(t)
+            k += 1
+    assert sorted(seen) == list(range(ntiles))
+
+
+def test_grid_is_one_cta_per_sm_at_most(monkeypatch):
+    monkeypatch.setattr(A90.B, "sm_count", lambda: 132)
+    assert A90.grid(2048) == 132 and A90.grid(5) == 5 and A90.grid(0) == 1
+    monkeypatch.setattr(A90, "GRID_CAP", 3)
+    assert A90.grid(2048) == 3
+    monkeypatch.setattr(A90, "PERSISTENT", False)
+    assert A90.grid(2048) == 2048
 
 
 def test_registered_for_flash_attention_dispatch():

@@ -75,8 +75,9 @@ def cases(ctx):
         g2.accumulate(ids[-1], douts[-1])
         g2.pack(pid[1], prow[1])
         u2 = int(cp.unique(cp.concatenate([ids[0], ids[-1]])).size)
-        out.append(Case("embedding rows pack", shape, dn, uniq * D * (4 + 2) + 8 * uniq, "u*D*(4+2) + 8*u",
-                        lambda i, g=g: g.pack(pid[0], prow[0]), note=f"fp32 rows -> bf16 wire, u={uniq}"))
+        uniq2 = int(cp.unique(ids[-1]).size)  # g2 keeps its rows (g is zeroed by the case above, merged below)
+        out.append(Case("embedding rows pack", shape, dn, uniq2 * D * (4 + 2) + 8 * uniq2, "u*D*(4+2) + 8*u",
+                        lambda i, g2=g2: g2.pack(pid[1], prow[1]), note=f"fp32 rows -> bf16 wire, u={uniq2}"))
         out.append(Case("embedding rows merge x2", shape, dn,
                         2 * n * D * 2 + u2 * D * 4 + (2 * uniq - u2) * D * 8 + 16 * n,
                         "2 packs read + u2 rows written + shared rows read+written",

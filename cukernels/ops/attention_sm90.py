@@ -34,6 +34,12 @@ HEAD_DIMS = tuple(CONFIG)
 VARIANTS = ("", "_serial")
 VARIANT = ""
 BWD_VARIANT = ""
+# The kernels are persistent: a 1-D grid of at most one CTA per SM strides over the work tiles (128 query rows of
+# one (batch, head) for fwd / dq, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP, when set, caps the grid
+# lower (the tests use it to run many tiles through one CTA's mbarrier phases); PERSISTENT = False launches one
+# CTA per tile instead (the pre-persistent schedule, for A/B benchmarks: the same kernels, each CTA takes one tile).
+GRID_CAP = None
+PERSISTENT = True
 
 
 # head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv): the CK_ATTN90_BWD lines.
@@ -43,17 +49,18 @@ BWD_CONFIG = {64: (64, 2, 64, 2), 128: (64, 2, 32, 2)}
 def bwd_smem_bytes(kind: str, D: int) -> int:
     """Dynamic shared memory of attn_sm90_bwd_{kind}_d{D} (SmemDq / SmemDkdv in the kernel)."""
     bn, stq, bq, stk = BWD_CONFIG[D]
-    if kind == "dq":  # Q and dO tiles, K and V stages, barriers, alignment slack
-        return 2 * BM * D * 2 + 2 * stq * bn * D * 2 + 8 * (1 + 2 * stq) + 1024
+    if kind == "dq":  # Q, dO and O tiles, K and V stages, barriers, alignment slack
+        return 3 * BM * D * 2 + 2 * stq * bn * D * 2 + 8 * (2 + 2 * stq) + 1024
     # K and V tiles, Q and dO stages, lse and delta stages, barriers, alignment slack
-    return 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (1 + 2 * stk) + 1024
+    return 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (2 + 2 * stk) + 1024
 
 
 def smem_bytes(D: int) -> int:
     """Dynamic shared memory of attn_sm90_fwd_d{D} (Smem<D, BN, STAGES>::BYTES in the kernel): the Q tile, the
-    K and V stages, the mbarriers (8 bytes each: Q, full and empty per stage) and 1024 bytes of alignment slack."""
+    K and V stages, the mbarriers (8 bytes each: Q full, Q empty, full and empty per stage) and 1024 bytes of
+    alignment slack."""
     bn, st = CONFIG[D]
-    return BM * D * 2 + 2 * st * bn * D * 2 + 8 * (1 + 2 * st) + 1024
+    return BM * D * 2 + 2 * st * bn * D * 2 + 8 * (2 + 2 * st) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +78,17 @@ def supported() -> bool:
     import cupy
 
     return _cc(cupy.cuda.Device().id) == "90"
+
+
+def grid(tiles: int) -> int:
+    """CTAs to launch for ``tiles`` work tiles (each CTA walks them: snake_tile in the kernel): one per SM at most (each kernel holds a whole SM: 384 threads x
+    168 registers), fewer under GRID_CAP, one per tile when PERSISTENT is off."""
+    if not PERSISTENT:
+        return max(1, tiles)
+    n = min(tiles, B.sm_count())
+    if GRID_CAP is not None:
+        n = min(n, int(GRID_CAP))
+    return max(1, n)
 
 
 def _kernel(D, variant, kind="fwd"):
@@ -127,9 +145,9 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
     kern, smem = _kernel(D, VARIANT)
-    kern((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
+    kern((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
-          np.bool_(causal)), shared_mem=smem)
+          np.bool_(causal), np.int32(Bsz)), shared_mem=smem)
     return (o, lse) if return_lse else o
 
 
@@ -167,7 +185,7 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     if xp is np:  # the argument checks and the NumPy reference are flash_attention_backward's
         return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
-    if out.size and out.data.ptr % 16:  # the dq kernel reads o in 16-byte chunks for delta
+    if out.size and out.data.ptr % 16:  # the dq kernel copies o in 16-byte chunks (delta from shared memory)
         raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
     _check_device()
     dq = xp.empty(q.shape, dtype=B.bfloat16)
@@ -177,14 +195,14 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
         return dq, dk, dv
     delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
     sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
-    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal))
+    tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal), np.int32(Bsz))
     if Tq:
         kq, smq = _kernel(D, BWD_VARIANT, "dq")
-        kq((-(-Tq // BM), H, Bsz), (THREADS, 1, 1),
+        kq((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
            (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
     if Tk:
         kd, smd = _kernel(D, BWD_VARIANT, "dkdv")
-        kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
+        kd((grid(-(-Tk // BM) * Hkv * Bsz),), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
     return dq, dk, dv
 
