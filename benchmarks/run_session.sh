@@ -440,3 +440,44 @@ if [ "$stage" = "s10b" ]; then  # session 10, call B: the persistent attention k
   timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only attention_sm90,embedding \
     --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^(flash|embedding)|Error" "$out/bench_ops.log"
 fi
+if [ "$stage" = "s10c" ]; then  # session 10, call C: no-zeroing + two max chains; the forward on ncu's full set
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention'])"
+  timeout 60 python -m pytest -m gpu -q -p no:cacheprovider -x --tb=short tests/test_attention_sm90.py -k smoke 2>&1 | tail -n 3
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_attention_sm90.py 2>&1 \
+    | tee "$out/gpu_tests_attn.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 30
+  timeout 150 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log" | grep -E "persist|^ *T "
+  cat > /tmp/ncu_fwd.py <<'PY'
+import cupy as cp, cukernels as ck
+r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)
+q, k, v, do = r(8, 1024, 32, 64), r(8, 1024, 8, 64), r(8, 1024, 8, 64), r(8, 1024, 32, 64)
+for _ in range(2):
+    o, lse = ck.flash_attention_sm90(q, k, v, causal=True, return_lse=True)
+    ck.flash_attention_backward_sm90(do, q, k, v, o, lse, causal=True)
+cp.cuda.Device().synchronize()
+PY
+  timeout 240 ncu --set full --import-source no -k regex:attn_sm90 --launch-skip 3 --launch-count 3 -o /tmp/attn \
+    python /tmp/ncu_fwd.py > "$out/ncu_full.out" 2>&1; echo "ncu rc $?"; tail -n 3 "$out/ncu_full.out"
+  ncu -i /tmp/attn.ncu-rep --page raw --csv > "$out/ncu_raw.csv" 2>&1
+  ncu -i /tmp/attn.ncu-rep --page details --print-details all > "$out/ncu_details.txt" 2>&1
+  ncu -i /tmp/attn.ncu-rep --page source --csv --print-source sass --kernel-name regex:fwd > "$out/ncu_fwd_sass.csv" 2>&1
+  python - "$out/ncu_raw.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+hdr = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+h = rows[hdr]
+for r in rows[hdr + 2:]:
+    if len(r) != len(h):
+        continue
+    d = dict(zip(h, r))
+    print("==", d["Kernel Name"][:32], d.get("gpu__time_duration.sum"))
+    keys = [k for k in h if any(s in k for s in ("pipe_tensor", "pipe_xu", "pipe_fma", "pipe_alu", "inst_executed_pipe", "warps_issue_stalled")) and ("pct" in k or "ratio" in k or k.endswith(".sum"))]
+    for k in keys:
+        v = d[k]
+        try:
+            if float(v.replace(",", "")) == 0:
+                continue
+        except ValueError:
+            continue
+        print(f"   {k} {v}")
+PY
+fi
