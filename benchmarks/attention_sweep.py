@@ -40,8 +40,8 @@ def _time(fn, reps):
 def _work(T, H, Hkv, D, causal):
     """(work tiles, inner tiles) of the three kernels per batch row: fwd (128 query rows, BN-key tiles), dq (128
     rows, 64-key tiles), dkdv (128 keys, BQ-query tiles x G heads)."""
-    bn, _ = A.CONFIG[D]
-    dbn, _, bq, _ = A.BWD_CONFIG[D]
+    bn = A.CONFIG[D][0]
+    dbn, _, bq = A.BWD_CONFIG[D][:3]
     nmb, G = -(-T // 128), H // Hkv
     fw = sum((min(T, q0 + 128) if causal else T) // bn + ((min(T, q0 + 128) if causal else T) % bn > 0)
              for q0 in range(0, T, 128))

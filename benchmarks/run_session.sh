@@ -481,3 +481,12 @@ for r in rows[hdr + 2:]:
         print(f"   {k} {v}")
 PY
 fi
+if [ "$stage" = "s10d" ]; then  # session 10, call D: 2 fixed-tile buffers + deeper rings; tests, sweep, rows, the step
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention'])"
+  timeout 60 python -m pytest -m gpu -q -p no:cacheprovider -x --tb=short tests/test_attention_sm90.py -k smoke 2>&1 | tail -n 3
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=short tests/test_attention_sm90.py \
+    tests/test_attention.py 2>&1 | tee "$out/gpu_tests_attn.log" | grep -E "passed|failed|FAILED|ERROR|Error" | tail -n 30
+  timeout 150 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log" | grep -E "persist|^ *T "
+  timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only attention_sm90 \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^flash|Error" "$out/bench_ops.log"
+fi

@@ -347,11 +347,18 @@ template <int STAGES> struct Ring {
   }
 };
 
-template <int D, int BN, int STAGES> struct Smem {
+// QB = 1 or 2 buffers of a kernel's per-tile fixed operands (fwd: Q; dq: Q, dO, O; dkdv: K, V). With two, the
+// producer fills the next work tile's buffer while the consumers still read the current one, and its first K / V
+// stages follow at once instead of after the current tile's last S (run C: the consumers waited ~28 spins of
+// mbarrier try_wait on the first K / V stage of every work tile). Buffer and phase of the tc-th tile a CTA takes:
+template <int QB> __device__ __forceinline__ int fix_buf(int tc) { return QB == 2 ? (tc & 1) : 0; }
+template <int QB> __device__ __forceinline__ unsigned fix_par(int tc) { return QB == 2 ? (tc >> 1) & 1 : tc & 1; }
+
+template <int D, int BN, int STAGES, int QB> struct Smem {
   static constexpr int Q = BM * D * 2;       // Q tile bytes
   static constexpr int KV = BN * D * 2;      // one K (or V) stage
-  static constexpr int BARS = 8 * (2 + 2 * STAGES);  // Q full, Q empty, full and empty per stage
-  static constexpr int BYTES = Q + 2 * STAGES * KV + BARS + 1024;  // + 1024: the base is aligned up at run time
+  static constexpr int BARS = 8 * (2 * QB + 2 * STAGES);  // Q full and empty per buffer, full and empty per stage
+  static constexpr int BYTES = QB * Q + 2 * STAGES * KV + BARS + 1024;  // + 1024: the base is aligned up at run time
 };
 
 }  // namespace
@@ -359,29 +366,31 @@ template <int D, int BN, int STAGES> struct Smem {
 // ================================================================================================ forward
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
 // Smem<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES, bool PP>
+template <int D, int BN, int STAGES, int QB, bool PP>
 __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
                                               int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {
-  using SM = Smem<D, BN, STAGES>;
+  using SM = Smem<D, BN, STAGES, QB>;
   static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle rows / wgmma N steps");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle is a function of address bits 7-9, so every tile must start on a 1024-byte boundary.
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  unsigned char* Qs = base;
-  unsigned char* Ks = base + SM::Q;            // [STAGES][BN x D]
+  unsigned char* Qs = base;                    // [QB][BM x D]
+  unsigned char* Ks = base + QB * SM::Q;       // [STAGES][BN x D]
   unsigned char* Vs = Ks + STAGES * SM::KV;    // [STAGES][BN x D]
-  const unsigned qbar = smem_addr(Vs + STAGES * SM::KV), qempty = qbar + 8;
-  const unsigned full0 = qbar + 16, empty0 = qbar + 16 + 8 * STAGES;
+  const unsigned qbar = smem_addr(Vs + STAGES * SM::KV), qempty = qbar + 8 * QB;  // [QB] each
+  const unsigned full0 = qbar + 16 * QB, empty0 = full0 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
   const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
   const int nmb = (Tq + BM - 1) / BM, ntiles = nmb * H * Bsz;
 
   if (tid == 0) {
-    mbar_init(qbar, WG);        // one cp.async arrive per producer thread
-    mbar_init(qempty, 2 * WG);  // one arrive per consumer thread: the tile's last S has read Q
+    for (int i = 0; i < QB; ++i) {
+      mbar_init(qbar + 8 * i, WG);        // one cp.async arrive per producer thread
+      mbar_init(qempty + 8 * i, 2 * WG);  // one arrive per consumer thread: the tile's last S has read Q
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
       mbar_init(empty0 + 8 * s, 2 * WG);
@@ -401,11 +410,12 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
-      // The previous tile's consumers release Q after its last S (the first wait asks for the phase "before" a
-      // fresh barrier's and passes at once); the new Q then lands under their last P V and epilogue.
-      mbar_wait(qempty, (tc & 1) ^ 1);
-      load_swz<D, BM>(Qs, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
-      cp_async_arrive(qbar);
+      // The consumers release a Q buffer after the last S of its tile (the first wait on each buffer asks for
+      // the phase "before" a fresh barrier's and passes at once).
+      const int qb = fix_buf<QB>(tc);
+      mbar_wait(qempty + 8 * qb, fix_par<QB>(tc) ^ 1);
+      load_swz<D, BM>(Qs + qb * SM::Q, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
+      cp_async_arrive(qbar + 8 * qb);
       for (int jb = 0; jb < nkb; ++jb, ring.next()) {
         // This stage was last filled STAGES uses ago (possibly for the previous tile); wait for its release.
         mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
@@ -422,7 +432,6 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
   const float sl2 = scale * LOG2E;
-  const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128;  // this warpgroup's 64 rows in each column block
   Ring<STAGES> ring;
   int tc = 0;
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
@@ -431,11 +440,14 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
     const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
     const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
+    const int qb = fix_buf<QB>(tc);
+    const unsigned qaddr = smem_addr(Qs + qb * SM::Q) + cw * 64 * 128;  // this warpgroup's 64 rows a column block
+    const unsigned qfree = qempty + 8 * qb;
 
     float acc[D / 8][4];
     zero(acc);
     float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
-    mbar_wait(qbar, tc & 1);
+    mbar_wait(qbar + 8 * qb, fix_par<QB>(tc));
 
     if constexpr (!PP) {
       // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the
@@ -470,7 +482,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         fence_regs(pa);
         mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
       }
-      mbar_arrive(qempty);
+      mbar_arrive(qfree);
     } else if (nkb > 0) {
       // Pipelined (FlashAttention-3's schedule): each "GEMM block" issues S for tile j + 1 and P V for tile j
       // back to back, then the softmax of tile j + 1 runs while P V (tile j) is still on the tensor cores
@@ -496,7 +508,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       named_arrive(other);
       wgmma_wait<0>();
       fence_regs(s);
-      if (nkb == 1) mbar_arrive(qempty);  // the tile's last S has read Q
+      if (nkb == 1) mbar_arrive(qfree);  // the tile's last S has read Q
       if (BN > Tk || (causal && BN - 1 > row0 + off)) mask_tile<BN>(s, row0, 0, Tk, off, causal, lane);
       float cr0, cr1;
       softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);  // acc is still 0: no rescale needed
@@ -528,7 +540,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         fence_regs(acc);
         fence_regs(pa);
         mbar_arrive(empty0 + 8 * st);  // V of tile jb read (its K was read before the previous block ended)
-        if (jb + 2 == nkb) mbar_arrive(qempty);  // S of the last tile has read Q
+        if (jb + 2 == nkb) mbar_arrive(qfree);  // S of the last tile has read Q
 #pragma unroll
         for (int nt = 0; nt < D / 8; ++nt) {
           acc[nt][0] *= cr0;
@@ -553,7 +565,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       fence_regs(pa);
       mbar_arrive(empty0 + 8 * st);
     } else {
-      mbar_arrive(qempty);  // no key visible (Tk = 0, or every key past the causal bound): Q unused
+      mbar_arrive(qfree);  // no key visible (Tk = 0, or every key past the causal bound): Q unused
     }
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -613,39 +625,39 @@ __device__ __forceinline__ void store_acc(bf16* dst, long long ld, int row0, int
 // that p = 2^(s - offset) = 0 instead of 2^(+inf).
 __device__ __forceinline__ float lse_offset(float l) { return l == -CK_INF ? CK_INF : l * LOG2E; }
 
-template <int D, int BN, int STAGES> struct SmemDq {
+template <int D, int BN, int STAGES, int QB> struct SmemDq {
   static constexpr int FIX = 3 * BM * D * 2;  // Q, dO and O tiles (O: delta = rowsum(dO * O) from shared memory)
   static constexpr int KV = BN * D * 2;
-  static constexpr int BYTES = FIX + 2 * STAGES * KV + 8 * (2 + 2 * STAGES) + 1024;
+  static constexpr int BYTES = QB * FIX + 2 * STAGES * KV + 8 * (2 * QB + 2 * STAGES) + 1024;
 };
 
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
 // SmemDq<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES, bool PP>
+template <int D, int BN, int STAGES, int QB, bool PP>
 __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ v, const bf16* __restrict__ o,
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
                                                  float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                                  Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
                                                  float scale, bool causal, int Bsz) {
-  using SM = SmemDq<D, BN, STAGES>;
+  using SM = SmemDq<D, BN, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  unsigned char* Qs = base;
-  unsigned char* dOs = base + BM * D * 2;
-  unsigned char* Os = base + 2 * BM * D * 2;
-  unsigned char* Ks = base + SM::FIX;        // [STAGES][BN x D]
+  unsigned char* Fx = base;                  // [QB][Q, dO, O tiles]
+  unsigned char* Ks = base + QB * SM::FIX;   // [STAGES][BN x D]
   unsigned char* Vs = Ks + STAGES * SM::KV;  // [STAGES][BN x D]
-  const unsigned fixbar = smem_addr(Vs + STAGES * SM::KV), fixempty = fixbar + 8;
-  const unsigned full0 = fixbar + 16, empty0 = fixbar + 16 + 8 * STAGES;
+  const unsigned fixbar = smem_addr(Vs + STAGES * SM::KV), fixempty = fixbar + 8 * QB;  // [QB] each
+  const unsigned full0 = fixbar + 16 * QB, empty0 = full0 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
   const int off = Tk - Tq;
   const int nmb = (Tq + BM - 1) / BM, ntiles = nmb * H * Bsz;
 
   if (tid == 0) {
-    mbar_init(fixbar, WG);
-    mbar_init(fixempty, 2 * WG);  // the tile's last S / dP have read Q and dO
+    for (int i = 0; i < QB; ++i) {
+      mbar_init(fixbar + 8 * i, WG);
+      mbar_init(fixempty + 8 * i, 2 * WG);  // the tile's last S / dP have read Q and dO
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
       mbar_init(empty0 + 8 * s, 2 * WG);
@@ -665,11 +677,13 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
-      mbar_wait(fixempty, (tc & 1) ^ 1);
+      const int fb = fix_buf<QB>(tc);
+      unsigned char* Qs = Fx + fb * SM::FIX;
+      mbar_wait(fixempty + 8 * fb, fix_par<QB>(tc) ^ 1);
       load_swz<D, BM>(Qs, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
-      load_swz<D, BM>(dOs, dout + ti.b * sdo.b + ti.h * sdo.h, sdo.t, q0, Tq, tid);
-      load_swz<D, BM>(Os, o + ((long long)ti.b * Tq * H + ti.h) * D, (long long)H * D, q0, Tq, tid);
-      cp_async_arrive(fixbar);
+      load_swz<D, BM>(Qs + BM * D * 2, dout + ti.b * sdo.b + ti.h * sdo.h, sdo.t, q0, Tq, tid);
+      load_swz<D, BM>(Qs + 2 * BM * D * 2, o + ((long long)ti.b * Tq * H + ti.h) * D, (long long)H * D, q0, Tq, tid);
+      cp_async_arrive(fixbar + 8 * fb);
       for (int jb = 0; jb < nkb; ++jb, ring.next()) {
         mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
         load_swz<D, BN>(Ks + ring.st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
@@ -685,7 +699,6 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
   const float sl2 = scale * LOG2E;
-  const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128, doaddr = smem_addr(dOs) + cw * 64 * 128;
   const int lr0 = cw * 64 + warp * 16 + g, lr1 = lr0 + 8;  // this thread's two rows within the tile
   const Turns<PP> turns(cw);
   Ring<STAGES> ring;
@@ -699,7 +712,13 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
     // lse loads issued before the wait, so their latency hides under it
     const float* lp = lse + ((long long)b * H + h) * Tq;
     const float lo0 = r0 < Tq ? lse_offset(lp[r0]) : CK_INF, lo1 = r1 < Tq ? lse_offset(lp[r1]) : CK_INF;
-    mbar_wait(fixbar, tc & 1);
+    const int fb = fix_buf<QB>(tc);
+    const unsigned char* Qs = Fx + fb * SM::FIX;
+    const unsigned char* dOs = Qs + BM * D * 2;
+    const unsigned char* Os = Qs + 2 * BM * D * 2;
+    const unsigned qaddr = smem_addr(Qs) + cw * 64 * 128, doaddr = smem_addr(dOs) + cw * 64 * 128;
+    const unsigned fixfree = fixempty + 8 * fb;
+    mbar_wait(fixbar + 8 * fb, fix_par<QB>(tc));
 
     // delta of rows r0, r1 = <dO_r, O_r> from the swizzled tiles: the quad's 4 lanes take D / 4 columns each
     // (D / 32 16-byte chunks, in column order), then a quad reduction; lane 0 of the quad writes it for
@@ -742,7 +761,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
         turns.begin();
         turns.end(false);
-        if (last) mbar_arrive(fixempty);
+        if (last) mbar_arrive(fixfree);
         turns.begin();
         turns.end(last);
         mbar_arrive(empty0 + 8 * st);
@@ -762,7 +781,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       wgmma_wait<0>();
       fence_regs(s);
       fence_regs(dp);
-      if (last) mbar_arrive(fixempty);  // Q and dO read for the last time: the next tile's may load
+      if (last) mbar_arrive(fixfree);  // Q and dO read for the last time: this buffer may load again
       if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {  // dS = P * (dP - delta), P = 2^(s * scale * log2(e) - lse * log2(e))
@@ -784,38 +803,37 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       fence_regs(da);
       mbar_arrive(empty0 + 8 * st);
     }
-    if (nkb == 0) mbar_arrive(fixempty);
+    if (nkb == 0) mbar_arrive(fixfree);
     store_acc<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, row0, Tq, acc, scale, lane);
   }
 }
 
-template <int D, int BQ, int STAGES> struct SmemDkdv {
+template <int D, int BQ, int STAGES, int QB> struct SmemDkdv {
   static constexpr int FIX = 2 * BM * D * 2;  // K and V tiles (BM = 128 keys)
   static constexpr int QT = BQ * D * 2;       // one Q (or dO) stage
   static constexpr int VEC = BQ * 4;          // one lse (or delta) stage
-  static constexpr int BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 + 2 * STAGES) + 1024;
+  static constexpr int BYTES = QB * FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 * QB + 2 * STAGES) + 1024;
 };
 
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tk / 128) x Hkv x B tiles (low key tiles first: under the
 // causal mask they see the most queries); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
-template <int D, int BQ, int STAGES, bool PP>
+template <int D, int BQ, int STAGES, int QB, bool PP>
 __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
                                                    int Hkv, float scale, bool causal, int Bsz) {
-  using SM = SmemDkdv<D, BQ, STAGES>;
+  using SM = SmemDkdv<D, BQ, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  unsigned char* Ks = base;
-  unsigned char* Vs = base + BM * D * 2;
-  unsigned char* Qs = base + SM::FIX;           // [STAGES][BQ x D]
+  unsigned char* Fx = base;                     // [QB][K, V tiles]
+  unsigned char* Qs = base + QB * SM::FIX;      // [STAGES][BQ x D]
   unsigned char* dOs = Qs + STAGES * SM::QT;    // [STAGES][BQ x D]
   float* Ls = reinterpret_cast<float*>(dOs + STAGES * SM::QT);  // [STAGES][BQ]
   float* Ds = Ls + STAGES * BQ;                                  // [STAGES][BQ]
-  const unsigned fixbar = smem_addr(Ds + STAGES * BQ), fixempty = fixbar + 8;
-  const unsigned full0 = fixbar + 16, empty0 = fixbar + 16 + 8 * STAGES;
+  const unsigned fixbar = smem_addr(Ds + STAGES * BQ), fixempty = fixbar + 8 * QB;  // [QB] each
+  const unsigned full0 = fixbar + 16 * QB, empty0 = full0 + 8 * STAGES;
 
   const int tid = threadIdx.x, wg = tid / WG;
   const int G = H / Hkv, off = Tk - Tq;
@@ -823,8 +841,10 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   const int nqb = (Tq + BQ - 1) / BQ;
 
   if (tid == 0) {
-    mbar_init(fixbar, WG);
-    mbar_init(fixempty, 2 * WG);  // the tile's last S^T / dP^T have read K and V
+    for (int i = 0; i < QB; ++i) {
+      mbar_init(fixbar + 8 * i, WG);
+      mbar_init(fixempty + 8 * i, 2 * WG);  // the tile's last S^T / dP^T have read K and V
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
       mbar_init(empty0 + 8 * s, 2 * WG);
@@ -843,10 +863,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       // Query tiles that can see a key of this tile: query i sees key n when n <= i + off, i.e. i >= k0 - off.
       const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
       const int nq = max(0, nqb - qstart), nit = G * nq;
-      mbar_wait(fixempty, (tc & 1) ^ 1);
-      load_swz<D, BM>(Ks, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
-      load_swz<D, BM>(Vs, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
-      cp_async_arrive(fixbar);
+      const int fb = fix_buf<QB>(tc);
+      mbar_wait(fixempty + 8 * fb, fix_par<QB>(tc) ^ 1);
+      load_swz<D, BM>(Fx + fb * SM::FIX, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
+      load_swz<D, BM>(Fx + fb * SM::FIX + BM * D * 2, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
+      cp_async_arrive(fixbar + 8 * fb);
       for (int it = 0; it < nit; ++it, ring.next()) {
         const int st = ring.st, hq = j * G + it / nq, qb0 = (qstart + it % nq) * BQ;
         mbar_wait(empty0 + 8 * st, ring.ph ^ 1);
@@ -870,7 +891,6 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, c2 = (lane & 3) * 2;
   const float sl2 = scale * LOG2E;
-  const unsigned kaddr = smem_addr(Ks) + cw * 64 * 128, vaddr = smem_addr(Vs) + cw * 64 * 128;
   const Turns<PP> turns(cw);
   Ring<STAGES> ring;
   int tc = 0;
@@ -881,10 +901,15 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     const int nq = max(0, nqb - qstart), nit = G * nq;
     const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
 
+    const int fb = fix_buf<QB>(tc);
+    const unsigned kaddr = smem_addr(Fx + fb * SM::FIX) + cw * 64 * 128;
+    const unsigned vaddr = smem_addr(Fx + fb * SM::FIX + BM * D * 2) + cw * 64 * 128;
+    const unsigned fixfree = fixempty + 8 * fb;
+
     float dka[D / 8][4], dva[D / 8][4];
     zero(dka);
     zero(dva);
-    mbar_wait(fixbar, tc & 1);
+    mbar_wait(fixbar + 8 * fb, fix_par<QB>(tc));
     turns.open(nit > 0);
     for (int it = 0; it < nit; ++it, ring.next()) {
       const int st = ring.st, qb0 = (qstart + it % nq) * BQ;
@@ -893,7 +918,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
         turns.begin();
         turns.end(false);
-        if (last) mbar_arrive(fixempty);
+        if (last) mbar_arrive(fixfree);
         turns.begin();
         turns.end(last);
         mbar_arrive(empty0 + 8 * st);
@@ -913,7 +938,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       wgmma_wait<0>();
       fence_regs(s);
       fence_regs(dp);
-      if (last) mbar_arrive(fixempty);  // K and V read for the last time: the next tile's may load
+      if (last) mbar_arrive(fixfree);  // K and V read for the last time: this buffer may load again
       // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
       // 2^(0 - lse) may overflow), and the causal rule key > query + off.
       if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
@@ -962,7 +987,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       fence_regs(da);
       mbar_arrive(empty0 + 8 * st);
     }
-    if (nit == 0) mbar_arrive(fixempty);
+    if (nit == 0) mbar_arrive(fixfree);
     const long long ld = (long long)Hkv * D;
     store_acc<D>(dk + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dka, scale, lane);
     store_acc<D>(dv + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dva, 1.f, lane);
@@ -974,34 +999,35 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
 // head; the last axis contiguous) plus the batch size Bsz. Launch: 384 threads, a 1-D grid of at most
 // ceil(Tq / 128) * H * Bsz persistent CTAs (one per SM), dynamic shared memory Smem<D, BN, STAGES>::BYTES
 // (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
-#define CK_ATTN90_FWD_1(D, BN, STAGES, PP, SUF)                                                                \
+#define CK_ATTN90_FWD_1(D, BN, STAGES, QB, PP, SUF)                                                                \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D##SUF(                           \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
-    attn_fwd_sm90<D, BN, STAGES, PP>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
+    attn_fwd_sm90<D, BN, STAGES, QB, PP>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
                                      Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz);                 \
   }
 // attn_sm90_fwd_d{D}: the pipelined ping-pong consumers (production); attn_sm90_fwd_d{D}_serial: the serial
 // consumer loop (same tiles, same shared memory; kept as the fallback and the reference point of the benchmark).
-#define CK_ATTN90_FWD(D, BN, STAGES)            \
-  CK_ATTN90_FWD_1(D, BN, STAGES, true, )        \
-  CK_ATTN90_FWD_1(D, BN, STAGES, false, _serial)
-// D = 64: 128-key tiles, 3 stages: 16 KB Q + 3 x 32 KB K/V = 112 KB (one CTA per SM: 384 threads x 168
-// registers is the whole register file). D = 128: 128-key tiles, 2 stages: 32 KB + 2 x 64 KB = 160 KB.
-CK_ATTN90_FWD(64, 128, 3)
-CK_ATTN90_FWD(128, 128, 2)
+#define CK_ATTN90_FWD(D, BN, STAGES, QB)            \
+  CK_ATTN90_FWD_1(D, BN, STAGES, QB, true, )        \
+  CK_ATTN90_FWD_1(D, BN, STAGES, QB, false, _serial)
+// D = 64: 128-key tiles, 4 stages, 2 Q buffers: 2 x 16 KB + 4 x 32 KB K/V = 160 KB (one CTA per SM: 384 threads
+// x 168 registers is the whole register file). D = 128: 128-key tiles, 2 stages, 2 Q buffers: 2 x 32 KB +
+// 2 x 64 KB = 192 KB (of the 227 KB an SM gives one block).
+CK_ATTN90_FWD(64, 128, 4, 2)
+CK_ATTN90_FWD(128, 128, 2, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
 // attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
 // ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
-#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, PP, SUF)                                                          \
+#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                          \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
-    attn_bwd_dq_sm90<D, BN, STQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
+    attn_bwd_dq_sm90<D, BN, STQ, QBQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
                                      Hkv, scale, causal, Bsz);                                                 \
   }                                                                                                            \
@@ -1010,15 +1036,17 @@ CK_ATTN90_FWD(128, 128, 2)
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal, int Bsz) {                                                     \
-    attn_bwd_dkdv_sm90<D, BQ, STK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
+    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
                                        Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
                                        H, Hkv, scale, causal, Bsz);                                            \
   }
 // attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
-#define CK_ATTN90_BWD(D, BN, STQ, BQ, STK)             \
-  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, true, )         \
-  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, false, _serial)
-// dq: 64-key tiles (S, dP: 32 registers each; dQ 32 / 64), 2 stages; dkdv: 64-query tiles at D = 64, 32 at
-// D = 128 (dK and dV accumulators are 64 + 64 registers there), 2 stages.
-CK_ATTN90_BWD(64, 64, 2, 64, 2)
-CK_ATTN90_BWD(128, 64, 2, 32, 2)
+#define CK_ATTN90_BWD(D, BN, STQ, BQ, STK, QBQ, QBK)             \
+  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, true, )         \
+  CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, false, _serial)
+// dq: 64-key tiles (S, dP: 32 registers each; dQ 32 / 64); dkdv: 64-query tiles at D = 64, 32 at D = 128 (dK and
+// dV accumulators are 64 + 64 registers there). Stages and fixed-tile buffers as shared memory allows: dq D = 64
+// 2 x 48 KB (Q, dO, O) + 4 x 16 KB = 160 KB; D = 128 1 x 96 KB + 3 x 32 KB = 192 KB; dkdv D = 64
+// 2 x 32 KB (K, V) + 4 x 16.5 KB = 131 KB; D = 128 2 x 64 KB + 4 x 16.3 KB = 194 KB.
+CK_ATTN90_BWD(64, 64, 4, 64, 4, 2, 2)
+CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)

@@ -220,7 +220,7 @@ def test_descriptor_fields_fit():
         nbytes = A90.smem_bytes(D)
         assert nbytes <= 227 * 1024  # the per-block opt-in limit on sm_90
         assert nbytes + 1024 < (1 << 18)
-        BN, _ = A90.CONFIG[D]
+        BN = A90.CONFIG[D][0]
         assert (BN * 128) >> 4 < (1 << 14)
         d = make_desc(0x3FFF0, BN * 128, 1024)
         assert (d & 0x3FFF) << 4 == 0x3FFF0 and ((d >> 16) & 0x3FFF) << 4 == BN * 128
@@ -228,21 +228,22 @@ def test_descriptor_fields_fit():
 
 def test_config_mirrors_the_kernel_instantiations():
     src = CU.read_text()
-    inst = {int(d): (int(bn), int(st)) for d, bn, st in re.findall(r"^CK_ATTN90_FWD\((\d+), (\d+), (\d+)\)", src,
-                                                                    re.M)}
+    inst = {int(d): tuple(int(x) for x in rest) for d, *rest in
+            re.findall(r"^CK_ATTN90_FWD\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
     assert inst == A90.CONFIG
     bwd = {int(d): tuple(int(x) for x in rest) for d, *rest in
-           re.findall(r"^CK_ATTN90_BWD\((\d+), (\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+           re.findall(r"^CK_ATTN90_BWD\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
     assert bwd == A90.BWD_CONFIG
     assert "FIX = 3 * BM * D * 2;  // Q, dO and O tiles" in src  # SmemDq: bwd_smem_bytes("dq")
-    assert "BYTES = FIX + 2 * STAGES * KV + 8 * (2 + 2 * STAGES) + 1024" in src
-    assert "BYTES = FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 + 2 * STAGES) + 1024" in src  # SmemDkdv
-    assert "BARS = 8 * (2 + 2 * STAGES);" in src  # Smem (forward): smem_bytes
-    m = re.search(r"BYTES = Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src)
-    assert m, "Smem<>::BYTES changed: update attention_sm90.smem_bytes"
+    assert "BYTES = QB * FIX + 2 * STAGES * KV + 8 * (2 * QB + 2 * STAGES) + 1024" in src
+    assert "BYTES = QB * FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 * QB + 2 * STAGES) + 1024" in src  # SmemDkdv
+    assert "BARS = 8 * (2 * QB + 2 * STAGES);" in src  # Smem (forward): smem_bytes
+    assert re.search(r"BYTES = QB \* Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src), "update smem_bytes"
     assert re.search(r"constexpr int BM = 128;", src) and A90.BM == 128
     regs = dict(re.findall(r"constexpr int (PRODUCER_REGS|CONSUMER_REGS) = (\d+);", src))
     assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
+    for D in A90.HEAD_DIMS:  # every kernel fits the 227 KB of shared memory an SM gives one block
+        assert max(A90.smem_bytes(D), A90.bwd_smem_bytes("dq", D), A90.bwd_smem_bytes("dkdv", D)) <= 227 * 1024
 
 
 def turn_events(cw, nblocks):

@@ -24,8 +24,8 @@ from .attention import flash_attention_backward as _flash_attention_backward
 FAMILY = "attention_sm90"
 THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 BM = 128       # query rows per CTA (64 per consumer warpgroup)
-# head_dim -> (key tile, pipeline stages); must match the CK_ATTN90_FWD lines of attention_sm90.cu.
-CONFIG = {64: (128, 3), 128: (128, 2)}
+# head_dim -> (key tile, pipeline stages, Q buffers); must match the CK_ATTN90_FWD lines of attention_sm90.cu.
+CONFIG = {64: (128, 4, 2), 128: (128, 2, 2)}
 HEAD_DIMS = tuple(CONFIG)
 # Kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j issued
 # together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
@@ -42,25 +42,26 @@ GRID_CAP = None
 PERSISTENT = True
 
 
-# head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv): the CK_ATTN90_BWD lines.
-BWD_CONFIG = {64: (64, 2, 64, 2), 128: (64, 2, 32, 2)}
+# head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv, fixed-tile buffers of dq, of
+# dkdv): the CK_ATTN90_BWD lines.
+BWD_CONFIG = {64: (64, 4, 64, 4, 2, 2), 128: (64, 3, 32, 4, 1, 2)}
 
 
 def bwd_smem_bytes(kind: str, D: int) -> int:
     """Dynamic shared memory of attn_sm90_bwd_{kind}_d{D} (SmemDq / SmemDkdv in the kernel)."""
-    bn, stq, bq, stk = BWD_CONFIG[D]
-    if kind == "dq":  # Q, dO and O tiles, K and V stages, barriers, alignment slack
-        return 3 * BM * D * 2 + 2 * stq * bn * D * 2 + 8 * (2 + 2 * stq) + 1024
-    # K and V tiles, Q and dO stages, lse and delta stages, barriers, alignment slack
-    return 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (2 + 2 * stk) + 1024
+    bn, stq, bq, stk, qbq, qbk = BWD_CONFIG[D]
+    if kind == "dq":  # Q, dO and O tiles per buffer, K and V stages, barriers, alignment slack
+        return qbq * 3 * BM * D * 2 + 2 * stq * bn * D * 2 + 8 * (2 * qbq + 2 * stq) + 1024
+    # K and V tiles per buffer, Q and dO stages, lse and delta stages, barriers, alignment slack
+    return qbk * 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (2 * qbk + 2 * stk) + 1024
 
 
 def smem_bytes(D: int) -> int:
-    """Dynamic shared memory of attn_sm90_fwd_d{D} (Smem<D, BN, STAGES>::BYTES in the kernel): the Q tile, the
-    K and V stages, the mbarriers (8 bytes each: Q full, Q empty, full and empty per stage) and 1024 bytes of
+    """Dynamic shared memory of attn_sm90_fwd_d{D} (Smem<D, BN, STAGES, QB>::BYTES in the kernel): the Q buffers,
+    the K and V stages, the mbarriers (8 bytes each: full and empty per Q buffer and per stage) and 1024 bytes of
     alignment slack."""
-    bn, st = CONFIG[D]
-    return BM * D * 2 + 2 * st * bn * D * 2 + 8 * (2 + 2 * st) + 1024
+    bn, st, qb = CONFIG[D]
+    return qb * BM * D * 2 + 2 * st * bn * D * 2 + 8 * (2 * qb + 2 * st) + 1024
 
 
 @functools.lru_cache(maxsize=None)
