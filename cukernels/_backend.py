@@ -204,6 +204,31 @@ def sm_count() -> int:
     return _sm_count(cupy.cuda.Device().id)
 
 
+_sm_targets: dict[int, int] = {}  # device -> SMs the kernels queued from now on may hold (0 / absent: all)
+
+
+def set_sm_target(n: int) -> int:
+    """Record how many SMs the work queued from now on (this device) should size itself for, returning the
+    previous value (0 = all). ``cukernels.blas.set_sm_count_target`` sets it beside cuBLAS's own target; the
+    persistent kernels (sm_90 attention) size their grids by :func:`sm_target`, so a collective that a
+    ``ZeroAdamW(sm_margin=)`` runs beside them finds SMs free instead of waiting for a whole persistent wave."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    old = _sm_targets.get(dev, 0)
+    _sm_targets[dev] = int(n)
+    return old
+
+
+def sm_target() -> int:
+    """SMs a persistent grid should fill on the current device: :func:`set_sm_target`'s value, else all."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    n = _sm_targets.get(dev, 0)
+    return min(n, _sm_count(dev)) if n > 0 else _sm_count(dev)
+
+
 @functools.lru_cache(maxsize=None)
 def _smem_optin(dev: int) -> int:
     import cupy

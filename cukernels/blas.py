@@ -135,8 +135,8 @@ def _handle():
 
 
 def set_sm_count_target(n: int) -> int:
-    """Ask cuBLAS to size the GEMMs queued from now on (on this device's handle) for ``n`` multiprocessors
-    (0: all of them, the default); returns the previous target. Hopper's GEMM kernels are persistent: a grid of
+    """Ask cuBLAS (and our persistent kernels: ``_backend.sm_target``) to size the GEMMs queued from now on (on
+    this device's handle) for ``n`` multiprocessors (0: all of them, the default); returns the previous target. Hopper's GEMM kernels are persistent: a grid of
     one block per SM holds every SM until the GEMM ends, so a collective queued beside it on another stream only
     starts between GEMMs. ZeroAdamW lowers the target while its reduce-scatters run under the backward. A
     captured graph keeps the kernels chosen at capture time."""
@@ -149,6 +149,7 @@ def set_sm_count_target(n: int) -> int:
     if n != old:
         _check(_lib().cublasSetSmCountTarget(h.h, n), "cublasSetSmCountTarget")
         h.sm_target = n
+    B.set_sm_target(n)  # our persistent kernels (sm_90 attention) size their grids by it too
     return old
 
 

@@ -662,12 +662,29 @@ def test_snake_walk_takes_every_tile_once(ntiles, grid):
 
 
 def test_grid_is_one_cta_per_sm_at_most(monkeypatch):
-    monkeypatch.setattr(A90.B, "sm_count", lambda: 132)
+    monkeypatch.setattr(A90.B, "sm_target", lambda: 132)
     assert A90.grid(2048) == 132 and A90.grid(5) == 5 and A90.grid(0) == 1
+    monkeypatch.setattr(A90.B, "sm_target", lambda: 116)  # ZeroAdamW(sm_margin=16) while a collective runs
+    assert A90.grid(2048) == 116
     monkeypatch.setattr(A90, "GRID_CAP", 3)
     assert A90.grid(2048) == 3
     monkeypatch.setattr(A90, "PERSISTENT", False)
     assert A90.grid(2048) == 2048
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_blas_sm_target_bounds_the_persistent_grid():
+    """ZeroAdamW(sm_margin=) lowers cuBLAS's SM target while its collectives run; the persistent attention grid
+    follows it (and comes back with it)."""
+    from cukernels import blas
+    full = ck._backend.sm_count()
+    old = blas.set_sm_count_target(full - 16)
+    try:
+        assert A90.grid(10_000) == full - 16
+    finally:
+        blas.set_sm_count_target(old)
+    assert A90.grid(10_000) == full
 
 
 def test_registered_for_flash_attention_dispatch():

@@ -82,11 +82,14 @@ def supported() -> bool:
 
 
 def grid(tiles: int) -> int:
-    """CTAs to launch for ``tiles`` work tiles (each CTA walks them: snake_tile in the kernel): one per SM at most (each kernel holds a whole SM: 384 threads x
-    168 registers), fewer under GRID_CAP, one per tile when PERSISTENT is off."""
+    """CTAs to launch for ``tiles`` work tiles (each CTA walks them: snake_tile in the kernel). One per SM at
+    most (each CTA holds a whole SM: 384 threads x 168 registers), and no more than ``_backend.sm_target()``:
+    while a ``ZeroAdamW(sm_margin=)`` collective runs beside the backward, the SMs it keeps free stay free (a
+    persistent CTA that waited for one would run its whole share of tiles after the others). Fewer under
+    GRID_CAP; one per tile when PERSISTENT is off."""
     if not PERSISTENT:
         return max(1, tiles)
-    n = min(tiles, B.sm_count())
+    n = min(tiles, B.sm_target())
     if GRID_CAP is not None:
         n = min(n, int(GRID_CAP))
     return max(1, n)
