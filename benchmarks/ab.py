@@ -31,10 +31,14 @@ def _module(name):
 
 
 def _number(text):
+    """An int, else a float, else the text itself (a string setting: ``attention_sm90.VARIANT=_wg3``)."""
     try:
         return int(text)
     except ValueError:
-        return float(text)
+        try:
+            return float(text)
+        except ValueError:
+            return text
 
 
 @contextlib.contextmanager

@@ -80,7 +80,9 @@ def main():
             delta = cp.empty((Bsz, H, T), dtype=cp.float32)
             sq, sk, sv, sd = (A._strides(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do)))
             tail = (np.int32(T), np.int32(T), np.int32(H), np.int32(Hkv), np.float32(D ** -0.5), np.bool_(causal))
-            kf, smf = A._kernel(D, A.VARIANT)
+            fvar = A.fwd_variant(D)
+            kf, smf = A._kernel(D, fvar)
+            *_, frows, fthr = A.fwd_shape(D, fvar)
             kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
             kd, smd = A._kernel(D, A.BWD_VARIANT, "dkdv")
             tail = (*tail, np.int32(Bsz))
@@ -90,7 +92,7 @@ def main():
             for persistent in (False, True):  # one CTA per work tile (the old schedule), then persistent CTAs
                 A.PERSISTENT = persistent
                 tp[persistent] = {
-                    "fwd": _time(lambda: kf((A.grid(tq_),), (A.THREADS, 1, 1),
+                    "fwd": _time(lambda: kf((A.grid(-(-T // frows) * H * Bsz),), (fthr, 1, 1),
                                             (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smf), a.reps),
                     "dq": _time(lambda: kq((A.grid(tq_),), (A.THREADS, 1, 1),
                                            (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail),
@@ -100,6 +102,13 @@ def main():
                                              shared_mem=smd), a.reps),
                 }
             A.PERSISTENT = True
+            for var in A.VARIANTS:  # the forward's other consumer loops, persistent grid
+                if var != fvar and A.fwd_variant(D, var) == var:
+                    kv_, smv = A._kernel(D, var)
+                    *_, rows, thr = A.fwd_shape(D, var)
+                    tv_ = _time(lambda: kv_((A.grid(-(-T // rows) * H * Bsz),), (thr, 1, 1),
+                                            (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smv), a.reps)
+                    print(f"      fwd {var.strip('_'):8s} {tv_:7.1f} us (production {tp[True]['fwd']:.1f})")
             t = tp[False]
             tf = tb = float("nan")
             if torch is not None:

@@ -490,10 +490,13 @@ if [ "$stage" = "s10d" ]; then  # session 10, call D: 2 fixed-tile buffers + dee
   timeout 100 python benchmarks/bench_ops.py --no-startup --quick --only attention_sm90 \
     --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^flash|Error" "$out/bench_ops.log"
 fi
-if [ "$stage" = "s10e" ]; then  # session 10, call E (final): the whole GPU suite, the LLaMA-1B step, the attention rows
+if [ "$stage" = "s10e" ]; then  # session 10, call E (final): the whole GPU suite, the attention variants, the step
   python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
-  timeout 380 python -m pytest -m gpu -q -p no:cacheprovider -n 8 2>&1 | tee "$out/gpu_tests.log" \
+  timeout 330 python -m pytest -m gpu -q -p no:cacheprovider -n 8 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|FAILED|ERROR" | tail -n 40
-  timeout 150 python benchmarks/bench_train.py --configs b8t1024,b4t64 --steps 10 --json "$out/bench_llama.json" \
-    > "$out/bench_llama.log" 2>&1; grep -E "ms/step|Error|GiB" "$out/bench_llama.log" | head -20
+  timeout 100 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log" | grep -E "persist|fwd |^ *T "
+  timeout 70 python benchmarks/bench_ops.py --no-startup --quick --only attention_sm90 \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -E "^flash|Error" "$out/bench_ops.log"
+  timeout 130 python benchmarks/bench_train.py --configs b8t1024 --steps 10 --ab "attention_sm90.VARIANT=_wg3" \
+    --json "$out/bench_llama.json" > "$out/bench_llama.log" 2>&1; grep -E "ms/step|Error" "$out/bench_llama.log" | head -20
 fi

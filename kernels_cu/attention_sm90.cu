@@ -210,21 +210,27 @@ __device__ __forceinline__ void mask_tile(float (&s)[N / 8][4], int row0, int co
 // (kk % 4) * 32 of every row of the Q (this warpgroup's 64 rows) and K tiles. Both K-major, SBO = 1024. k-step 0
 // runs with scale-d = 0 (D = A B, the old accumulator ignored), so s needs no zeroing before it: 64 (fwd) or
 // 32 + 32 (dq / dkdv: S and dP) moves a thread and tile saved.
-template <int D, int BN>
+// The k-step descriptors are the first one plus a compile-time byte offset >> 4 in the start-address field (bits
+// 0-13; shared addresses stay below 2^18, so the add never carries out of it): one 64-bit add each instead of
+// building every descriptor from its address (run C's SASS: ~8 uniform-datapath instructions a wgmma, issued
+// between a warpgroup's turn and its last wgmma, i.e. while the other warpgroup waits for the turn).
+__device__ __forceinline__ unsigned long long desc_plus(unsigned long long d, unsigned bytes) { return d + (bytes >> 4); }
+template <int D, int BN, int AROWS = BM>  // AROWS: rows of the A tile (its column blocks are AROWS * 128 B apart)
 __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], unsigned qaddr, unsigned kaddr) {
+  const unsigned long long da0 = make_desc(qaddr, 16, 1024), db0 = make_desc(kaddr, 16, 1024);
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const unsigned long long da = make_desc(qaddr + (kk >> 2) * (BM * 128) + (kk & 3) * 32, 16, 1024);
-    const unsigned long long db = make_desc(kaddr + (kk >> 2) * (BN * 128) + (kk & 3) * 32, 16, 1024);
-    wgmma_ss<BN>(s, da, db, kk > 0);
-  }
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<BN>(s, desc_plus(da0, (kk >> 2) * (AROWS * 128) + (kk & 3) * 32),
+                 desc_plus(db0, (kk >> 2) * (BN * 128) + (kk & 3) * 32), kk > 0);
 }
 // Issue O += P V: V is MN-major (the transpose bit), k-step kk = key rows 16 kk .. 16 kk + 15 (2048 bytes per
 // step), LBO = the next 64-wide column block of d (D = 128), SBO = 1024 between 8-key groups.
 template <int D, int BN>
 __device__ __forceinline__ void issue_pv(float (&acc)[D / 8][4], const unsigned (&pa)[BN / 16][4], unsigned vaddr) {
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D>(acc, pa[kk], make_desc(vaddr + kk * 2048, BN * 128, 1024));
+  const unsigned long long d0 = make_desc(vaddr, BN * 128, 1024);
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D>(acc, pa[kk], desc_plus(d0, kk * 2048));
 }
 // P (bf16) as wgmma's register A operand: k-step kk = keys 16 kk .. 16 kk + 15 = accumulator columns of n-blocks
 // 2 kk and 2 kk + 1, in the m16n8k16 A-fragment order (g, 2c), (g + 8, 2c), (g, 2c + 8), (g + 8, 2c + 8).
@@ -315,6 +321,10 @@ struct Strides {
 // CTA per SM; 384 threads launch with 168 each).
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
+// The forward's three-consumer variant (_wg3: 512 threads, 192 query rows): 128 x 32 + 384 x 160 = 65536 (24 for
+// the producer, as FlashAttention-3's TMA producer has, spilled 16 bytes of our cp.async address math).
+constexpr int PRODUCER_REGS3 = 32;
+constexpr int CONSUMER_REGS3 = 160;
 
 // Persistent CTAs: the grid is at most one CTA per SM and each CTA walks an ordered list of work tiles (heaviest
 // first), so the producer loads the next tile's Q (or K / V) and first stages while the consumers finish the
@@ -354,8 +364,8 @@ template <int STAGES> struct Ring {
 template <int QB> __device__ __forceinline__ int fix_buf(int tc) { return QB == 2 ? (tc & 1) : 0; }
 template <int QB> __device__ __forceinline__ unsigned fix_par(int tc) { return QB == 2 ? (tc >> 1) & 1 : tc & 1; }
 
-template <int D, int BN, int STAGES, int QB> struct Smem {
-  static constexpr int Q = BM * D * 2;       // Q tile bytes
+template <int D, int BN, int STAGES, int QB, int ROWS = BM> struct Smem {
+  static constexpr int Q = ROWS * D * 2;     // Q tile bytes
   static constexpr int KV = BN * D * 2;      // one K (or V) stage
   static constexpr int BARS = 8 * (2 * QB + 2 * STAGES);  // Q full and empty per buffer, full and empty per stage
   static constexpr int BYTES = QB * Q + 2 * STAGES * KV + BARS + 1024;  // + 1024: the base is aligned up at run time
@@ -366,17 +376,25 @@ template <int D, int BN, int STAGES, int QB> struct Smem {
 // ================================================================================================ forward
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
 // Smem<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES, int QB, bool PP>
+// MODE: 0 = serial loop, 1 = pipelined loop with ping-pong turns, 2 = the pipelined loop without the turns
+// (each warpgroup issues its GEMM block as soon as its own softmax is done: FlashAttention-3's intra-warpgroup
+// overlap alone, its choice at head_dim 64).
+template <int D, int BN, int STAGES, int QB, int MODE, int NC>
 __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
                                               int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {
-  using SM = Smem<D, BN, STAGES, QB>;
+  // NC consumer warpgroups of 64 query rows each: BMF rows a work tile (2: 128, the production shape; 3: 192,
+  // FlashAttention-3's choice at head_dim 64, registers 24 / 160 instead of 56 / 224).
+  constexpr int BMF = 64 * NC;
+  using SM = Smem<D, BN, STAGES, QB, BMF>;
   static_assert(D % 64 == 0 && BN % 64 == 0, "tiles are whole 128-byte swizzle rows / wgmma N steps");
+  static_assert(NC == 2 || NC == 3, "two or three consumer warpgroups");
+  static_assert(MODE != 1 || NC == 2, "the ping-pong turns pair two consumer warpgroups");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle is a function of address bits 7-9, so every tile must start on a 1024-byte boundary.
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  unsigned char* Qs = base;                    // [QB][BM x D]
+  unsigned char* Qs = base;                    // [QB][BMF x D]
   unsigned char* Ks = base + QB * SM::Q;       // [STAGES][BN x D]
   unsigned char* Vs = Ks + STAGES * SM::KV;    // [STAGES][BN x D]
   const unsigned qbar = smem_addr(Vs + STAGES * SM::KV), qempty = qbar + 8 * QB;  // [QB] each
@@ -384,29 +402,29 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
 
   const int tid = threadIdx.x, wg = tid / WG;
   const int off = Tk - Tq;  // causal alignment: query i sees keys <= i + off
-  const int nmb = (Tq + BM - 1) / BM, ntiles = nmb * H * Bsz;
+  const int nmb = (Tq + BMF - 1) / BMF, ntiles = nmb * H * Bsz;
 
   if (tid == 0) {
     for (int i = 0; i < QB; ++i) {
       mbar_init(qbar + 8 * i, WG);        // one cp.async arrive per producer thread
-      mbar_init(qempty + 8 * i, 2 * WG);  // one arrive per consumer thread: the tile's last S has read Q
+      mbar_init(qempty + 8 * i, NC * WG);  // one arrive per consumer thread: the tile's last S has read Q
     }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full0 + 8 * s, WG);
-      mbar_init(empty0 + 8 * s, 2 * WG);
+      mbar_init(empty0 + 8 * s, NC * WG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(NC == 2 ? PRODUCER_REGS : PRODUCER_REGS3));
     Ring<STAGES> ring;
     int tc = 0;
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
       const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);  // heaviest causal tiles first
-      const int q0 = ti.blk * BM, j = ti.h / (H / Hkv);
-      const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+      const int q0 = ti.blk * BMF, j = ti.h / (H / Hkv);
+      const int kend = causal ? min(Tk, q0 + BMF + off) : Tk;
       const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
@@ -414,7 +432,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       // the phase "before" a fresh barrier's and passes at once).
       const int qb = fix_buf<QB>(tc);
       mbar_wait(qempty + 8 * qb, fix_par<QB>(tc) ^ 1);
-      load_swz<D, BM>(Qs + qb * SM::Q, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
+      load_swz<D, BMF>(Qs + qb * SM::Q, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
       cp_async_arrive(qbar + 8 * qb);
       for (int jb = 0; jb < nkb; ++jb, ring.next()) {
         // This stage was last filled STAGES uses ago (possibly for the previous tile); wait for its release.
@@ -429,15 +447,15 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   }
 
   // ---------------------------------------------------------------------------------- consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(NC == 2 ? CONSUMER_REGS : CONSUMER_REGS3));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, g = lane >> 2;
   const float sl2 = scale * LOG2E;
   Ring<STAGES> ring;
   int tc = 0;
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
-    const int h = ti.h, b = ti.b, q0 = ti.blk * BM;
-    const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
+    const int h = ti.h, b = ti.b, q0 = ti.blk * BMF;
+    const int kend = causal ? min(Tk, q0 + BMF + off) : Tk;
     const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
     const int qb = fix_buf<QB>(tc);
@@ -449,7 +467,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
     float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
     mbar_wait(qbar + 8 * qb, fix_par<QB>(tc));
 
-    if constexpr (!PP) {
+    if constexpr (MODE == 0) {
       // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the
       // warp schedulers happen to interleave them.
       for (int jb = 0; jb < nkb; ++jb, ring.next()) {
@@ -465,7 +483,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         float s[BN / 8][4];
         fence_regs(s);
         wgmma_fence();
-        issue_s<D, BN>(s, qaddr, smem_addr(Ks + st * SM::KV));
+        issue_s<D, BN, BMF>(s, qaddr, smem_addr(Ks + st * SM::KV));
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
@@ -494,18 +512,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       // last), so none is left pending at the end of a work tile. Both warpgroups run every tile (no
       // per-warpgroup causal skip here: it would unbalance the barriers; the -inf rows of a fully masked tile
       // leave the softmax state unchanged).
+      constexpr bool PP = MODE == 1;
       const int mine = 1 + cw, other = 2 - cw;
-      if (cw == 1) named_arrive(other);
+      if (PP && cw == 1) named_arrive(other);
       float s[BN / 8][4];
       unsigned pa[BN / 16][4];
       mbar_wait(full0 + 8 * ring.st, ring.ph);
       fence_proxy_async();
-      named_sync(mine);
+      if (PP) named_sync(mine);
       fence_regs(s);
       wgmma_fence();
-      issue_s<D, BN>(s, qaddr, smem_addr(Ks + ring.st * SM::KV));
+      issue_s<D, BN, BMF>(s, qaddr, smem_addr(Ks + ring.st * SM::KV));
       wgmma_commit();
-      named_arrive(other);
+      if (PP) named_arrive(other);
       wgmma_wait<0>();
       fence_regs(s);
       if (nkb == 1) mbar_arrive(qfree);  // the tile's last S has read Q
@@ -522,16 +541,16 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         const int st1 = ring.st;
         mbar_wait(full0 + 8 * st1, ring.ph);
         fence_proxy_async();
-        named_sync(mine);
+        if (PP) named_sync(mine);
         fence_regs(s);
         fence_regs(acc);
         fence_regs(pa);
         wgmma_fence();
-        issue_s<D, BN>(s, qaddr, smem_addr(Ks + st1 * SM::KV));
+        issue_s<D, BN, BMF>(s, qaddr, smem_addr(Ks + st1 * SM::KV));
         wgmma_commit();
         issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
         wgmma_commit();
-        named_arrive(other);
+        if (PP) named_arrive(other);
         wgmma_wait<1>();  // S of tile jb + 1 is done; P V of tile jb may still run
         fence_regs(s);
         if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n1, Tk, off, causal, lane);
@@ -553,13 +572,13 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       // Last block: P V of tile nkb - 1 (warpgroup 1 does not open another block of warpgroup 0's).
       const int st = ring.st;
       ring.next();
-      named_sync(mine);
+      if (PP) named_sync(mine);
       fence_regs(acc);
       fence_regs(pa);
       wgmma_fence();
       issue_pv<D, BN>(acc, pa, smem_addr(Vs + st * SM::KV));
       wgmma_commit();
-      if (cw == 0) named_arrive(other);
+      if (PP && cw == 0) named_arrive(other);
       wgmma_wait<0>();
       fence_regs(acc);
       fence_regs(pa);
@@ -999,24 +1018,31 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
 // head; the last axis contiguous) plus the batch size Bsz. Launch: 384 threads, a 1-D grid of at most
 // ceil(Tq / 128) * H * Bsz persistent CTAs (one per SM), dynamic shared memory Smem<D, BN, STAGES>::BYTES
 // (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
-#define CK_ATTN90_FWD_1(D, BN, STAGES, QB, PP, SUF)                                                                \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_fwd_d##D##SUF(                           \
+#define CK_ATTN90_FWD_1(D, BN, STAGES, QB, MODE, NC, SUF)                                                      \
+  extern "C" __global__ void __launch_bounds__((NC + 1) * WG, 1) attn_sm90_fwd_d##D##SUF(                      \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
-    attn_fwd_sm90<D, BN, STAGES, QB, PP>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
+    attn_fwd_sm90<D, BN, STAGES, QB, MODE, NC>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
                                      Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz);                 \
   }
-// attn_sm90_fwd_d{D}: the pipelined ping-pong consumers (production); attn_sm90_fwd_d{D}_serial: the serial
-// consumer loop (same tiles, same shared memory; kept as the fallback and the reference point of the benchmark).
-#define CK_ATTN90_FWD(D, BN, STAGES, QB)            \
-  CK_ATTN90_FWD_1(D, BN, STAGES, QB, true, )        \
-  CK_ATTN90_FWD_1(D, BN, STAGES, QB, false, _serial)
+// attn_sm90_fwd_d{D}: the pipelined ping-pong consumers; attn_sm90_fwd_d{D}_serial: the serial consumer loop (same
+// tiles, same shared memory; the fallback and the reference point of the benchmark); attn_sm90_fwd_d{D}_overlap:
+// the pipelined loop without the ping-pong turns. ops/attention_sm90.py's VARIANT picks the production one.
+#define CK_ATTN90_FWD(D, BN, STAGES, QB)              \
+  CK_ATTN90_FWD_1(D, BN, STAGES, QB, 1, 2, )          \
+  CK_ATTN90_FWD_1(D, BN, STAGES, QB, 0, 2, _serial)   \
+  CK_ATTN90_FWD_1(D, BN, STAGES, QB, 2, 2, _overlap)
 // D = 64: 128-key tiles, 4 stages, 2 Q buffers: 2 x 16 KB + 4 x 32 KB K/V = 160 KB (one CTA per SM: 384 threads
 // x 168 registers is the whole register file). D = 128: 128-key tiles, 2 stages, 2 Q buffers: 2 x 32 KB +
 // 2 x 64 KB = 192 KB (of the 227 KB an SM gives one block).
 CK_ATTN90_FWD(64, 128, 4, 2)
 CK_ATTN90_FWD(128, 128, 2, 2)
+// attn_sm90_fwd_d64_wg3: three consumer warpgroups (192 query rows a work tile, 512 threads, the overlap loop),
+// FlashAttention-3's shape at head_dim 64: 2 x 24 KB Q + 4 x 32 KB K/V = 176 KB. D = 128 would need 64 + 64 + 32
+// accumulator / score / P registers a thread, more than 160: not instantiated.
+#define CK_ATTN90_FWD_WG3(D, BN, STAGES, QB) CK_ATTN90_FWD_1(D, BN, STAGES, QB, 2, 3, _wg3)
+CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
 // attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and

@@ -213,6 +213,22 @@ def test_simulated_cta_reproduces_the_products(rng, D, NB):
         np.testing.assert_allclose(o, p @ yf, rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("D,N", [(64, 128), (128, 128), (64, 64), (128, 64), (128, 32)])
+def test_descriptor_offsets_add_in_the_address_field(D, N):
+    """desc_plus: a k-step's descriptor is the first one plus (byte offset >> 4); for every tile the kernels place
+    (any 16-byte aligned base below the 227 KB of shared memory) that equals make_desc of the offset address."""
+    src = CU.read_text()
+    assert "return d + (bytes >> 4); }" in src
+    for base in (0, 1024, 0x20000, 227 * 1024 - 2 * N * D * 2):
+        for lbo in (16, N * 128):
+            d0 = make_desc(base, lbo, 1024)
+            for off in [(kk >> 2) * (BM * 128) + (kk & 3) * 32 for kk in range(D // 16)] + \
+                       [(kk >> 2) * (N * 128) + (kk & 3) * 32 for kk in range(D // 16)] + \
+                       [kk * 2048 for kk in range(N // 16)]:
+                if base + off < 227 * 1024:
+                    assert d0 + (off >> 4) == make_desc(base + off, lbo, 1024)
+
+
 def test_descriptor_fields_fit():
     """Shared addresses (< 228 KB + the 1024 alignment slack) and LBO / SBO fit their 14-bit (>> 4) fields."""
     for D in A90.HEAD_DIMS:
@@ -244,6 +260,13 @@ def test_config_mirrors_the_kernel_instantiations():
     assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
     for D in A90.HEAD_DIMS:  # every kernel fits the 227 KB of shared memory an SM gives one block
         assert max(A90.smem_bytes(D), A90.bwd_smem_bytes("dq", D), A90.bwd_smem_bytes("dkdv", D)) <= 227 * 1024
+    wg3 = {int(d): tuple(int(x) for x in rest) for d, *rest in
+           re.findall(r"^CK_ATTN90_FWD_WG3\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+    assert wg3 == A90.WG3_CONFIG and all(A90.smem_bytes(D, "_wg3") <= 227 * 1024 for D in wg3)
+    assert "CK_ATTN90_FWD_1(D, BN, STAGES, QB, 2, 3, _wg3)" in src  # overlap loop, 3 consumers: 192 rows, 512 thr
+    assert A90.fwd_shape(64, "_wg3")[3:] == (192, 512) and A90.fwd_variant(128, "_wg3") == ""
+    p3 = dict(re.findall(r"constexpr int (PRODUCER_REGS3|CONSUMER_REGS3) = (\d+);", src))
+    assert WG * int(p3["PRODUCER_REGS3"]) + 3 * WG * int(p3["CONSUMER_REGS3"]) <= 65536
 
 
 def turn_events(cw, nblocks):
@@ -301,8 +324,8 @@ def test_kernel_turn_structure_matches_the_model():
     assert "if (PP && cw == 1 && any) named_arrive(other);" in src
     assert "if (PP) named_sync(mine);" in src
     assert "if (PP && (cw == 0 || !last)) named_arrive(other);" in src
-    assert "const int mine = 1 + cw, other = 2 - cw;" in src and "if (cw == 1) named_arrive(other);" in src
-    assert "if (cw == 0) named_arrive(other);" in src  # the forward's last block
+    assert "const int mine = 1 + cw, other = 2 - cw;" in src and "if (PP && cw == 1) named_arrive(other);" in src
+    assert "if (PP && cw == 0) named_arrive(other);" in src  # the forward's last block
     # every begin() / named_sync in the loops is followed by exactly one end() / arrive in the same block
     assert src.count("turns.begin();") == src.count("turns.end(")
 
@@ -371,9 +394,10 @@ needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100 / 
 
 @pytest.fixture(params=A90.VARIANTS, ids=lambda v: v.strip("_") or "pingpong")
 def variant(request, monkeypatch):
-    """The GPU tests run both kernel variants (ping-pong and serial), forward and backward alike."""
+    """The GPU tests run every forward variant (ping-pong, serial, overlap without turns) and every backward one
+    (ping-pong, serial; the overlap case runs the default backward)."""
     monkeypatch.setattr(A90, "VARIANT", request.param)
-    monkeypatch.setattr(A90, "BWD_VARIANT", request.param)
+    monkeypatch.setattr(A90, "BWD_VARIANT", request.param if request.param in A90.BWD_VARIANTS else "")
     return request.param
 
 

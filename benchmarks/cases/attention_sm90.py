@@ -77,15 +77,20 @@ def cases(ctx):
         shape = f"{Bsz}x{T}x{H}/{Hkv}x{D}" + ("" if causal else " full")
         out.append(Case("flash_attention_sm90 fwd", shape, "bf16", per_set, "q,k,v,o once", ours, mma_sync, tf,
                         note="x cupy = mma.sync fwd", extra=dict(nsets=k_, scale=1 / math.sqrt(D)), flops=f_fwd))
-        def serial(i, qs=qs, ks=ks, vs=vs, causal=causal):
-            A90.VARIANT, prev = "_serial", A90.VARIANT
-            try:
-                return A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
-            finally:
-                A90.VARIANT = prev
+        for var in A90.VARIANTS:  # the other forward variants (the production one is the row above)
+            if var == A90.VARIANT or A90.fwd_variant(D, var) != var:
+                continue
 
-        out.append(Case("flash_attention_sm90 fwd serial", shape, "bf16", per_set, "q,k,v,o once", serial,
-                        mma_sync, tf, note="the _serial consumer loop", extra=dict(nsets=k_), flops=f_fwd))
+            def other(i, qs=qs, ks=ks, vs=vs, causal=causal, var=var):
+                A90.VARIANT, prev = var, A90.VARIANT
+                try:
+                    return A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
+                finally:
+                    A90.VARIANT = prev
+
+            out.append(Case(f"flash_attention_sm90 fwd {var.strip('_') or 'pingpong'}", shape, "bf16", per_set,
+                            "q,k,v,o once", other, mma_sync, tf, note=f"the {var or 'ping-pong'} consumer loop",
+                            extra=dict(nsets=k_), flops=f_fwd))
         out.append(Case("flash_attention_sm90 bwd", shape, "bf16", 2 * per_set, "q,k,v,o,dO,dq,dk,dv once", ours_b,
                         mma_b, None, note="x cupy = mma.sync bwd", extra=dict(nsets=k_), flops=2.5 * f_fwd))
         out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd + bwd (wgmma)", ours_fb,

@@ -27,11 +27,14 @@ BM = 128       # query rows per CTA (64 per consumer warpgroup)
 # head_dim -> (key tile, pipeline stages, Q buffers); must match the CK_ATTN90_FWD lines of attention_sm90.cu.
 CONFIG = {64: (128, 4, 2), 128: (128, 2, 2)}
 HEAD_DIMS = tuple(CONFIG)
-# Kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j issued
-# together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
-# "_serial" = one tile at a time per warpgroup (same tiles and shared memory). Both are tested.
-# The backward kernels have the same pair (ping-pong turns around their serial loops, or none): BWD_VARIANT.
-VARIANTS = ("", "_serial")
+# Forward kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j
+# issued together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
+# "_serial" = one tile at a time per warpgroup (same tiles and shared memory); "_overlap" = the pipelined loop
+# without the alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop
+# (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The backward kernels have a pair (ping-pong turns around their serial
+# loops, or none): BWD_VARIANT.
+VARIANTS = ("", "_serial", "_overlap", "_wg3")
+BWD_VARIANTS = ("", "_serial")
 VARIANT = ""
 BWD_VARIANT = ""
 # The kernels are persistent: a 1-D grid of at most one CTA per SM strides over the work tiles (128 query rows of
@@ -56,12 +59,32 @@ def bwd_smem_bytes(kind: str, D: int) -> int:
     return qbk * 2 * BM * D * 2 + 2 * stk * bq * D * 2 + 2 * stk * bq * 4 + 8 * (2 * qbk + 2 * stk) + 1024
 
 
-def smem_bytes(D: int) -> int:
-    """Dynamic shared memory of attn_sm90_fwd_d{D} (Smem<D, BN, STAGES, QB>::BYTES in the kernel): the Q buffers,
-    the K and V stages, the mbarriers (8 bytes each: full and empty per Q buffer and per stage) and 1024 bytes of
-    alignment slack."""
+# The three-consumer forward (variant "_wg3"): head_dim -> (key tile, stages, Q buffers); CK_ATTN90_FWD_WG3 lines.
+WG3_CONFIG = {64: (128, 4, 2)}
+
+
+def fwd_variant(D: int, variant: str | None = None) -> str:
+    """The forward kernel variant that runs at head_dim ``D``: ``variant`` (default VARIANT) when it is
+    instantiated for D, else the production one."""
+    v = VARIANT if variant is None else variant
+    return "" if v == "_wg3" and D not in WG3_CONFIG else v
+
+
+def fwd_shape(D: int, variant: str = "") -> tuple[int, int, int, int, int]:
+    """``(key tile, stages, Q buffers, query rows a work tile, threads)`` of attn_sm90_fwd_d{D}{variant}."""
+    if variant == "_wg3":
+        bn, st, qb = WG3_CONFIG[D]
+        return bn, st, qb, 192, 512
     bn, st, qb = CONFIG[D]
-    return qb * BM * D * 2 + 2 * st * bn * D * 2 + 8 * (2 * qb + 2 * st) + 1024
+    return bn, st, qb, BM, THREADS
+
+
+def smem_bytes(D: int, variant: str = "") -> int:
+    """Dynamic shared memory of attn_sm90_fwd_d{D}{variant} (Smem<D, BN, STAGES, QB, ROWS>::BYTES in the kernel):
+    the Q buffers, the K and V stages, the mbarriers (8 bytes each: full and empty per Q buffer and per stage) and
+    1024 bytes of alignment slack."""
+    bn, st, qb, rows, _ = fwd_shape(D, variant)
+    return qb * rows * D * 2 + 2 * st * bn * D * 2 + 8 * (2 * qb + 2 * st) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +120,7 @@ def grid(tiles: int) -> int:
 
 def _kernel(D, variant, kind="fwd"):
     if kind == "fwd":
-        k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D)
+        k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D, variant)
     else:
         k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}{variant}"), bwd_smem_bytes(kind, D)
     return _launch.with_smem(k, smem), smem
@@ -148,8 +171,10 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
-    kern, smem = _kernel(D, VARIANT)
-    kern((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
+    var = fwd_variant(D)
+    kern, smem = _kernel(D, var)
+    *_, rows, threads = fwd_shape(D, var)
+    kern((grid(-(-Tq // rows) * H * Bsz),), (threads, 1, 1),
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
           np.bool_(causal), np.int32(Bsz)), shared_mem=smem)
     return (o, lse) if return_lse else o
