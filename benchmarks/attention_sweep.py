@@ -37,18 +37,17 @@ def _time(fn, reps):
     return min(best)  # microseconds
 
 
-def _work(T, H, Hkv, D, causal):
-    """(work tiles, inner tiles) of the three kernels per batch row: fwd (128 query rows, BN-key tiles), dq (128
-    rows, 64-key tiles), dkdv (128 keys, BQ-query tiles x G heads)."""
+def _work(T, H, Hkv, D, causal, frows=128):
+    """(work tiles, inner tiles) of the three kernels per batch row: fwd (frows query rows, BN-key tiles), dq
+    (128 rows, 64-key tiles), dkdv (128 keys, BQ-query tiles x G heads)."""
     bn = A.CONFIG[D][0]
     dbn, _, bq = A.BWD_CONFIG[D][:3]
     nmb, G = -(-T // 128), H // Hkv
-    fw = sum((min(T, q0 + 128) if causal else T) // bn + ((min(T, q0 + 128) if causal else T) % bn > 0)
-             for q0 in range(0, T, 128))
+    fw = sum(-(-(min(T, q0 + frows) if causal else T) // bn) for q0 in range(0, T, frows))
     dq = sum(-(-(min(T, q0 + 128) if causal else T) // dbn) for q0 in range(0, T, 128))
     nqb = -(-T // bq)
     kv = sum(G * (nqb - (k0 // bq if causal else 0)) for k0 in range(0, T, 128))
-    return {"fwd": (nmb * H, fw * H), "dq": (nmb * H, dq * H), "dkdv": (nmb * Hkv, kv * Hkv)}
+    return {"fwd": (-(-T // frows) * H, fw * H), "dq": (nmb * H, dq * H), "dkdv": (nmb * Hkv, kv * Hkv)}
 
 
 def main():
@@ -57,6 +56,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--heads", default="32/8")
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--seqs", type=lambda t: [int(x) for x in t.split(",")], default=[256, 512, 1024, 2048, 4096])
     a = ap.parse_args()
     H, Hkv = map(int, a.heads.split("/"))
     D = a.dim
@@ -71,7 +71,7 @@ def main():
     print(f"{'T':>5s} {'B':>3s} {'causal':>6s} {'grid':>8s} | {'fwd':>7s} {'dq':>7s} {'dkdv':>7s} {'bwd':>7s} | "
           f"{'sdpa fwd':>8s} {'sdpa bwd':>8s} | fwd x bwd x  f+b x")
     for causal in (True, False):
-        for T in (256, 512, 1024, 2048, 4096):
+        for T in a.seqs:
             Bsz = max(1, a.tokens // T)
             r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)
             q, k, v, do = r(Bsz, T, H, D), r(Bsz, T, Hkv, D), r(Bsz, T, Hkv, D), r(Bsz, T, H, D)
@@ -80,7 +80,7 @@ def main():
             delta = cp.empty((Bsz, H, T), dtype=cp.float32)
             sq, sk, sv, sd = (A._strides(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do)))
             tail = (np.int32(T), np.int32(T), np.int32(H), np.int32(Hkv), np.float32(D ** -0.5), np.bool_(causal))
-            fvar = A.fwd_variant(D)
+            fvar = A.fwd_variant(D, seq_k=T)
             kf, smf = A._kernel(D, fvar)
             *_, frows, fthr = A.fwd_shape(D, fvar)
             kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
@@ -105,10 +105,11 @@ def main():
             for var in A.VARIANTS:  # the forward's other consumer loops, persistent grid
                 if var != fvar and A.fwd_variant(D, var) == var:
                     kv_, smv = A._kernel(D, var)
-                    *_, rows, thr = A.fwd_shape(D, var)
-                    tv_ = _time(lambda: kv_((A.grid(-(-T // rows) * H * Bsz),), (thr, 1, 1),
+                    *_, vrows, thr = A.fwd_shape(D, var)
+                    tv_ = _time(lambda: kv_((A.grid(-(-T // vrows) * H * Bsz),), (thr, 1, 1),
                                             (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smv), a.reps)
-                    print(f"      fwd {var.strip('_'):8s} {tv_:7.1f} us (production {tp[True]['fwd']:.1f})")
+                    print(f"      T{T} {'causal' if causal else 'full'}: fwd {var.strip('_') or 'pingpong':8s} "
+                          f"{tv_:7.1f} us (auto = {fvar.strip('_') or 'pingpong'}: {tp[True]['fwd']:.1f})")
             t = tp[False]
             tf = tb = float("nan")
             if torch is not None:
@@ -138,14 +139,16 @@ def main():
                 print(f"{T:5d} {Bsz:3d} {str(causal):>6s} {'persist' if persistent else 'per-tile':>8s} | "
                       f"{t_['fwd']:7.1f} {t_['dq']:7.1f} {t_['dkdv']:7.1f} {bwd:7.1f} | "
                       f"{tf:8.1f} {tb:8.1f} | {tf / t_['fwd']:.2f}x {tb / bwd:.2f}x {(tf + tb) / (t_['fwd'] + bwd):.2f}x")
-            w = _work(T, H, Hkv, D, causal)
+            w = _work(T, H, Hkv, D, causal, frows)
             for kname in t:
                 c, n = w[kname]
-                rows.append((kname, T, causal, Bsz * c, Bsz * n, t[kname]))
+                rows.append((kname if kname != "fwd" else f"fwd{fvar}", T, causal, Bsz * c, Bsz * n, t[kname]))
             del q, k, v, do, o, lse, dq, dk, dv, delta
     print("\nfit per kernel, one CTA per tile: time x SMs = fixed x CTAs + per_tile x tiles (us of one SM)")
-    for kname in ("fwd", "dq", "dkdv"):
+    for kname in sorted({r[0] for r in rows}):  # the forward per variant ("auto" switches with T)
         R = [r for r in rows if r[0] == kname]
+        if len(R) < 3:
+            continue
         X = np.array([[r[3], r[4]] for r in R], dtype=np.float64)
         y = np.array([r[5] * sms for r in R])
         (c0, c1), *_ = np.linalg.lstsq(X, y, rcond=None)

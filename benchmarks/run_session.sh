@@ -500,3 +500,14 @@ if [ "$stage" = "s10e" ]; then  # session 10, call E (final): the whole GPU suit
   timeout 130 python benchmarks/bench_train.py --configs b8t1024 --steps 10 --ab "attention_sm90.VARIANT=_wg3" \
     --json "$out/bench_llama.json" > "$out/bench_llama.log" 2>&1; grep -E "ms/step|Error" "$out/bench_llama.log" | head -20
 fi
+if [ "$stage" = "s10f" ]; then  # session 10, call F: VARIANT = "auto" (Python dispatch over run E's tested kernels)
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile($TRAIN_FAMS); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_attention_sm90.py tests/test_attention.py \
+    tests/test_models.py tests/test_gpt2.py tests/test_nn.py tests/test_trainer.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 110 python benchmarks/attention_sweep.py 2>&1 | tee "$out/attention_sweep.log" | grep -E "persist|fwd |^ *T "
+  timeout 45 python benchmarks/attention_sweep.py --dim 128 --heads 16/16 --seqs 1024,4096 2>&1 \
+    | tee "$out/attention_sweep_d128.log" | grep -E "persist|fwd |^ *T "
+  timeout 100 python benchmarks/bench_train.py --configs b8t1024 --steps 10 --json "$out/bench_llama.json" \
+    > "$out/bench_llama.log" 2>&1; grep -E "ms/step|Error" "$out/bench_llama.log" | head -5
+fi

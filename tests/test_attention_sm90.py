@@ -685,6 +685,33 @@ def test_snake_walk_takes_every_tile_once(ntiles, grid):
     assert sorted(seen) == list(range(ntiles))
 
 
+def test_auto_variant_policy(monkeypatch):
+    """VARIANT = "auto": head_dim 64 takes _overlap below WG3_MIN_SEQ keys and _wg3 from it on; head_dim 128 the
+    ping-pong kernel; an explicit variant is kept where it is instantiated."""
+    monkeypatch.setattr(A90, "VARIANT", "auto")
+    assert A90.fwd_variant(64, seq_k=1024) == "_overlap" and A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ) == "_wg3"
+    assert A90.fwd_variant(128, seq_k=8192) == ""
+    assert A90.fwd_variant(64, "_serial", seq_k=8192) == "_serial" and A90.fwd_variant(128, "_wg3") == ""
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T", [1000, 4100])
+def test_gpu_auto_variant_matches_mma_sync(rng, monkeypatch, T):
+    """The default dispatch (auto: _overlap at 1000 keys, _wg3 at 4100) against the mma.sync kernels, fwd + bwd."""
+    monkeypatch.setattr(A90, "VARIANT", "auto")
+    q, k, v = qkv(rng, 1, T, T, 4, 2, 64)
+    w = qkv(rng, 1, T, T, 4, 2, 64)[0]
+    Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
+    o, lse = A90.flash_attention_sm90(Q, K, V, return_lse=True)
+    mo, ml = ck.flash_attention(Q, K, V, return_lse=True)
+    close(o, mo, 1.6e-2, "o vs flash_attention")
+    lse_equal(lse, ml)
+    for x, y, n in zip(A90.flash_attention_backward_sm90(W, Q, K, V, o, lse),
+                       ck.flash_attention_backward(W, Q, K, V, mo, ml), ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
+
+
 def test_grid_is_one_cta_per_sm_at_most(monkeypatch):
     monkeypatch.setattr(A90.B, "sm_target", lambda: 132)
     assert A90.grid(2048) == 132 and A90.grid(5) == 5 and A90.grid(0) == 1
