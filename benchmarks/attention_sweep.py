@@ -80,7 +80,7 @@ def main():
             delta = cp.empty((Bsz, H, T), dtype=cp.float32)
             sq, sk, sv, sd = (A._strides(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("dout", do)))
             tail = (np.int32(T), np.int32(T), np.int32(H), np.int32(Hkv), np.float32(D ** -0.5), np.bool_(causal))
-            fvar = A.fwd_variant(D, seq_k=T)
+            fvar = A.fwd_variant(D, seq_k=T, causal=causal)
             kf, smf = A._kernel(D, fvar)
             *_, frows, fthr = A.fwd_shape(D, fvar)
             kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")

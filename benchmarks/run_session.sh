@@ -511,3 +511,8 @@ if [ "$stage" = "s10f" ]; then  # session 10, call F: VARIANT = "auto" (Python d
   timeout 100 python benchmarks/bench_train.py --configs b8t1024 --steps 10 --json "$out/bench_llama.json" \
     > "$out/bench_llama.log" 2>&1; grep -E "ms/step|Error" "$out/bench_llama.log" | head -5
 fi
+if [ "$stage" = "s10g" ]; then  # session 10, call G: the final auto policy (wg3 for long loops, serial at D128)
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention'])"
+  timeout 100 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_attention_sm90.py -k "auto or smoke or persistent" \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+fi

@@ -690,25 +690,27 @@ def test_auto_variant_policy(monkeypatch):
     ping-pong kernel; an explicit variant is kept where it is instantiated."""
     monkeypatch.setattr(A90, "VARIANT", "auto")
     assert A90.fwd_variant(64, seq_k=1024) == "_overlap" and A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ) == "_wg3"
-    assert A90.fwd_variant(128, seq_k=8192) == ""
+    assert A90.fwd_variant(64, seq_k=1024, causal=False) == "_wg3"
+    assert A90.fwd_variant(64, seq_k=256, causal=False) == "_overlap"
+    assert A90.fwd_variant(128, seq_k=8192) == "_serial"
     assert A90.fwd_variant(64, "_serial", seq_k=8192) == "_serial" and A90.fwd_variant(128, "_wg3") == ""
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("T", [1000, 4100])
-def test_gpu_auto_variant_matches_mma_sync(rng, monkeypatch, T):
-    """The default dispatch (auto: _overlap at 1000 keys, _wg3 at 4100) against the mma.sync kernels, fwd + bwd."""
+@pytest.mark.parametrize("T,D,causal", [(1000, 64, True), (2100, 64, True), (600, 64, False), (1000, 128, True)])
+def test_gpu_auto_variant_matches_mma_sync(rng, monkeypatch, T, D, causal):
+    """The default dispatch (auto: _overlap, _wg3, _wg3, _serial here) against the mma.sync kernels, fwd + bwd."""
     monkeypatch.setattr(A90, "VARIANT", "auto")
-    q, k, v = qkv(rng, 1, T, T, 4, 2, 64)
-    w = qkv(rng, 1, T, T, 4, 2, 64)[0]
+    q, k, v = qkv(rng, 1, T, T, 4, 2, D)
+    w = qkv(rng, 1, T, T, 4, 2, D)[0]
     Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
-    o, lse = A90.flash_attention_sm90(Q, K, V, return_lse=True)
-    mo, ml = ck.flash_attention(Q, K, V, return_lse=True)
+    o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, return_lse=True)
+    mo, ml = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)
     close(o, mo, 1.6e-2, "o vs flash_attention")
     lse_equal(lse, ml)
-    for x, y, n in zip(A90.flash_attention_backward_sm90(W, Q, K, V, o, lse),
-                       ck.flash_attention_backward(W, Q, K, V, mo, ml), ("dq", "dk", "dv")):
+    for x, y, n in zip(A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal),
+                       ck.flash_attention_backward(W, Q, K, V, mo, ml, causal=causal), ("dq", "dk", "dv")):
         close(x, y, 3e-2, n)
 
 

@@ -78,7 +78,7 @@ def cases(ctx):
         out.append(Case("flash_attention_sm90 fwd", shape, "bf16", per_set, "q,k,v,o once", ours, mma_sync, tf,
                         note="x cupy = mma.sync fwd", extra=dict(nsets=k_, scale=1 / math.sqrt(D)), flops=f_fwd))
         for var in A90.VARIANTS:  # the other forward variants (the production one is the row above)
-            if var == A90.fwd_variant(D, seq_k=T) or A90.fwd_variant(D, var) != var:
+            if var == A90.fwd_variant(D, seq_k=T, causal=causal) or A90.fwd_variant(D, var) != var:
                 continue
 
             def other(i, qs=qs, ks=ks, vs=vs, causal=causal, var=var):

@@ -33,15 +33,18 @@ HEAD_DIMS = tuple(CONFIG)
 # without the alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop
 # (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The backward kernels have a pair (ping-pong turns around their serial
 # loops, or none): BWD_VARIANT.
-# VARIANT = "auto" (the default) picks per call from session 10's measurements (run E, bench_ops, one H200,
-# H32/8 causal): at head_dim 64, "_overlap" below WG3_MIN_SEQ keys (B8xT1024 fwd 0.126 ms against ping-pong 0.134
-# and _wg3 0.138; the per-work-tile cost dominates short loops, and 192-row tiles waste rows) and "_wg3" from it
-# on (B2xT4096 0.352 against 0.368 and _overlap 0.402); at head_dim 128 the ping-pong "" (the only one measured).
+# VARIANT = "auto" (the default) picks per call from session 10's same-run sweep (run F, one H200, 8192 tokens a
+# call, benchmarks/attention_sweep.py): at head_dim 64, "_wg3" from WG3_MIN_SEQ keys (causal; full attention from
+# WG3_MIN_SEQ_FULL) and "_overlap" below (causal T1024: _overlap 126 us, ping-pong 135, _wg3 138; T2048: _wg3 198,
+# ping-pong 213, _overlap 215; full T512: _wg3 107, _overlap 110; short causal loops favour the 128-row tiles:
+# a 192-row tile spends more of its keys on the masked diagonal); at head_dim 128 "_serial" (T1024 causal 120 us
+# against ping-pong 131, T4096 317 against 387: the turns cost more than they overlap at 64 accumulator registers).
 VARIANTS = ("", "_serial", "_overlap", "_wg3")
 BWD_VARIANTS = ("", "_serial")
 VARIANT = "auto"
 BWD_VARIANT = ""
-WG3_MIN_SEQ = 4096
+WG3_MIN_SEQ = 2048
+WG3_MIN_SEQ_FULL = 512
 # The kernels are persistent: a 1-D grid of at most one CTA per SM strides over the work tiles (128 query rows of
 # one (batch, head) for fwd / dq, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP, when set, caps the grid
 # lower (the tests use it to run many tiles through one CTA's mbarrier phases); PERSISTENT = False launches one
@@ -68,14 +71,14 @@ def bwd_smem_bytes(kind: str, D: int) -> int:
 WG3_CONFIG = {64: (128, 4, 2)}
 
 
-def fwd_variant(D: int, variant: str | None = None, seq_k: int = 0) -> str:
+def fwd_variant(D: int, variant: str | None = None, seq_k: int = 0, causal: bool = True) -> str:
     """The forward kernel variant that runs at head_dim ``D`` over ``seq_k`` keys: ``variant`` (default VARIANT;
     "auto" resolved as described at VARIANT) when it is instantiated for D, else the ping-pong one."""
     v = VARIANT if variant is None else variant
     if v == "auto":
         if D != 64:
-            return ""
-        return "_wg3" if seq_k >= WG3_MIN_SEQ else "_overlap"
+            return "_serial"
+        return "_wg3" if seq_k >= (WG3_MIN_SEQ if causal else WG3_MIN_SEQ_FULL) else "_overlap"
     return "" if v == "_wg3" and D not in WG3_CONFIG else v
 
 
@@ -180,7 +183,7 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
-    var = fwd_variant(D, seq_k=Tk)
+    var = fwd_variant(D, seq_k=Tk, causal=causal)
     kern, smem = _kernel(D, var)
     *_, rows, threads = fwd_shape(D, var)
     kern((grid(-(-Tq // rows) * H * Bsz),), (threads, 1, 1),
