@@ -9,15 +9,17 @@
 // per warpgroup instruction with both smem operands read by the tensor core itself (no ldmatrix, no fragment
 // registers for K and V), which is what lets Hopper reach its 989 dense bf16 TFLOP/s.
 //
-// Design (one CTA = 128 query rows of one (batch, head); 384 threads = 3 warpgroups):
+// Design (a work tile = 128 query rows of one (batch, head); 384 threads = 3 warpgroups; the _wg3 forward: 192
+// rows, 512 threads = a producer and 3 consumers):
 //   * warpgroup 0 is the producer: it copies the Q tile once and then the K/V tiles of the key loop into a
 //     STAGES-deep ring in shared memory with cp.async (16-byte chunks, zero-filled past the sequence end, written
 //     at the 128-byte-swizzled positions wgmma's descriptors expect), and signals each stage's "full" mbarrier
 //     with cp.async.mbarrier.arrive.noinc (the arrive fires when the thread's copies have landed). No TMA: a
 //     CUtensorMap would have to be encoded on the host by cuTensorMapEncodeTiled, which CuPy does not expose, and
 //     cp.async handles strided [B, T, heads, D] views and the ragged tail rows the same way attention.cu does.
-//     The producer gives registers back (setmaxnreg.dec to 56); the consumers take them (setmaxnreg.inc).
-//   * warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both operands in
+//     The producer gives registers back (setmaxnreg.dec to 56; 32 in _wg3); the consumers take them
+//     (setmaxnreg.inc to 224; 160 in _wg3).
+//   * warpgroups 1 and 2 (and 3) are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both operands in
 //     shared memory (Q and K K-major, 128-byte swizzle), online softmax in registers (exp2 with scale * log2(e)
 //     folded in: common/mma.cuh's online_softmax_step, whose per-thread row layout is also wgmma's accumulator
 //     layout), P rounded to bf16 in registers as the A operand of O += P V (wgmma m64n{D}k16, A from registers,
@@ -26,8 +28,10 @@
 //   * Consumer schedule (attn_sm90_fwd_d{D}, FlashAttention-3's): per tile, one "GEMM block" issues S for tile
 //     j + 1 and P V for tile j back to back; the softmax of tile j + 1 runs while P V is still on the tensor
 //     cores; two named barriers make the consumer warpgroups take turns issuing GEMM blocks (ping-pong), so one
-//     warpgroup's exp2s overlap the other's wgmmas. attn_sm90_fwd_d{D}_serial: S, softmax, P V one after the
-//     other (the fallback, same tiles and shared memory).
+//     warpgroup's exp2s overlap the other's wgmmas. _overlap: the same loop without the turns; _wg3: three
+//     consumers in the _overlap loop; _serial: S, softmax, P V one after the other (same tiles and shared
+//     memory). Which one is faster depends on the loop length (session 10's sweep, NOTES): the Python launcher
+//     picks per call (attention_sm90.py, VARIANT = "auto").
 //   * Shared tiles: rows of 64 bf16 = 128 bytes; a D = 128 tile is two such column blocks one after the other.
 //     16-byte chunk c of row r lives at byte r * 128 + ((c ^ (r & 7)) << 4) of its column block (Swizzle<3,4,3>
 //     on the address: bits 4-6 ^= bits 7-9), 8-row groups 1024 bytes apart, every tile 1024-byte aligned.
@@ -36,9 +40,10 @@
 //   * Causal: key tiles past the CTA's last visible key are never loaded; a consumer whose 64 rows see none of a
 //     tile's keys skips its math (it still releases the stage); only tiles crossing the diagonal (or Tk) are
 //     masked. Work tiles are taken heaviest first.
-//   * Persistent CTAs (one per SM, striding over the work tiles): the producer loads the next tile's Q and
-//     first K / V stages while the consumers finish the current one; a "Q empty" mbarrier, arrived on once the
-//     tile's last S has read Q, orders the reuse of the Q tile (the backward kernels' fixed tiles likewise).
+//   * Persistent CTAs (one per SM, a snake walk over the work tiles): the producer loads the next tile's Q (into
+//     the second Q buffer) and first K / V stages while the consumers finish the current one; a "Q empty"
+//     mbarrier per buffer, arrived on once the tile's last S has read Q, orders its reuse (the backward kernels'
+//     fixed tiles likewise).
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 
