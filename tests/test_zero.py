@@ -552,6 +552,8 @@ def test_sparse_rows_exchange_is_one_process_lazy_adamw(world):
                     p.grad_stale = False
             opt.step()
             assert int(sg.count) == np.unique(np.concatenate([i.reshape(-1) for i in ids[t]])).size
+        r = repr(opt)  # the table's group says what it is: replicated, exchanged by rows, nothing gathered
+        assert r.count("replicated, sparse rows exchanged") == 1 and "fp32 gathered=" in r
         return ({p.name: p.data.copy() for p in ps}, opt.shadow("emb").copy(), opt.state_dict_shard(),
                 opt.memory_bytes())
 

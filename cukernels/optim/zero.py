@@ -1220,7 +1220,9 @@ class ZeroAdamW:
         self.refresh_shadows()
 
     def __repr__(self):
-        groups = ", ".join(f"(wd={g.wd}, fp32 gathered={g.full}, n={len(g.slots)}, buckets={len(g.layout.buckets)}"
-                           f"{', sparse rows exchanged' if g.replicated else ''})" for g in self._groups)
+        def kind(g):  # a replicated group's P is whole on every rank too, but nothing of it is gathered
+            return "replicated, sparse rows exchanged" if g.replicated else f"fp32 gathered={g.full}"
+        groups = ", ".join(f"(wd={g.wd}, {kind(g)}, n={len(g.slots)}, buckets={len(g.layout.buckets)})"
+                           for g in self._groups)
         return (f"ZeroAdamW(rank={self.rank}, world_size={self.world_size}, wire={self.wire_dtype}, "
                 f"average={self.average}, groups=[{groups}])")
