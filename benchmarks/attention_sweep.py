@@ -138,7 +138,8 @@ def main():
                 bwd = t_["dq"] + t_["dkdv"]
                 print(f"{T:5d} {Bsz:3d} {str(causal):>6s} {'persist' if persistent else 'per-tile':>8s} | "
                       f"{t_['fwd']:7.1f} {t_['dq']:7.1f} {t_['dkdv']:7.1f} {bwd:7.1f} | "
-                      f"{tf:8.1f} {tb:8.1f} | {tf / t_['fwd']:.2f}x {tb / bwd:.2f}x {(tf + tb) / (t_['fwd'] + bwd):.2f}x")
+                      f"{tf:8.1f} {tb:8.1f} | {tf / t_['fwd']:.2f}x {tb / bwd:.2f}x "
+                      f"{(tf + tb) / (t_['fwd'] + bwd):.2f}x")
             w = _work(T, H, Hkv, D, causal, frows)
             for kname in t:
                 c, n = w[kname]

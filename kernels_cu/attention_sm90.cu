@@ -19,12 +19,12 @@
 //     cp.async handles strided [B, T, heads, D] views and the ragged tail rows the same way attention.cu does.
 //     The producer gives registers back (setmaxnreg.dec to 56; 32 in _wg3); the consumers take them
 //     (setmaxnreg.inc to 224; 160 in _wg3).
-//   * warpgroups 1 and 2 (and 3) are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both operands in
-//     shared memory (Q and K K-major, 128-byte swizzle), online softmax in registers (exp2 with scale * log2(e)
-//     folded in: common/mma.cuh's online_softmax_step, whose per-thread row layout is also wgmma's accumulator
-//     layout), P rounded to bf16 in registers as the A operand of O += P V (wgmma m64n{D}k16, A from registers,
-//     B = V from shared memory, MN-major: V is stored [key][d] with d contiguous, the transpose bit set). Then
-//     the stage's "empty" mbarrier is arrived on so the producer may refill it.
+//   * warpgroups 1 and 2 (and 3) are consumers, 64 query rows each: S = Q K^T by wgmma m64n{BN}k16 with both
+//     operands in shared memory (Q and K K-major, 128-byte swizzle), online softmax in registers (exp2 with
+//     scale * log2(e) folded in: common/mma.cuh's online_softmax_step, whose per-thread row layout is also
+//     wgmma's accumulator layout), P rounded to bf16 in registers as the A operand of O += P V (wgmma
+//     m64n{D}k16, A from registers, B = V from shared memory, MN-major: V is stored [key][d] with d contiguous,
+//     the transpose bit set). Then the stage's "empty" mbarrier is arrived on so the producer may refill it.
 //   * Consumer schedule (attn_sm90_fwd_d{D}, FlashAttention-3's): per tile, one "GEMM block" issues S for tile
 //     j + 1 and P V for tile j back to back; the softmax of tile j + 1 runs while P V is still on the tensor
 //     cores; two named barriers make the consumer warpgroups take turns issuing GEMM blocks (ping-pong), so one
@@ -219,7 +219,9 @@ __device__ __forceinline__ void mask_tile(float (&s)[N / 8][4], int row0, int co
 // 0-13; shared addresses stay below 2^18, so the add never carries out of it): one 64-bit add each instead of
 // building every descriptor from its address (run C's SASS: ~8 uniform-datapath instructions a wgmma, issued
 // between a warpgroup's turn and its last wgmma, i.e. while the other warpgroup waits for the turn).
-__device__ __forceinline__ unsigned long long desc_plus(unsigned long long d, unsigned bytes) { return d + (bytes >> 4); }
+__device__ __forceinline__ unsigned long long desc_plus(unsigned long long d, unsigned bytes) {
+  return d + (bytes >> 4);
+}
 template <int D, int BN, int AROWS = BM>  // AROWS: rows of the A tile (its column blocks are AROWS * 128 B apart)
 __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], unsigned qaddr, unsigned kaddr) {
   const unsigned long long da0 = make_desc(qaddr, 16, 1024), db0 = make_desc(kaddr, 16, 1024);
@@ -1028,7 +1030,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
-    attn_fwd_sm90<D, BN, STAGES, QB, MODE, NC>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},                \
+    attn_fwd_sm90<D, BN, STAGES, QB, MODE, NC>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},              \
                                      Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz);                 \
   }
 // attn_sm90_fwd_d{D}: the pipelined ping-pong consumers; attn_sm90_fwd_d{D}_serial: the serial consumer loop (same
@@ -1052,7 +1054,7 @@ CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
 // attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
 // ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
-#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                          \
+#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                        \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \

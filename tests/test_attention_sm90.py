@@ -218,7 +218,7 @@ def test_descriptor_offsets_add_in_the_address_field(D, N):
     """desc_plus: a k-step's descriptor is the first one plus (byte offset >> 4); for every tile the kernels place
     (any 16-byte aligned base below the 227 KB of shared memory) that equals make_desc of the offset address."""
     src = CU.read_text()
-    assert "return d + (bytes >> 4); }" in src
+    assert "  return d + (bytes >> 4);\n}" in src
     for base in (0, 1024, 0x20000, 227 * 1024 - 2 * N * D * 2):
         for lbo in (16, N * 128):
             d0 = make_desc(base, lbo, 1024)

@@ -31,8 +31,8 @@ HEAD_DIMS = tuple(CONFIG)
 # issued together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
 # "_serial" = one tile at a time per warpgroup (same tiles and shared memory); "_overlap" = the pipelined loop
 # without the alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop
-# (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The backward kernels have a pair (ping-pong turns around their serial
-# loops, or none): BWD_VARIANT.
+# (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The
+# backward kernels have a pair (ping-pong turns around their serial loops, or none): BWD_VARIANT.
 # VARIANT = "auto" (the default) picks per call, from session 10's same-run measurements (runs E and F, one H200,
 # 8192 tokens a call): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL without the causal mask)
 # and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3 138; T4096: _wg3 345, ping-pong 369,
@@ -48,10 +48,11 @@ BWD_VARIANT = ""
 WG3_MIN_SEQ = 4096
 WG3_MIN_SEQ_FULL = 4096
 D128_AUTO = ""
-# The kernels are persistent: a 1-D grid of at most one CTA per SM strides over the work tiles (128 query rows of
-# one (batch, head) for fwd / dq, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP, when set, caps the grid
-# lower (the tests use it to run many tiles through one CTA's mbarrier phases); PERSISTENT = False launches one
-# CTA per tile instead (the pre-persistent schedule, for A/B benchmarks: the same kernels, each CTA takes one tile).
+# The kernels are persistent: a 1-D grid of at most one CTA per SM walks the work tiles (128 query rows of one
+# (batch, head) for fwd / dq, 192 for the _wg3 forward, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP,
+# when set, caps the grid lower (the tests use it to run many tiles through one CTA's mbarrier phases);
+# PERSISTENT = False launches one CTA per tile instead (the pre-persistent schedule, for A/B benchmarks: the same
+# kernels, each CTA takes one tile).
 GRID_CAP = None
 PERSISTENT = True
 
@@ -121,8 +122,9 @@ def supported() -> bool:
 
 def grid(tiles: int) -> int:
     """CTAs to launch for ``tiles`` work tiles (each CTA walks them: snake_tile in the kernel). One per SM at
-    most (each CTA holds a whole SM: 384 threads x 168 registers), and no more than ``_backend.sm_target()``:
-    while a ``ZeroAdamW(sm_margin=)`` collective runs beside the backward, the SMs it keeps free stay free (a
+    most (each CTA holds a whole SM's register file: 384 threads x 168 registers, _wg3 512 x 128), and no more
+    than ``_backend.sm_target()``: while a ``ZeroAdamW(sm_margin=)`` collective runs beside the backward, the SMs
+    it keeps free stay free (a
     persistent CTA that waited for one would run its whole share of tiles after the others). Fewer under
     GRID_CAP; one per tile when PERSISTENT is off."""
     if not PERSISTENT:
