@@ -318,6 +318,15 @@ template <bool PP> struct Turns {
   __device__ __forceinline__ void end(bool last) const {
     if (PP && (cw == 0 || !last)) named_arrive(other);
   }
+  // A tile this warpgroup skips: its two blocks' turns without the wgmmas; on the work tile's last key (query)
+  // tile it also releases the fixed operands (fixfree: their "empty" mbarrier).
+  __device__ __forceinline__ void skip(bool last, unsigned fixfree) const {
+    begin();
+    end(false);
+    if (last) mbar_arrive(fixfree);
+    begin();
+    end(last);
+  }
 };
 
 struct Strides {
@@ -349,6 +358,12 @@ struct TileIdx {
 __device__ __forceinline__ TileIdx tile_at(int t, int nblk, int heads, int B, bool rev) {
   const int per = heads * B, r = t / per, rest = t - r * per;
   return TileIdx{rev ? nblk - 1 - r : r, rest % heads, rest / heads};
+}
+// Key tiles of BN a work tile of query rows [.., qend) loads: all of Tk, or under the causal mask (query i sees
+// keys <= i + off) those up to qend - 1 + off.
+__device__ __forceinline__ int key_tiles(int qend, int Tk, int off, bool causal, int bn) {
+  const int kend = causal ? min(Tk, qend + off) : Tk;
+  return kend > 0 ? (kend + bn - 1) / bn : 0;
 }
 __device__ __forceinline__ int snake_tile(int k) {
   return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
@@ -431,8 +446,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
       const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);  // heaviest causal tiles first
       const int q0 = ti.blk * BMF, j = ti.h / (H / Hkv);
-      const int kend = causal ? min(Tk, q0 + BMF + off) : Tk;
-      const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+      const int nkb = key_tiles(q0 + BMF, Tk, off, causal, BN);
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
       // The consumers release a Q buffer after the last S of its tile (the first wait on each buffer asks for
@@ -462,8 +476,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
     const int h = ti.h, b = ti.b, q0 = ti.blk * BMF;
-    const int kend = causal ? min(Tk, q0 + BMF + off) : Tk;
-    const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+    const int nkb = key_tiles(q0 + BMF, Tk, off, causal, BN);
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
     const int qb = fix_buf<QB>(tc);
     const unsigned qaddr = smem_addr(Qs + qb * SM::Q) + cw * 64 * 128;  // this warpgroup's 64 rows a column block
@@ -567,13 +580,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         fence_regs(pa);
         mbar_arrive(empty0 + 8 * st);  // V of tile jb read (its K was read before the previous block ended)
         if (jb + 2 == nkb) mbar_arrive(qfree);  // S of the last tile has read Q
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          acc[nt][0] *= cr0;
-          acc[nt][1] *= cr0;
-          acc[nt][2] *= cr1;
-          acc[nt][3] *= cr1;
-        }
+        rescale_rows(acc, cr0, cr1);
         pack_p<BN>(pa, s);
       }
       // Last block: P V of tile nkb - 1 (warpgroup 1 does not open another block of warpgroup 0's).
@@ -699,8 +706,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
       const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
       const int q0 = ti.blk * BM, j = ti.h / (H / Hkv);
-      const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
-      const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+      const int nkb = key_tiles(q0 + BM, Tk, off, causal, BN);
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
       const int fb = fix_buf<QB>(tc);
@@ -732,8 +738,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
     const int h = ti.h, b = ti.b, q0 = ti.blk * BM;
-    const int kend = causal ? min(Tk, q0 + BM + off) : Tk;
-    const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+    const int nkb = key_tiles(q0 + BM, Tk, off, causal, BN);
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16, r0 = q0 + lr0, r1 = q0 + lr1;
     // lse loads issued before the wait, so their latency hides under it
     const float* lp = lse + ((long long)b * H + h) * Tq;
@@ -785,11 +790,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       const bool last = jb + 1 == nkb;
       mbar_wait(full0 + 8 * st, ring.ph);
       if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
-        turns.begin();
-        turns.end(false);
-        if (last) mbar_arrive(fixfree);
-        turns.begin();
-        turns.end(last);
+        turns.skip(last, fixfree);
         mbar_arrive(empty0 + 8 * st);
         continue;
       }
@@ -942,11 +943,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       const bool last = it + 1 == nit;
       mbar_wait(full0 + 8 * st, ring.ph);
       if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
-        turns.begin();
-        turns.end(false);
-        if (last) mbar_arrive(fixfree);
-        turns.begin();
-        turns.end(last);
+        turns.skip(last, fixfree);
         mbar_arrive(empty0 + 8 * st);
         continue;
       }

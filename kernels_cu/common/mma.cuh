@@ -106,6 +106,17 @@ template <int N> __device__ __forceinline__ void zero(float (&a)[N][4]) {
 // units): the running max and sum of both rows are updated, s becomes p = 2^(s * sl2 - max) (ready for the P V
 // product) and the accumulators are rescaled by 2^(old max - new max). Shared by the training forward and the
 // decode kernel.
+// acc rows g and g + 8 of the thread times cr0 and cr1 (the online softmax's rescale of the running output).
+template <int N> __device__ __forceinline__ void rescale_rows(float (&acc)[N][4], float cr0, float cr1) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) {
+    acc[nt][0] *= cr0;
+    acc[nt][1] *= cr0;
+    acc[nt][2] *= cr1;
+    acc[nt][3] *= cr1;
+  }
+}
+
 template <int BN, int D>
 __device__ __forceinline__ void online_softmax_step(float (&s)[BN / 8][4], float (&acc)[D / 8][4], float& m0,
                                                     float& m1, float& l0, float& l1, float sl2) {
@@ -137,13 +148,7 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[BN / 8][4], float
   }
   l0 = l0 * cr0 + ps0;
   l1 = l1 * cr1 + ps1;
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    acc[nt][0] *= cr0;
-    acc[nt][1] *= cr0;
-    acc[nt][2] *= cr1;
-    acc[nt][3] *= cr1;
-  }
+  rescale_rows(acc, cr0, cr1);
 }
 
 }  // namespace
