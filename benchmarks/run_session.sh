@@ -10,7 +10,7 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cukernels-cupy-cache}
 stage=${1:-tests}; shift || true
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-case "$stage" in s6g|s7*|s8*|s9*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
+case "$stage" in s6g|s7*|s8*|s9*|s1[0-9]*) ;; *) python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')" ;; esac
 # the families a training step uses (no gemv: its ~100 s compile is the long pole)
 TRAIN_FAMS="['adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations','softmax','layer_norm','dropout']"
 case "$stage" in
@@ -515,4 +515,11 @@ if [ "$stage" = "s10g" ]; then  # session 10, call G: the final auto policy (wg3
   python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention'])"
   timeout 100 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_attention_sm90.py -k "auto or smoke or persistent" \
     2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+fi
+if [ "$stage" = "s11a" ]; then  # session 11, call A: the switched auto policy's tests; where B4xT64's 15.5 ms go
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention'])"
+  timeout 100 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_attention_sm90.py -k "auto or smoke or persistent" \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+  timeout 200 python benchmarks/bench_train.py --configs b4t64 --ab "__main__.GRAD_BF16=1" --timeline "$out/tl" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
 fi

@@ -686,19 +686,22 @@ def test_snake_walk_takes_every_tile_once(ntiles, grid):
 
 
 def test_auto_variant_policy(monkeypatch):
-    """VARIANT = "auto": head_dim 64 takes _overlap below WG3_MIN_SEQ keys and _wg3 from it on; head_dim 128 the
-    ping-pong kernel; an explicit variant is kept where it is instantiated."""
+    """VARIANT = "auto": head_dim 64 takes _overlap below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL unmasked) and _wg3
+    from there; head_dim 128 D128_AUTO (_serial); an explicit variant is kept where it is instantiated."""
     monkeypatch.setattr(A90, "VARIANT", "auto")
     assert A90.fwd_variant(64, seq_k=1024) == "_overlap" and A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ) == "_wg3"
     assert A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ_FULL, causal=False) == "_wg3"
     assert A90.fwd_variant(64, seq_k=256, causal=False) == "_overlap"
-    assert A90.fwd_variant(128, seq_k=8192) == A90.D128_AUTO
+    assert A90.fwd_variant(128, seq_k=8192) == A90.D128_AUTO == "_serial"
+    assert A90.fwd_variant(64, seq_k=2048) == "_wg3" and A90.fwd_variant(64, seq_k=2047) == "_overlap"
+    assert A90.fwd_variant(64, seq_k=512, causal=False) == "_wg3"
     assert A90.fwd_variant(64, "_serial", seq_k=8192) == "_serial" and A90.fwd_variant(128, "_wg3") == ""
 
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("T,D,causal", [(1000, 64, True), (4100, 64, True), (600, 64, False), (1000, 128, True)])
+@pytest.mark.parametrize("T,D,causal", [(1000, 64, True), (2100, 64, True), (300, 64, False), (600, 64, False),
+                                         (1000, 128, True), (700, 128, False)])
 def test_gpu_auto_variant_matches_mma_sync(rng, monkeypatch, T, D, causal):
     """The default dispatch (auto) against the mma.sync kernels, fwd + bwd, on each of its picks."""
     monkeypatch.setattr(A90, "VARIANT", "auto")

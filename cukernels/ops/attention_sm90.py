@@ -33,21 +33,19 @@ HEAD_DIMS = tuple(CONFIG)
 # without the alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop
 # (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The
 # backward kernels have a pair (ping-pong turns around their serial loops, or none): BWD_VARIANT.
-# VARIANT = "auto" (the default) picks per call, from session 10's same-run measurements (runs E and F, one H200,
-# 8192 tokens a call): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL without the causal mask)
-# and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3 138; T4096: _wg3 345, ping-pong 369,
-# _overlap 395); at head_dim 128 the ping-pong "". This is the policy the H200 ran (run F). The same sweep says more
-# is there, not yet switched because no GPU run has checked the switch: _wg3 also wins causal T2048 (198 against
-# 213 / 215) and full attention from T512 (107 against 110), and at head_dim 128 "_serial" beats the ping-pong
-# (T1024 causal 120 against 131 us, T4096 317 against 387). Setting WG3_MIN_SEQ = 2048, WG3_MIN_SEQ_FULL = 512 and
-# D128_AUTO = "_serial" selects those kernels (each passed the GPU tests of every variant in run E).
+# VARIANT = "auto" (the default) picks per call, from session 10's same-run measurements (run F, one H200, 8192
+# tokens a call, benchmarks/attention_sweep.py): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL
+# without the causal mask) and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3 138; T2048:
+# _wg3 198, ping-pong 213, _overlap 215; T4096: _wg3 345, ping-pong 369, _overlap 395; full attention _wg3 wins
+# from T512: 107 against 110); at head_dim 128 "_serial" (T1024 causal 120 against the ping-pong's 131 us, T4096
+# 317 against 387: the alternation's turns cost more than they hide when each S tile is 128 x 128 at D 128).
 VARIANTS = ("", "_serial", "_overlap", "_wg3")
 BWD_VARIANTS = ("", "_serial")
 VARIANT = "auto"
 BWD_VARIANT = ""
-WG3_MIN_SEQ = 4096
-WG3_MIN_SEQ_FULL = 4096
-D128_AUTO = ""
+WG3_MIN_SEQ = 2048
+WG3_MIN_SEQ_FULL = 512
+D128_AUTO = "_serial"
 # The kernels are persistent: a 1-D grid of at most one CTA per SM walks the work tiles (128 query rows of one
 # (batch, head) for fwd / dq, 192 for the _wg3 forward, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP,
 # when set, caps the grid lower (the tests use it to run many tiles through one CTA's mbarrier phases);
