@@ -22,6 +22,9 @@
 // multiple of 16 / sizeof(T). Positions outside [0, L) are clamped to the table (never a read outside it;
 // the NumPy reference rejects them). In place (y == x) is safe: a thread reads its elements before writing
 // them and no other thread touches them; no pointer to x or y is __restrict__.
+// Token strides: x and y are [tokens, H, D] with the heads of a token contiguous and tokens xs / ys elements
+// apart (H * D for a C-contiguous array; (H + 2 Hkv) * D for the q and k heads of a packed qkv projection, which
+// one launch rotates in place: q and k are the first H + Hkv heads of each token).
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -29,7 +32,7 @@ template <typename T, typename PT, bool IL, bool VEC>
 __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, const PT* __restrict__ positions,
                                           long long ntok, int S, int H, int D, int L, int pos_mode, float sgn,
-                                          bool cs_vec, int hsplit) {
+                                          bool cs_vec, int hsplit, long long xs, long long ys) {
   constexpr int E = VEC ? 16 / sizeof(T) : (IL ? 2 : 1);  // elements per pack
   constexpr int P = IL ? E / 2 : E;                       // pairs per unit
   constexpr int U = 4;                                    // heads in flight
@@ -57,13 +60,13 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
     load_f32<P>(sin_t + p * half + cu * P, sn, cs_vec);
 #pragma unroll
     for (int i = 0; i < P; ++i) sn[i] *= sgn;
-    const long long off0 = tok * H * D + (long long)cu * E;  // head 0's pack (first half, rotate-half)
+    const long long xo = tok * xs + (long long)cu * E, yo = tok * ys + (long long)cu * E;  // head 0's pack
     for (int h0 = hb; h0 < he; h0 += U) {
       Chunk<T, E, VEC> a[U], b[U];
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (h0 + k < he) {
-          const T* src = x + off0 + (long long)(h0 + k) * D;
+          const T* src = x + xo + (long long)(h0 + k) * D;
           a[k].load(src);
           if (!IL) b[k].load(src + half);
         }
@@ -71,7 +74,7 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (h0 + k < he) {
-          T* dst = y + off0 + (long long)(h0 + k) * D;
+          T* dst = y + yo + (long long)(h0 + k) * D;
           if (IL) {
             float f[E];
 #pragma unroll
@@ -109,8 +112,9 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 #define ROPE_ONE(T, PT, TN, PN, IL, HI, VEC, VS)                                                              \
   extern "C" __global__ void __launch_bounds__(256, 2) rope_##TN##_##PN##_##HI##_##VS(                         \
       const T* x, T* y, const float* cos_t, const float* sin_t, const PT* positions, long long ntok, int S,  \
-      int H, int D, int L, int pos_mode, float sgn, bool cs_vec, int hsplit) {                              \
-    rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec, hsplit); \
+      int H, int D, int L, int pos_mode, float sgn, bool cs_vec, int hsplit, long long xs, long long ys) {  \
+    rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec, hsplit,  \
+                              xs, ys);                                                                       \
   }
 #define ROPE_LAYOUTS(T, PT, TN, PN)                                                                           \
   ROPE_ONE(T, PT, TN, PN, false, h, true, v)                                                                \

@@ -155,6 +155,23 @@ def test_reference_bf16_and_in_place(rng):
     assert y is xi and np.array_equal(xi.view(np.uint16), ref.view(np.uint16))
 
 
+def test_reference_packed_heads_in_place(rng):
+    """The q and k heads of a packed [B, T, H + 2 Hkv, D] projection, rotated in place through the token-strided
+    view: equal to rotating contiguous copies; the v heads untouched."""
+    H, Hkv, D = 4, 2, 8
+    qkv = randn(rng, (2, 5, H + 2 * Hkv, D), np.float32)
+    cos, sin = ck.rope_cache(5, D, xp=np)
+    ref = ck.rope(np.ascontiguousarray(qkv[:, :, :H + Hkv]), cos, sin)
+    a = qkv.copy()
+    qk = a[:, :, :H + Hkv]
+    assert ck.rope(qk, cos, sin, out=qk) is qk
+    np.testing.assert_array_equal(a[:, :, :H + Hkv], ref)
+    np.testing.assert_array_equal(a[:, :, H + Hkv:], qkv[:, :, H + Hkv:])
+    back = a.copy()
+    ck.rope_backward(back[:, :, :H + Hkv], cos, sin, out=back[:, :, :H + Hkv])
+    np.testing.assert_allclose(back, qkv, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- bad input
 def _x(shape=(1, 4, 2, 8), dt=np.float32):
     return np.zeros(shape, dt)
@@ -177,7 +194,8 @@ _C, _S = ck.rope_cache(4, 8, xp=np)
         (lambda: ck.rope(_x(), _C, _S, positions=np.zeros(3, np.int32)), ValueError, r"positions: expected shape \(4,\)"),
         (lambda: ck.rope(_x(), _C, _S, positions=np.array([0, 1, 2, 4], np.int32)), ValueError, r"positions: values must lie in \[0, 4\)"),
         (lambda: ck.rope(_x(), _C, _S, out=np.zeros((1, 4, 2, 8), ck.bfloat16)), TypeError, "out: expected dtype"),
-        (lambda: ck.rope(np.zeros((1, 8, 2, 4), np.float32)[:, ::2], _C[:, :2], _S[:, :2]), ValueError, "x: expected a C-contiguous"),
+        (lambda: ck.rope(np.zeros((1, 8, 4, 4), np.float32)[:, :, ::2], _C[:, :2], _S[:, :2]), ValueError,
+         r"x: expected \[batch, seq, heads, head_dim\] with heads and head_dim contiguous"),
         (lambda: ck.rope_backward(_x((2, 4, 2, 8)), _C, _S, positions=np.zeros((1, 4), np.int64)), ValueError, r"positions: expected shape \(4,\) or \(2, 4\)"),
         (lambda: ck.rope_backward(np.zeros((1, 4, 2, 8), np.int32), _C, _S), TypeError, "dy: expected dtype"),
         (lambda: ck.rope_cache(0, 8, xp=np), ValueError, "seq_len"),
@@ -233,6 +251,37 @@ def test_gpu_matches_reference(rng, shape, dtype, misalign, interleaved, pos_kin
     xi = dev(x)
     assert ck.rope(xi, cd, sd, out=xi, **kwd) is xi
     assert_close(xi, y_ref, dtype, what="in place")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape", [(2, 7, 4, 2, 64), (1, 33, 32, 8, 64), (3, 5, 3, 1, 6), (2, 4, 2, 2, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_packed_heads_token_strided(rng, dtype, interleaved, shape):
+    """The q / k heads of a packed qkv [B, T, H + 2 Hkv, D] (tokens (H + 2 Hkv) D apart) in place, forward and
+    backward, and a token-strided input into a fresh output: equal to the reference on contiguous copies (both
+    the vector path, D a multiple of the pack, and the element path, D = 6); the v heads keep their bits."""
+    Bsz, T, H, Hkv, D = shape
+    qkv = randn(rng, (Bsz, T, H + 2 * Hkv, D), dtype)
+    cos, sin = ck.rope_cache(T + 2, D, xp=np)
+    pos = rng.integers(0, T + 2, (Bsz, T)).astype(np.int32)
+    kw = dict(positions=pos, interleaved=interleaved)
+    ref = ck.rope(np.ascontiguousarray(qkv[:, :, :H + Hkv]), cos, sin, **kw)
+    dref = ck.rope_backward(np.ascontiguousarray(qkv[:, :, :H + Hkv]), cos, sin, **kw)
+    cp = pytest.importorskip("cupy")
+    kwd = dict(positions=cp.asarray(pos), interleaved=interleaved)
+    cd, sd = cp.asarray(cos), cp.asarray(sin)
+    for fn, want in ((ck.rope, ref), (ck.rope_backward, dref)):
+        a = cp.asarray(qkv)
+        qk = a[:, :, :H + Hkv]
+        assert fn(qk, cd, sd, out=qk, **kwd) is qk
+        assert_close(qk, want, dtype, what=f"{fn.__name__} in place")
+        assert np.array_equal(np.ascontiguousarray(to_host(a[:, :, H + Hkv:])).view(np.uint8),
+                              np.ascontiguousarray(qkv[:, :, H + Hkv:]).view(np.uint8))
+        y = fn(cp.asarray(qkv)[:, :, :H + Hkv], cd, sd, **kwd)
+        assert y.flags.c_contiguous
+        assert_close(y, want, dtype, what=f"{fn.__name__} strided -> contiguous")
 
 
 @pytest.mark.gpu

@@ -122,9 +122,28 @@ def _validate(xn, x, cos, sin, positions):
     Bsz, S, H, D = (int(v) for v in x.shape)
     if D < 2 or D % 2:
         raise ValueError(f"{xn}: head_dim (last axis) must be even and >= 2; got shape {tuple(x.shape)}")
-    B.check_contiguous(xn, x)
+    ts = token_stride(xn, x)
     L, mode = check_tables(cos, sin, positions, Bsz, S, D, xn)
-    return Bsz, S, H, D, L, mode
+    return Bsz, S, H, D, L, mode, ts
+
+
+def token_stride(name, a):
+    """Elements between consecutive tokens of ``a`` [batch, seq, heads, head_dim] whose heads and head_dim are
+    contiguous and whose tokens are evenly spaced: H * D for a C-contiguous array, more for the q and k heads of a
+    packed qkv projection (``qkv[:, :, :H + Hkv]``). Anything else is a ValueError naming the argument."""
+    Bsz, S, H, D = (int(v) for v in a.shape)
+    if a.size == 0:  # nothing is addressed (CuPy reports strides of 0 for empty arrays)
+        return H * D
+    it = a.itemsize
+    st = [int(v) for v in a.strides]
+    ts = st[1] // it if S > 1 else (st[0] // it if Bsz > 1 else H * D)
+    ok = ((D < 2 or st[3] == it) and (H < 2 or st[2] == D * it) and ts >= H * D and st[1] % it == 0
+          and (S < 2 or st[1] == ts * it) and (Bsz < 2 or st[0] == S * ts * it))
+    if not ok:
+        raise ValueError(f"{name}: expected [batch, seq, heads, head_dim] with heads and head_dim contiguous and "
+                         f"evenly spaced tokens (C-contiguous, or the q/k heads of a packed projection); got strides "
+                         f"{a.strides} for shape {tuple(a.shape)} (call ascontiguousarray first)")
+    return ts
 
 
 def check_tables(cos, sin, positions, Bsz, S, D, xn):
@@ -157,8 +176,15 @@ def check_tables(cos, sin, positions, Bsz, S, D, xn):
 
 def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     xp = B.array_module(**{xn: x}, cos=cos, sin=sin, positions=positions, out=out)
-    Bsz, S, H, D, L, mode = _validate(xn, x, cos, sin, positions)
-    y = B.empty(xp, x.shape, x.dtype, out)
+    Bsz, S, H, D, L, mode, xs = _validate(xn, x, cos, sin, positions)
+    if out is not None:
+        B.check_dtype("out", out, (x.dtype,))
+        B.check_shape("out", out, x.shape)
+        B.check_writable("out", out)
+        ys = token_stride("out", out)
+        y = out
+    else:
+        y, ys = xp.empty(x.shape, dtype=x.dtype), H * D
     half = D // 2
     if xp is np:
         if positions is None:
@@ -187,7 +213,7 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     if ntok * H == 0:
         return y
     E = 16 // x.itemsize
-    vec = vec_ok(x, y) and (D % E == 0 if interleaved else half % E == 0)
+    vec = vec_ok(x, y) and (D % E == 0 if interleaved else half % E == 0) and xs % E == 0 and ys % E == 0
     pe = E if vec else (2 if interleaved else 1)  # elements per unit, per head
     units = ntok * ((D if interleaved else half) // pe)
     cs_vec = vec_ok(cos, sin) and half % 4 == 0
@@ -199,7 +225,8 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     grid = launch_grid(k, units * hsplit)
     k((grid,), (THREADS, 1, 1),
       (x, y, cos, sin, positions if positions is not None else B.NULL, np.int64(ntok), np.int32(S), np.int32(H),
-       np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec), np.int32(hsplit)))
+       np.int32(D), np.int32(L), np.int32(mode), np.float32(sgn), np.bool_(cs_vec), np.int32(hsplit),
+       np.int64(xs), np.int64(ys)))
     return y
 
 
@@ -213,14 +240,16 @@ def rope(x, cos, sin, *, positions=None, interleaved=False, out=None):
     checkpoints work unchanged) and ``(2i, 2i + 1)`` when ``interleaved=True`` (the original RoPE / Meta layout).
 
     Args:
-        x: ``[batch, seq, heads, head_dim]`` float32 or bfloat16, C-contiguous, head_dim even.
+        x: ``[batch, seq, heads, head_dim]`` float32 or bfloat16, head_dim even; C-contiguous, or with only the
+            tokens spaced wider (the q / k heads ``qkv[:, :, :H + Hkv]`` of a packed projection, in place).
         cos, sin: float32 ``[L, head_dim // 2]`` from :func:`rope_cache`.
         positions: optional int32/int64 ``[seq]`` or ``[batch, seq]``: each token's position (row of cos/sin).
             Default ``arange(seq)`` (then L >= seq is required). Values must lie in ``[0, L)``: the NumPy path
             raises otherwise; the kernel clamps them into the table (it never reads outside it, and cannot
             check without a host sync).
         interleaved: the pair layout (above).
-        out: optional output like ``x``; ``out=x`` rotates in place.
+        out: optional output of x's shape and dtype (its tokens may be spaced as x's may); ``out=x`` rotates in
+            place.
 
     Returns:
         ``y`` like ``x``.
