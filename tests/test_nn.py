@@ -7,7 +7,7 @@ import cukernels as ck
 from cukernels import functional as F
 from cukernels.autograd import Tensor
 from cukernels.nn import Attention
-from cukernels.optim import CompositeAdamW
+from cukernels.optim import AdamW, CompositeAdamW
 
 from test_autograd import numgrad
 
@@ -233,3 +233,129 @@ def test_gpu_path_matches_numpy_path_for_several_steps():
                                        err_msg=f"{n} step {step}")
         oh.step()
         od.step()
+
+
+# ---------------------------------------------------------------- packed projections (PackedLinear)
+def _packed_vs_separate(rng, ws, x, lows=None, grads=None, stale=False):
+    """PackedLinear over Parameters ws against one Linear each: output and every gradient (float64)."""
+    r = rng.standard_normal(x.shape[:-1] + (sum(w.shape[0] for w in ws),))
+    xt = Tensor(x.copy(), requires_grad=True)
+    y = F.packed_linear(xt, ws, lows)
+    for w in ws:
+        w.grad_stale = stale
+    (y * r).sum().backward()
+    xs = Tensor(x.copy(), requires_grad=True)
+    cuts = np.cumsum([0] + [w.shape[0] for w in ws])
+    refs = [Tensor(w.data.copy(), requires_grad=True) for w in ws]
+    ys = [F.linear(xs, q) for q in refs]
+    np.testing.assert_allclose(y.data, np.concatenate([a.data for a in ys], axis=-1), rtol=1e-13)
+    sum((a * r[..., cuts[i]:cuts[i + 1]]).sum() for i, a in enumerate(ys)).backward()
+    np.testing.assert_allclose(xt.grad, xs.grad, rtol=1e-12)
+    for w, q, g0 in zip(ws, refs, grads or [None] * len(ws)):
+        want = q.grad + (g0 if g0 is not None and not stale else 0)
+        np.testing.assert_allclose(w.grad, want, rtol=1e-12, err_msg=w.name)
+        assert not w.grad_stale
+
+
+def test_packed_linear_separate_arrays_matches_linears(rng):
+    """Weights in separate arrays: a GEMM per weight into column slices, input gradients accumulated (beta=1)."""
+    ws = [ck.nn.Parameter(rng.standard_normal((o, 5)), name=f"w{o}") for o in (4, 2, 3)]
+    assert F.joined_rows([w.data for w in ws]) is None
+    _packed_vs_separate(rng, ws, rng.standard_normal((2, 3, 5)))
+    g0 = [rng.standard_normal(w.shape) for w in ws]  # existing gradients are accumulated into
+    for w, g in zip(ws, g0):
+        w.grad = g.copy()
+    _packed_vs_separate(rng, ws, rng.standard_normal((7, 5)), grads=g0)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_packed_linear_joined_flat_buffer(rng, stale):
+    """Weights back to back in one flat buffer (the optimizer's layout): one [sum, in] view each way, the weight
+    gradient written once into the adjacent .grad views (overwriting when lazily zeroed, else adding)."""
+    flat = rng.standard_normal(9 * 5 + 4)
+    gflat = rng.standard_normal(9 * 5 + 4)
+    ws, off = [], 0
+    for o in (4, 2, 3):
+        w = ck.nn.Parameter(flat[off:off + o * 5].reshape(o, 5), name=f"w{o}")
+        w.grad = gflat[off:off + o * 5].reshape(o, 5)
+        ws.append(w)
+        off += o * 5
+    J = F.joined_rows([w.data for w in ws])
+    assert J.shape == (9, 5) and np.shares_memory(J, flat) and np.array_equal(J.reshape(-1), flat[:45])
+    g0 = [w.grad.copy() for w in ws]
+    _packed_vs_separate(rng, ws, rng.standard_normal((3, 5)), grads=g0, stale=stale)
+    np.testing.assert_array_equal(gflat[45:], gflat[45:])  # (the tail past the views is never a gradient)
+    # not adjacent or not in order: no joined view
+    assert F.joined_rows([ws[1].data, ws[0].data]) is None
+    assert F.joined_rows([ws[0].data, ws[2].data]) is None
+    assert F.joined_rows([ws[0].data, flat[20:30].reshape(2, 5).copy()]) is None
+    assert F.joined_rows([ws[0].data, flat[20:28].reshape(2, 4)]) is None
+
+
+def test_packed_projections_in_the_model(rng, monkeypatch):
+    """LLaMA's gate / up as one PackedLinear (and the switch that turns it off) give the same loss and gradients;
+    with AdamW's flat buffers the two weights are adjacent, so the joined GEMM path runs."""
+    from cukernels.nn import layers
+
+    cfg = tiny_cfg()
+    ids = rng.integers(0, 11, (2, 6)).astype(np.int32)
+    out = {}
+    for pack in (True, False):
+        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        m = ck.Llama(cfg, seed=4)
+        opt = AdamW(m.parameters(), lr=1e-3)
+        mlp = m.model.layers[0].mlp
+        assert F.joined_rows([mlp.gate_proj.weight.data, mlp.up_proj.weight.data]) is not None
+        calls = []
+        real = F.PackedLinear.forward
+        monkeypatch.setattr(F.PackedLinear, "forward", staticmethod(lambda *a, **k: calls.append(1) or real(*a, **k)))
+        opt.zero_grad(lazy=True)
+        loss = m(ids, ids)
+        loss.backward()
+        assert len(calls) == (cfg.num_hidden_layers if pack else 0)
+        out[pack] = (float(loss.data), {n: p.grad.copy() for n, p in m.named_parameters()})
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
+    for n, g in out[True][1].items():
+        np.testing.assert_allclose(g, out[False][1][n], rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", ["f32", "bf16"])
+def test_gpu_packed_qkv_and_gate_up_match_separate(monkeypatch, grad_dtype):
+    """bf16 autocast on the GPU with AdamW's shadows: q / k / v as one GEMM feeding the packed flash attention
+    (rope on q and k in place, one launch), gate / up as one GEMM into the packed SwiGLU. Loss and gradients
+    against the separate projections (PACK_PROJECTIONS off): same math, other GEMM shapes (bf16 tolerance)."""
+    import cupy as cp
+    from cukernels.nn import layers
+
+    cfg = tiny_cfg(vocab_size=128, hidden_size=256, intermediate_size=384, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64)
+    rng = np.random.default_rng(3)
+    ids = cp.asarray(rng.integers(0, 128, (2, 37)).astype(np.int32))
+    tg = cp.asarray(rng.integers(0, 128, (2, 37)).astype(np.int32))
+    out = {}
+    for pack in (True, False):
+        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        m = ck.Llama(cfg, seed=9).to("gpu")
+        opt = AdamW(m.parameters(), lr=1e-3, grad_dtype=ck.bfloat16 if grad_dtype == "bf16" else np.float32)
+        ck.amp.attach_shadows(m.parameters(), opt)
+        att = m.model.layers[1].self_attn
+        assert F.joined_rows([amp_w.shadow for amp_w in (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)]) \
+            is not None
+        assert F.joined_rows([att.q_proj.weight.grad, att.k_proj.weight.grad, att.v_proj.weight.grad]) is not None
+        calls = []
+        real = F.FlashAttentionPackedF.forward
+        monkeypatch.setattr(F.FlashAttentionPackedF, "forward",
+                            staticmethod(lambda *a, **k: calls.append(1) or real(*a, **k)))
+        for step in range(2):  # the second backward writes over lazily zeroed gradients
+            opt.zero_grad(lazy=True)
+            with ck.autocast(ck.bfloat16):
+                loss = m(ids, tg)
+            loss.backward()
+        assert len(calls) == (2 * cfg.num_hidden_layers if pack else 0)
+        out[pack] = (float(loss.data), {n: cp.asnumpy(p.grad).astype(np.float32) for n, p in m.named_parameters()})
+    assert out[True][0] == pytest.approx(out[False][0], rel=2e-3)
+    for n, g in out[True][1].items():
+        ref = out[False][1][n]
+        scale = np.abs(ref).max() + 1e-12
+        np.testing.assert_allclose(g / scale, ref / scale, rtol=0, atol=3e-2, err_msg=n)

@@ -233,7 +233,11 @@ def test_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, second, 
         if first == second:
             np.testing.assert_array_equal(x, y, err_msg=k)
         else:
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=k)
+            # AdamW moves every element by ~lr a step whatever its gradient's size, so the rounding of a near-zero
+            # gradient (the rank split changes the GEMM shapes) moves its parameter by up to ~1e-5 over 10 steps
+            # at lr 1e-2 (session 11: 1.9e-5 between 1 and 2 ranks, 3.9e-5 between the packed and separate gate /
+            # up GEMMs on one rank); a lost, doubled or misplaced update moves it by ~lr.
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4, err_msg=k)
 
 
 def test_zero_checkpoint_holds_the_full_model_and_every_slice(tmp_path):

@@ -10,9 +10,10 @@ import numpy as np
 from ..autograd import Tensor
 from . import array_ops, kernel_ops, loss_ops, norm_ops
 from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
-                        PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose, add, cast,
-                        concat, contiguous, div, erf, exp, gemm, getitem, linear, log, masked_fill, matmul, mean, mul,
-                        pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh, transpose)
+                        PackedLinear, PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose,
+                        add, cast, concat, contiguous, div, erf, exp, gemm, getitem, joined_rows, linear, log,
+                        masked_fill, matmul, mean, mul, packed_linear, pow, reshape, rsqrt, sigmoid, silu, sub, sum,
+                        tanh, transpose)
 from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, EmbeddingF, EmbeddingLowpF, FlashAttentionF,
                          FlashAttentionPackedF, GeluF, LayerNormF,
                          RMSNormF, RopeF, SoftmaxF, SparseEmbeddingF, SwiGLUF, SwiGLUPackedF, attn_softmax,

@@ -470,6 +470,120 @@ class Linear(Function):
         return gx, gw, None, gb, None
 
 
+class PackedLinear(Function):
+    """``y = x @ [W_1; ...; W_n]^T``: several projections of one input whose outputs are consumed side by side
+    ([..., sum of out_i]: LLaMA's q / k / v and gate / up), each W_i [out_i, in] its own leaf.
+
+    When the arrays the GEMMs read (the bf16 shadows under autocast) lie back to back in one allocation -- the
+    optimizer's flat buffers put a module's parameters so -- the n projections are one GEMM each way: one
+    forward product, one input gradient over K = sum of out_i (no per-projection dX and no adds of them), one
+    weight gradient into the n ``.grad`` buffers when they are adjacent too. At B4xT64 on the LLaMA-1B shape the
+    q / k / v GEMMs are 6-7 us each, latency-bound at M = 256, and the two input-gradient adds of a layer read
+    and write [N, hidden] twice (NOTES, session 11). Otherwise each W_i is its own GEMM on a column slice of y
+    (ldc = the packed width) and the input gradients accumulate with beta = 1: never a copy of the weights.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lows, *ws):
+        wls = [lo if lo is not None else (w if w.dtype == x.dtype else w.astype(x.dtype)) for w, lo in zip(ws, lows)]
+        x2 = x.reshape(-1, x.shape[-1])
+        cuts = np.cumsum([0] + [w.shape[0] for w in ws]).tolist()
+        W = joined_rows(wls)
+        if W is None and _xp(x2) is np:
+            # The reference path multiplies the concatenated weights: the same products as the joined path, so a
+            # model gives the same numbers whether its optimizer keeps the weights adjacent or not (ZeroAdamW pads
+            # each bucket to world_size x 64 elements: on 2+ ranks a bucket boundary can fall inside q / k / v).
+            W = np.concatenate(wls, axis=0)
+        if W is not None:
+            y = gemm(x2, W, trans_b=True)
+        else:
+            y = _xp(x2).empty((x2.shape[0], cuts[-1]), dtype=x2.dtype)
+            for i, wl in enumerate(wls):
+                gemm(x2, wl, trans_b=True, out=y[:, cuts[i]:cuts[i + 1]])
+        ctx.save_for_backward(x2, W, wls)
+        ctx.xshape, ctx.cuts = x.shape, cuts
+        return y.reshape(x.shape[:-1] + (cuts[-1],))
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, W, wls = ctx.saved_tensors
+        cuts, n = ctx.cuts, len(wls)
+        g2 = g.reshape(-1, g.shape[-1])
+        if g2.dtype != x2.dtype or not _layout_ok(g2):
+            g2 = _contig(g2, x2.dtype)
+        cols = [g2[:, cuts[i]:cuts[i + 1]] for i in range(n)]
+        gx = None
+        if ctx.needs_input_grad[0]:
+            if W is not None:
+                gx = gemm(g2, W)
+            else:
+                gx = gemm(cols[0], wls[0])
+                for i in range(1, n):
+                    gemm(cols[i], wls[i], out=gx, accumulate=True)
+            gx = gx.reshape(ctx.xshape)
+        gws = [None] * n
+        want = [ctx.needs_input_grad[2 + i] for i in range(n)]
+        bufs = [ctx.leaf_grad(2 + i) for i in range(n)]
+        G = joined_rows(bufs) if all(want) else None
+        stale = {ctx.inputs[2 + i].grad_stale for i in range(n)} if G is not None else set()
+        if G is not None and len(stale) == 1:
+            acc = False
+            for i in range(n):
+                _, acc = ctx.leaf_grad_write(2 + i)
+            gemm(g2, x2, trans_a=True, out=G, accumulate=acc)
+        elif _xp(g2) is np:  # one product split into the leaves: bit-identical to the joined path (see forward)
+            full = gemm(g2, x2, trans_a=True)
+            for i in range(n):
+                part = full[cuts[i]:cuts[i + 1]]
+                gws[i] = _weight_grad(ctx, 2 + i, lambda out, acc, p=part: p if out is None else _put(out, p, acc))
+        else:
+            for i in range(n):
+                gws[i] = _weight_grad(ctx, 2 + i, lambda out, acc, c=cols[i]: gemm(c, x2, trans_a=True, out=out,
+                                                                                   accumulate=acc))
+        return (gx, None, *gws)
+
+
+def _put(out, part, accumulate):
+    if accumulate:
+        out += part
+    else:
+        out[...] = part
+    return out
+
+
+def joined_rows(arrays):
+    """One ``[sum of rows, cols]`` view over 2-D C-contiguous arrays of one dtype and width that lie back to back
+    in one allocation (in order), else None. The view reads and writes exactly their elements."""
+    if len(arrays) < 2 or any(a is None for a in arrays):
+        return None
+    a0 = arrays[0]
+    xp = _xp(a0)
+    ptr = (lambda a: a.data.ptr) if xp is not np else (lambda a: a.__array_interface__["data"][0])
+    root = (lambda a: a.data.mem) if xp is not np else _np_root
+    end, r0 = ptr(a0), root(a0)
+    for a in arrays:
+        if (type(a) is not type(a0) or a.ndim != 2 or a.dtype != a0.dtype or a.shape[1] != a0.shape[1]
+                or not a.flags.c_contiguous or ptr(a) != end or root(a) is not r0):
+            return None
+        end += a.nbytes
+    shape = (int(np.sum([a.shape[0] for a in arrays])), int(a0.shape[1]))  # (this module's sum is a Function)
+    if xp is np:
+        base = r0
+        lo = ptr(a0) - base.__array_interface__["data"][0]
+        if lo < 0 or lo + shape[0] * shape[1] * a0.itemsize > base.nbytes:
+            return None
+        return np.lib.stride_tricks.as_strided(a0, shape=shape, strides=(shape[1] * a0.itemsize, a0.itemsize))
+    if ptr(a0) + shape[0] * shape[1] * a0.itemsize > r0.ptr + r0.size:
+        return None
+    return xp.ndarray(shape, dtype=a0.dtype, memptr=a0.data)
+
+
+def _np_root(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
 def _weight_grad(ctx, i, product):
     """Input i's gradient from ``product(out, accumulate)``: written straight into its leaf ``.grad`` when it has
     a contiguous one (beta = 0 on the first write of a lazily zeroed step), else returned."""
@@ -547,6 +661,13 @@ def linear(x, w, w_lowp=None, b=None, *, pad_rows=False):
     """``x @ w.T (+ b)`` (w is [out, in]); ``pad_rows``: the output rows 64 elements apart (a strided view; on
     CuPy, without bias) for a vocabulary-sized projection."""
     return Linear.apply(x, w, w_lowp, b, pad_rows)
+
+
+def packed_linear(x, ws, lows=None):
+    """``x @ concat(ws, axis=0).T`` as :class:`PackedLinear` (each w [out_i, in] a leaf; ``lows``: the arrays the
+    GEMMs read instead, e.g. bf16 shadows, one per w or None)."""
+    ws = list(ws)
+    return PackedLinear.apply(x, tuple(lows) if lows is not None else (None,) * len(ws), *ws)
 
 
 def silu(x):

@@ -20,13 +20,14 @@ import math
 import numpy as np
 
 from .. import _backend as B
+from .. import amp
 from .. import functional as F
 from ..autograd import Tensor, _xp
 from ..ops.attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write
 from .dropout import Dropout
-from .layers import Linear
+from .layers import Linear, packable, project_packed
 from .module import Module
 
 SEPARATE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -84,6 +85,29 @@ class Attention(Module):
         v = F.getitem(qkv, (slice(None), slice(None), slice(H + Hkv, None)))
         return q, k, v
 
+    def _separate(self):
+        return [getattr(self, self.names[n]) for n in ("q", "k", "v")]
+
+    def _packed_qkv(self, x):
+        """[B, T, H + 2 Hkv, D] from one GEMM (the packed projection, or q / k / v as one PackedLinear), or None
+        when neither applies (separate projections with biases, or unfused)."""
+        Bsz, T, _ = x.shape
+        shape = (Bsz, T, self.H + 2 * self.Hkv, self.D)
+        if self.packed:
+            return F.reshape(getattr(self, self.names["qkv"])(x), shape)
+        lins = self._separate()
+        if packable(self, lins) and self._flash_input(x):
+            return F.reshape(project_packed(self, x, lins), shape)
+        return None
+
+    def _flash_input(self, x):
+        """Whether the projections of x will feed the fused kernel (what :meth:`_uses_flash` will say of q): only
+        then are separate q / k / v packed, since the materialised path would slice the packed output apart
+        again (three GetItem gradients of the packed size)."""
+        dt = amp.get_autocast_dtype() or x.dtype
+        return (self.fused and self.flash and not isinstance(x.data, np.ndarray) and dt == B.bfloat16
+                and self.D in FLASH_HEAD_DIMS and not (self.attn_dropout is not None and self.attn_dropout.active()))
+
     def _qkv(self, x):
         Bsz, T, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
@@ -107,22 +131,23 @@ class Attention(Module):
         G = H // Hkv
         scale = 1.0 / math.sqrt(D)
         o_proj = getattr(self, self.names["o"])
-        if self.packed and not self.rope and kv_cache is None:  # (training: one Function, one gradient array)
-            qkv = F.reshape(getattr(self, self.names["qkv"])(x), (Bsz, T, H + 2 * Hkv, D))
-            if self._uses_flash(qkv):
-                o = F.flash_attention_packed(qkv, H, Hkv, causal=self.causal, scale=scale,
-                                             key_mask=attention_mask)
-                return o_proj(F.reshape(o, (Bsz, T, H * D)))
-            q, k, v = self._split(qkv)
-        else:
-            q, k, v = self._qkv(x)
         if self.rope:
             if position_ids is None:
                 p0 = kv_cache.pos if kv_cache is not None else 0
                 cos_t, sin_t, pos = cos[p0:p0 + T], sin[p0:p0 + T], None
             else:
                 cos_t, sin_t, pos = cos, sin, position_ids
-            if self.packed:  # rope reads contiguous heads
+        qkv = self._packed_qkv(x) if kv_cache is None else None
+        if qkv is not None:  # training / eval: one projection GEMM, rope on q and k in one launch, packed gradient
+            if self._uses_flash(qkv):
+                o = F.flash_attention_packed(qkv, H, Hkv, causal=self.causal, scale=scale, key_mask=attention_mask,
+                                             rope=(cos_t, sin_t, pos) if self.rope else None)
+                return o_proj(F.reshape(o, (Bsz, T, H * D)))
+            q, k, v = self._split(qkv)
+        else:
+            q, k, v = self._qkv(x)
+        if self.rope:
+            if qkv is not None or self.packed:  # rope reads contiguous heads
                 q, k = F.contiguous(q), F.contiguous(k)
             q = F.rope(q, cos_t, sin_t, positions=pos, fused=self.fused)
             k = F.rope(k, cos_t, sin_t, positions=pos, fused=self.fused)

@@ -49,6 +49,26 @@ def project(module, x, w, bias=None, *, pad_rows=False):
     return y
 
 
+# Fused modules run the bias-free projections that read one input (LLaMA's q / k / v, gate / up) as one
+# PackedLinear: one GEMM each way when the optimizer's flat buffers hold their weights back to back (session 11:
+# -1 ms at B4xT64 on the LLaMA-1B shape predicted; NOTES). False: one Linear call each (the A/B switch).
+PACK_PROJECTIONS = True
+
+
+def packable(module, linears):
+    """Whether :func:`project_packed` takes these Linears of a fused ``module``: no bias, one input width."""
+    return (PACK_PROJECTIONS and module.fused and all(lin.bias is None for lin in linears)
+            and len({lin.in_features for lin in linears}) == 1)
+
+
+def project_packed(module, x, linears):
+    """``concat([lin(x) for lin in linears], axis=-1)`` as one :func:`functional.packed_linear` (autocast as
+    :func:`project`: the GEMMs read the bf16 shadows). For :func:`packable` Linears."""
+    x = autocast_input(x)
+    ws, lows = zip(*(weight_for_gemm(module, lin.weight) for lin in linears))
+    return F.packed_linear(x, ws, lows)
+
+
 class Linear(Module):
     """``y = x W^T (+ b)``; W is [out_features, in_features] (PyTorch's and Hugging Face's layout)."""
 

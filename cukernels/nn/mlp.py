@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import functional as F
-from .layers import Linear
+from .layers import Linear, packable, project_packed
 from .module import Module
 
 
@@ -18,4 +18,7 @@ class SwiGLUMLP(Module):
         self.down_proj = Linear(ffn, hidden, **kw)
 
     def forward(self, x):
+        pair = (self.gate_proj, self.up_proj)
+        if packable(self, pair):  # gate and up as one GEMM, [..., 2 ffn] read by the packed SwiGLU kernel
+            return self.down_proj(F.swiglu_packed(project_packed(self, x, pair)))
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused))
