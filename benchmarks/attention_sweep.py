@@ -95,10 +95,10 @@ def main():
                     "fwd": _time(lambda: kf((A.grid(-(-T // frows) * H * Bsz),), (fthr, 1, 1),
                                             (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smf), a.reps),
                     "dq": _time(lambda: kq((A.grid(tq_),), (A.THREADS, 1, 1),
-                                           (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail),
+                                           (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *sq),
                                            shared_mem=smq), a.reps),
                     "dkdv": _time(lambda: kd((A.grid(tkv),), (A.THREADS, 1, 1),
-                                             (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail),
+                                             (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *sk),
                                              shared_mem=smd), a.reps),
                 }
             A.PERSISTENT = True

@@ -672,7 +672,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
                                                  float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                                  Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                                 float scale, bool causal, int Bsz) {
+                                                 float scale, bool causal, int Bsz, Strides sgq) {
   using SM = SmemDq<D, BN, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -831,7 +831,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       mbar_arrive(empty0 + 8 * st);
     }
     if (nkb == 0) mbar_arrive(fixfree);
-    store_acc<D>(dq + ((long long)b * Tq * H + h) * D, (long long)H * D, row0, Tq, acc, scale, lane);
+    store_acc<D>(dq + b * sgq.b + h * sgq.h, sgq.t, row0, Tq, acc, scale, lane);
   }
 }
 
@@ -850,7 +850,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
-                                                   int Hkv, float scale, bool causal, int Bsz) {
+                                                   int Hkv, float scale, bool causal, int Bsz, Strides sgk) {
   using SM = SmemDkdv<D, BQ, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -1011,9 +1011,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       mbar_arrive(empty0 + 8 * st);
     }
     if (nit == 0) mbar_arrive(fixfree);
-    const long long ld = (long long)Hkv * D;
-    store_acc<D>(dk + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dka, scale, lane);
-    store_acc<D>(dv + ((long long)b * Tk * Hkv + j) * D, ld, row0, Tk, dva, 1.f, lane);
+    store_acc<D>(dk + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dka, scale, lane);
+    store_acc<D>(dv + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dva, 1.f, lane);
   }
 }
 
@@ -1049,26 +1048,27 @@ CK_ATTN90_FWD(128, 128, 2, 2)
 CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
-// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
+// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz and the element strides (batch, token, head) of the gradients they
+// write (dq; dk and dv share theirs): [B, T, heads, D] C-contiguous, or the head slices of one packed dqkv. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
 // ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
 #define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                        \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
+      int Tk, int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh) {   \
     attn_bwd_dq_sm90<D, BN, STQ, QBQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
-                                     Hkv, scale, causal, Bsz);                                                 \
+                                     Hkv, scale, causal, Bsz, Strides{gb, gt, gh});                            \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D##SUF(                      \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
-      int H, int Hkv, float scale, bool causal, int Bsz) {                                                     \
+      int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh) {           \
     attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
                                        Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
-                                       H, Hkv, scale, causal, Bsz);                                            \
+                                       H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh});                      \
   }
 // attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
 #define CK_ATTN90_BWD(D, BN, STQ, BQ, STK, QBQ, QBK)             \

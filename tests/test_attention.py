@@ -334,6 +334,53 @@ def test_gpu_strided_views_are_read_in_place(rng):
     close(gv, rv, 3e-2, "dv")
 
 
+def test_reference_grads_out_packed_slices(rng):
+    """``grads_out``: the gradients written into the head slices of one packed dqkv, equal to the returned ones;
+    bad buffers are named."""
+    Bsz, T, H, Hkv, D = 2, 9, 4, 2, 32
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    w = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    ref = ck.flash_attention_backward(w, q, k, v, o, lse)
+    dqkv = np.full((Bsz, T, H + 2 * Hkv, D), np.nan, dtype=BF16)
+    outs = (dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:])
+    got = ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=outs)
+    assert all(g is b for g, b in zip(got, outs))
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g.astype(np.float32), r.astype(np.float32))
+    with pytest.raises(TypeError, match="grads_out: expected a tuple"):
+        ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=dqkv)
+    with pytest.raises(ValueError, match=r"grads_out\[dk\]: expected shape"):
+        ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=(outs[0], outs[0], outs[2]))
+    with pytest.raises(TypeError, match=r"grads_out\[dv\]: expected dtype"):
+        ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=(*outs[:2], np.zeros(k.shape, np.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_mask", [False, True])
+@pytest.mark.parametrize("D", [64, 128, 32])
+def test_gpu_grads_out_packed_slices(rng, key_mask, D):
+    """grads_out = the head slices of one packed dqkv (poisoned): the sm_90 kernels store there through their
+    output strides (D 64 / 128, no key mask); the mma.sync path (key mask, D 32) copies in. Equal to the returned
+    arrays of a plain call, bit for bit; a dv view with strides other than dk's goes through a copy."""
+    Bsz, T, H, Hkv = 2, 200, 4, 2
+    q, k, v = _dev(*qkv(rng, Bsz, T, T, H, Hkv, D))
+    w = _dev(qkv(rng, Bsz, T, T, H, Hkv, D)[0])[0]
+    km = cp().asarray(make_key_mask(rng, "left", Bsz, T)) if key_mask else None
+    kw = {"key_mask": km} if key_mask else {}
+    o, lse = ck.flash_attention(q, k, v, return_lse=True, **kw)
+    ref = [to_host(a) for a in ck.flash_attention_backward(w, q, k, v, o, lse, **kw)]
+    dqkv = cp().full((Bsz, T, H + 2 * Hkv, D), np.nan, dtype=BF16)
+    outs = (dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:])
+    got = ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=outs, **kw)
+    assert all(g is b for g, b in zip(got, outs))
+    for g, r, n in zip(got, ref, ("dq", "dk", "dv")):
+        assert np.array_equal(to_host(g).view(np.uint16), r.view(np.uint16)), n
+    other = cp().full((Bsz, Hkv, T, D), np.nan, dtype=BF16).transpose(0, 2, 1, 3)  # dv laid out [B, Hkv, T, D]
+    got = ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=(*outs[:2], other), **kw)
+    assert got[2] is other and np.array_equal(to_host(other).view(np.uint16), ref[2].view(np.uint16))
+
+
 @pytest.mark.gpu
 def test_gpu_misaligned_view_is_refused(rng):
     q, k, v = _dev(*qkv(rng, 1, 8, 8, 2, 1, 64))

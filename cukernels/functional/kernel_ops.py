@@ -110,16 +110,26 @@ class FlashAttentionF(Function):
 
 class FlashAttentionPackedF(Function):
     """Fused attention reading q, k, v as head slices of one packed projection output qkv [B, T, H + 2 Hkv, D]
-    (GPT-2's c_attn), returning dqkv as one array: three GetItem gradients would each allocate and zero a
-    full-size buffer and two adds would sum them (~2 ms of a GPT-2 124M step at B8xT1024)."""
+    (GPT-2's c_attn, LLaMA's q / k / v as one :func:`packed_linear`), returning dqkv as one array: three GetItem
+    gradients would each allocate and zero a full-size buffer and two adds would sum them (~2 ms of a GPT-2 124M
+    step at B8xT1024).
+
+    ``rope = (cos, sin, positions)``: the rotary embedding of the q and k heads first, **in place in qkv** (the
+    first H + Hkv heads of each token are q then k: one ``ck.rope`` launch over a token-strided view), so the
+    caller passes a projection output nothing else reads; the backward has the attention kernels store dq, dk, dv
+    straight into the head slices of one dqkv array (no concatenate: 50 MB a layer at B8xT1024) and rotates dq
+    and dk back there in place."""
 
     @staticmethod
-    def forward(ctx, qkv, H, Hkv, causal=True, scale=None, key_mask=None):
+    def forward(ctx, qkv, H, Hkv, causal=True, scale=None, key_mask=None, rope=None):
         kw = {} if key_mask is None else {"key_mask": key_mask}
+        if rope is not None:
+            qk = qkv[:, :, :H + Hkv]
+            _rope(qk, rope[0], rope[1], positions=rope[2], out=qk)
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         o, lse = _flash(q, k, v, causal=causal, scale=scale, return_lse=True, **kw)
         ctx.save_for_backward(qkv, o, lse)
-        ctx.H, ctx.Hkv, ctx.causal, ctx.scale, ctx.kw = H, Hkv, causal, scale, kw
+        ctx.H, ctx.Hkv, ctx.causal, ctx.scale, ctx.kw, ctx.rope = H, Hkv, causal, scale, kw, rope
         return o
 
     @staticmethod
@@ -129,8 +139,14 @@ class FlashAttentionPackedF(Function):
         if g.dtype != o.dtype or not g.flags.c_contiguous:
             g = _contig(g, o.dtype)
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
-        dq, dk, dv = _flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw)
-        return (_xp(dq).concatenate([dq, dk, dv], axis=2),) + (None,) * 5
+        dqkv = _xp(qkv).empty(qkv.shape, dtype=qkv.dtype)  # the kernels store dq, dk, dv into its head slices
+        _flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw,
+                   grads_out=(dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:]))
+        if ctx.rope is not None:
+            cos, sin, pos = ctx.rope
+            dqk = dqkv[:, :, :H + Hkv]
+            _rope_bwd(dqk, cos, sin, positions=pos, out=dqk)
+        return (dqkv,) + (None,) * 6
 
 
 class CrossEntropyF(Function):
@@ -347,9 +363,10 @@ def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None):
     return FlashAttentionF.apply(q, k, v, causal, scale, key_mask)
 
 
-def flash_attention_packed(qkv, n_heads, n_kv_heads, *, causal=True, scale=None, key_mask=None):
-    """:func:`flash_attention` on the head slices of a packed qkv [B, T, H + 2 Hkv, D]; one gradient array."""
-    return FlashAttentionPackedF.apply(qkv, n_heads, n_kv_heads, causal, scale, key_mask)
+def flash_attention_packed(qkv, n_heads, n_kv_heads, *, causal=True, scale=None, key_mask=None, rope=None):
+    """:func:`flash_attention` on the head slices of a packed qkv [B, T, H + 2 Hkv, D]; one gradient array.
+    ``rope=(cos, sin, positions)`` rotates the q and k heads first, in place in qkv (see FlashAttentionPackedF)."""
+    return FlashAttentionPackedF.apply(qkv, n_heads, n_kv_heads, causal, scale, key_mask, rope)
 
 
 def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, fused=True):

@@ -55,6 +55,24 @@ def _strides(name, a):
     return tuple(np.int64(s // isz) for s in a.strides[:3])
 
 
+def check_grads_out(grads_out, q, k, xp):
+    """``grads_out`` of the backward: three bfloat16 buffers shaped like q, k, k on q's device, each readable by
+    :func:`_strides` (16-byte chunks, contiguous head_dim); returned as a tuple."""
+    if not isinstance(grads_out, (tuple, list)) or len(grads_out) != 3:
+        raise TypeError(f"grads_out: expected a tuple (dq, dk, dv) of three arrays; got {type(grads_out).__name__}")
+    for name, a, like in zip(("dq", "dk", "dv"), grads_out, (q, k, k)):
+        name = f"grads_out[{name}]"
+        if B._kind(a) is not xp:
+            raise TypeError(f"{name}: expected an array on the inputs' device ({xp.__name__}); got "
+                            f"{type(a).__name__}")
+        B.check_dtype(name, a, (B.bfloat16,))
+        B.check_shape(name, a, like.shape)
+        B.check_writable(name, a)
+        if xp is not np:
+            _strides(name, a)
+    return tuple(grads_out)
+
+
 def _check_saved(dout, q, out, lse, Bsz, H, Tq):
     """The backward's extra inputs: dout like q, the forward's C-contiguous o and lse [batch, heads, seq_q]."""
     _check_qkv("dout", dout, "[batch, seq_q, heads, head_dim]")
@@ -239,7 +257,7 @@ def _mask_args(key_mask, km):
 
 
 @B.interop
-def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None, key_mask=None):
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None, key_mask=None, grads_out=None):
     """Gradients of :func:`flash_attention`: ``(dq, dk, dv)``.
 
     With ``P`` recomputed from ``lse``: ``delta_i = <dO_i, o_i>``, ``dS = P * (dO V^T - delta)``,
@@ -251,14 +269,27 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
         dout: bfloat16 like ``q`` (strided views allowed, as for q).
         q, k, v, causal, scale, key_mask: exactly as passed to the forward.
         out, lse: the forward's ``o`` (C-contiguous) and ``lse``.
+        grads_out: optional ``(dq, dk, dv)`` bfloat16 buffers to write (shapes of q, k, k), strided views allowed
+            as for q: the head slices of one packed ``dqkv`` [B, T, H + 2 Hkv, D] get the gradients in place
+            (the sm_90 kernels store there directly; the other paths copy in).
 
     Returns:
-        ``dq`` like q, ``dk`` and ``dv`` like k; bfloat16, C-contiguous.
+        ``(dq, dk, dv)``: ``grads_out`` when given, else new C-contiguous arrays (dq like q, dk and dv like k).
     """
     xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse, key_mask=key_mask)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
     km = _check_key_mask(key_mask, xp, Bsz, Tk)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
+    if grads_out is not None:
+        grads_out = check_grads_out(grads_out, q, k, xp)
+        A90 = _use_sm90(km, D) if xp is not np else None
+        if A90 is not None and Bsz * H and Tq and Tk:
+            return A90.flash_attention_backward_sm90(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                                     grads_out=grads_out)
+        res = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, key_mask=key_mask)
+        for o, r in zip(grads_out, res):
+            o[...] = r
+        return grads_out
     G = H // Hkv
     if xp is np:
         s, _ = _ref_probs(q, k, causal, scale, key_mask)

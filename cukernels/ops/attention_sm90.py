@@ -17,7 +17,7 @@ from .. import _backend as B
 from .._loader import get_function
 from . import _launch
 from . import attention as _attention_module
-from .attention import _check_saved, _strides, _validate
+from .attention import _check_saved, _strides, _validate, check_grads_out
 from .attention import flash_attention as _flash_attention
 from .attention import flash_attention_backward as _flash_attention_backward
 
@@ -204,7 +204,7 @@ def _check_device():
 
 
 @B.interop
-def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None):
+def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None, grads_out=None):
     """Gradients of :func:`flash_attention_sm90` (or of :func:`flash_attention` without key_mask) on Hopper's wgmma
     path: ``(dq, dk, dv)``.
 
@@ -218,8 +218,11 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
         q, k, v, causal, scale: exactly as passed to the forward; head_dim 64 or 128.
         out, lse: the forward's ``o`` (C-contiguous) and ``lse`` (float32 ``[batch, heads, seq_q]``, C-contiguous).
 
+        grads_out: optional ``(dq, dk, dv)`` buffers the kernels store into (see ``flash_attention_backward``;
+            dk and dv must share strides: the head slices of one packed dqkv do).
+
     Returns:
-        ``dq`` like q, ``dk`` and ``dv`` like k; bfloat16, C-contiguous.
+        ``(dq, dk, dv)``: ``grads_out`` when given, else new C-contiguous arrays (dq like q, dk and dv like k).
     """
     xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
@@ -227,14 +230,21 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention_backward takes 32 too)")
     if xp is np:  # the argument checks and the NumPy reference are flash_attention_backward's
-        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, grads_out=grads_out)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
     if out.size and out.data.ptr % 16:  # the dq kernel copies o in 16-byte chunks (delta from shared memory)
         raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
     _check_device()
-    dq = xp.empty(q.shape, dtype=B.bfloat16)
-    dk = xp.empty(k.shape, dtype=B.bfloat16)
-    dv = xp.empty(k.shape, dtype=B.bfloat16)
+    copy_kv = None
+    if grads_out is not None:
+        dq, dk, dv = check_grads_out(grads_out, q, k, xp)
+        if dv.size and _strides("dv", dv) != _strides("dk", dk):  # one stride set for both: dk, dv via copies
+            copy_kv = (dk, dv)
+            dk, dv = xp.empty(k.shape, dtype=B.bfloat16), xp.empty(k.shape, dtype=B.bfloat16)
+    else:
+        dq = xp.empty(q.shape, dtype=B.bfloat16)
+        dk = xp.empty(k.shape, dtype=B.bfloat16)
+        dv = xp.empty(k.shape, dtype=B.bfloat16)
     if Bsz * H == 0:
         return dq, dk, dv
     delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
@@ -243,11 +253,15 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     if Tq:
         kq, smq = _kernel(D, BWD_VARIANT, "dq")
         kq((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
-           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail), shared_mem=smq)
+           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq)), shared_mem=smq)
     if Tk:
         kd, smd = _kernel(D, BWD_VARIANT, "dkdv")
         kd((grid(-(-Tk // BM) * Hkv * Bsz),), (THREADS, 1, 1),
-           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk)), shared_mem=smd)
+    if copy_kv is not None:
+        copy_kv[0][...] = dk
+        copy_kv[1][...] = dv
+        dk, dv = copy_kv
     return dq, dk, dv
 
 
