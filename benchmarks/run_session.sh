@@ -523,3 +523,25 @@ if [ "$stage" = "s11a" ]; then  # session 11, call A: the switched auto policy's
   timeout 200 python benchmarks/bench_train.py --configs b4t64 --ab "__main__.GRAD_BF16=1" --timeline "$out/tl" \
     --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
 fi
+if [ "$stage" = "s11b" ]; then  # session 11, call B: packed q/k/v and gate/up (PackedLinear), token-strided rope
+  python -c "from cukernels import _loader; _loader.precompile(['adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations','layer_norm','dropout'])"
+  timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_rope.py tests/test_nn.py tests/test_models.py \
+    tests/test_gpt2.py tests/test_trainer.py tests/test_optim.py tests/test_attention.py tests/test_linear_cross_entropy.py \
+    tests/test_autograd.py tests/test_hf.py tests/test_zero.py tests/test_resume.py tests/test_checkpoint.py \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 260 python benchmarks/bench_train.py --configs b4t64,b8t1024 --timeline "$out/tl" \
+    --ab "__main__.GRAD_BF16=1;__main__.GRAD_BF16=1,layers.PACK_PROJECTIONS=0;layers.PACK_PROJECTIONS=0" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
+fi
+if [ "$stage" = "s11c" ]; then  # session 11, call C: dqkv stored in place, softmax clusters, cuBLAS workspace A/B
+  python -c "from cukernels import _loader; _loader.precompile(['softmax','adam','attention','attention_sm90','cross_entropy','elementwise','embedding','rms_norm','rope','activations'])"
+  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_softmax.py tests/test_rope.py tests/test_nn.py \
+    tests/test_gpt2.py tests/test_models.py tests/test_attention.py tests/test_attention_sm90.py -k "not test_gpu_sweep" \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 150 python benchmarks/bench_ops.py --no-startup --only softmax --json "$out/bench_softmax.json" > "$out/bench_softmax.log" 2>&1
+  grep -E "65536|131072|32768|A/B" "$out/bench_softmax.log" | head -40
+  timeout 200 python benchmarks/bench_train.py --configs b4t64,b8t1024 --ab "__main__.GRAD_BF16=1" --timeline "$out/tl" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
+  timeout 120 python -c "import sys, runpy; sys.path.insert(0, 'benchmarks'); import cukernels.blas as b; b.WORKSPACE_BYTES = 0; sys.argv = ['bench_train.py', '--configs', 'b4t64,b8t1024', '--ab', '__main__.GRAD_BF16=1']; runpy.run_path('benchmarks/bench_train.py', run_name='__main__')" \
+    2>&1 | tee "$out/bench_llama_ws0.log" | grep -v "^    " | grep "cukernels"
+fi

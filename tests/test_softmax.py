@@ -161,8 +161,9 @@ def test_mixing_numpy_and_cupy_is_a_type_error():
 
 # ---------------------------------------------------------------- GPU: kernel against the reference
 # 1..16: rows share a warp; 1000/1024: one warp per row; 4097: element path; 8192/16384: block per row in
-# registers; 32768, 65536: the wide kernels (raw packs in registers; bf16 65536, fp32 32768), fp32 65536 and
-# every misaligned row past 16384: the online (running max/sum) loop kernels.
+# registers; 32768: the wide kernels (raw packs in registers); 65536: on sm_90 the cluster kernels (both dtypes,
+# both ways; fp32 32768 backward too), elsewhere the wide (bf16 forward) and loop kernels; every misaligned row past
+# 16384: the online (running max/sum) loop kernels.
 COLS = [1, 3, 16, 127, 1000, 1024, 4097, 16384, 32768, 65536]
 
 
@@ -334,7 +335,13 @@ WIDE_COLS = [8193, 16392, 24576, 32760, 32768, 32769, 32776, 65528, 65536, 65544
 @pytest.mark.parametrize("rows", [0, 1, 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
-def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign):
+@pytest.mark.parametrize("cluster", [1, 0], ids=["cluster", "nocluster"])
+def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign, cluster, monkeypatch):
+    """Rows past the register kernels: the cluster kernel (sm_90, 16-byte rows), and with CLUSTER = 0 the wide /
+    loop kernels that sm_80 and the element path run."""
+    from cukernels.ops import softmax as SM
+
+    monkeypatch.setattr(SM, "CLUSTER", cluster)
     x = randn(rng, (rows, C), dtype, scale=3.0)
     if rows >= 5:
         x[1] = -np.inf  # every key -inf: a row of zeros, never NaN
@@ -376,3 +383,251 @@ def test_gpu_wide_causal_and_in_place(rng, dtype, K):
     xd = device_copy(x)
     ck.softmax(xd, out=xd)
     assert_close(xd, ck.softmax(x), dtype, rtol=rt, atol=at / K ** 0.5, what="softmax in place")
+
+
+# ---------------------------------------------------------------- rows over a thread-block cluster (sm_90)
+def test_cluster_plan_and_routes():
+    """Which kernel each long 16-byte-pack row gets on sm_90 (cc 90) and on sm_80 (never a cluster kernel), and the
+    (cluster size, threads a CTA, packs a CTA) the cluster kernels are launched with."""
+    from cukernels.ops import softmax as SM
+
+    def fwd(C, isz, vec=True, masked=False, cc=90):
+        kind, plan = SM._fwd_route(C, isz, vec, masked, cc)
+        return kind if kind in ("loop", "reg") else (kind, plan)
+
+    def bwd(C, isz, vec=True, cc=90):
+        kind, plan = SM._bwd_route(C, isz, vec, cc)
+        return kind if kind in ("loop", "reg") else (kind, plan)
+
+    # forward: the cluster kernel takes the 16-byte rows past the register kernels (16384 columns; CLUSTER_FWD_FROM)
+    assert fwd(32768, 2) == ("cluster", (2, 512, 2048)) and fwd(32768, 4) == ("cluster", (2, 512, 4096))
+    assert fwd(16392, 2) == ("cluster", (2, 288, 1025)) and fwd(16384, 2) == "reg" and fwd(16384, 4) == "reg"
+    assert fwd(32768, 2, cc=80) == ("wide", 512) and fwd(32768, 4, cc=80) == ("wide", 1024)
+    # just past it two CTAs would need 544 threads: four of 288
+    assert fwd(32776, 2) == ("cluster", (4, 288, 1025)) and fwd(32772, 4) == ("cluster", (4, 288, 2049))
+    assert fwd(65536, 2) == ("cluster", (4, 512, 2048)) and fwd(65536, 4) == ("cluster", (4, 512, 4096))
+    assert fwd(131072, 2) == ("cluster", (8, 512, 2048)) and fwd(131072, 4) == ("cluster", (8, 512, 4096))
+    assert fwd(262144, 4) == ("cluster", (8, 1024, 8192)) and fwd(262152, 2) == "loop"
+    assert fwd(65536, 2, vec=False) == "loop" and fwd(65536, 2, masked=True) == "loop"
+    assert fwd(65536, 2, cc=80) == ("wide", 1024) and fwd(65536, 4, cc=80) == "loop"
+    # backward: past the register kernel (bf16 32768, fp32 16384 columns)
+    assert bwd(32768, 2) == "reg" and bwd(16384, 4) == "reg"
+    assert bwd(32776, 2) == ("cluster", (4, 288, 1025)) and bwd(16388, 4) == ("cluster", (4, 288, 1025))
+    assert bwd(65536, 2) == ("cluster", (4, 512, 2048)) and bwd(32768, 4) == ("cluster", (4, 512, 2048))
+    assert bwd(131072, 2) == ("cluster", (8, 512, 2048)) and bwd(65536, 4) == ("cluster", (8, 512, 2048))
+    assert bwd(131072, 4) == ("cluster", (8, 1024, 4096)) and bwd(131076, 4) == "loop"
+    assert bwd(65536, 2, vec=False) == "loop" and bwd(65536, 2, cc=80) == "loop"
+
+
+def test_cluster_plan_covers_every_row(monkeypatch):
+    """For every row the plan accepts: n CTAs x upc packs cover the row, each CTA's warps (32 x packs a thread each)
+    cover its slice, whole warps, <= 1024 threads, the preferred thread count whenever some n in (2, 4, 8) fits it."""
+    from cukernels.ops import softmax as SM
+
+    for pref in (256, 512, 1024):
+        monkeypatch.setattr(SM, "CLUSTER_THREADS", pref)
+        for isz in (4, 2):
+            E = 16 // isz
+            for backward in (False, True):
+                vpt = SM.CLUSTER_BWD_VPT if backward else SM.CLUSTER_FWD_VALUES // E
+                for C in list(range(E, 300000, 1000 * E)) + [2**p + d * E for p in range(14, 19) for d in (-1, 0, 1)]:
+                    plan = SM._cluster_plan(C, isz, backward)
+                    units = C // E
+                    if plan is None:
+                        assert -(-units // 8) > 32 * 32 * vpt, (C, isz, backward)
+                        continue
+                    n, threads, upc = plan
+                    assert n in SM.CLUSTER_SIZES and n * upc >= units and upc == -(-units // n)
+                    assert threads % 32 == 0 and 32 <= threads <= 1024 and threads // 32 * 32 * vpt >= upc
+                    if threads > pref:  # only when no cluster size fits the preferred CTA
+                        assert all(-(-(-(-units // m)) // (32 * vpt)) * 32 > pref for m in SM.CLUSTER_SIZES)
+    assert SM._cluster_plan(65537, 2, False) is None  # not a whole number of 16-byte packs
+
+
+def test_cluster_switch_off_keeps_the_old_kernels(monkeypatch):
+    from cukernels.ops import softmax as SM
+
+    monkeypatch.setattr(SM, "CLUSTER", 0)
+    assert SM._fwd_route(65536, 2, True, False, 90) == ("wide", 1024)
+    assert SM._fwd_route(65536, 4, True, False, 90) == ("loop", None)
+    assert SM._bwd_route(65536, 2, True, 90) == ("loop", None)
+
+
+def test_cluster_kernels_compile_for_sm90_only():
+    """The cluster kernels exist in the sm_90 build (every size and dtype the launcher names) and not in the sm_80
+    one, where the launcher never asks for them."""
+    import re
+
+    from cukernels import _nvrtc
+
+    if not _nvrtc.available():
+        pytest.skip("libnvrtc not installed")
+    want = {f"sm_{d}_cluster{n}_{t}{'_none' if d == 'fwd' else ''}_v" for d in ("fwd", "bwd") for n in (2, 4, 8)
+            for t in ("f32", "bf16")}
+    e90 = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("softmax", "sm_90")))
+    e80 = set(re.findall(r"\.entry\s+(\w+)", _nvrtc.compile_ptx("softmax", "sm_80")))
+    assert want <= e90, sorted(want - e90)
+    assert not {e for e in e80 if "cluster" in e}
+
+
+def _sm90():
+    if not ck.gpu_available():
+        return False
+    from cukernels import _backend as B
+
+    return B.capability() >= 90
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (thread-block clusters)")
+
+
+def _special_rows(rng, x, C, dtype):
+    if x.shape[0] >= 5:
+        x[1] = -np.inf  # every key -inf: a row of zeros, never NaN
+        x[2, ::2] = -np.inf  # half the keys -inf, scattered over every CTA's slice
+        x[3] = (randn(rng, (C,), np.float32, scale=1e4)).astype(dtype)  # large magnitudes: one key dominates
+        x[4, -1] = 80.0  # the max in the last element (the last CTA's last pack)
+    if x.shape[0] >= 6:
+        x[5, : C // 2] = -np.inf  # the first half of the cluster holds nothing live
+
+
+def _check_cluster_rows(rng, rows, C, dtype, *, bwd_cluster=True):
+    """Forward and backward of `rows` rows of C columns against the reference (the forward on the cluster kernel;
+    the backward too unless bwd_cluster is False: then whichever kernel holds it), poisoned outputs, reruns."""
+    from cukernels.ops import softmax as SM
+
+    isz = np.dtype(dtype).itemsize
+    assert SM._fwd_route(C, isz, True, False, 90)[0] == "cluster", "the forward must take the cluster kernel here"
+    if bwd_cluster:
+        assert SM._bwd_route(C, isz, True, 90)[0] == "cluster", "the backward must take the cluster kernel here"
+    x = randn(rng, (rows, C), dtype, scale=3.0)
+    _special_rows(rng, x, C, dtype)
+    y_ref = ck.softmax(x)
+    xd = device_copy(x)
+    y = ck.softmax(xd, out=poisoned(x.shape, dtype))
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(y, y_ref, dtype, rtol=rt, atol=at / C ** 0.5, what="y")
+    yh = to_host(y).astype(np.float64)
+    assert np.isfinite(yh).all()
+    if rows >= 5:
+        assert (yh[1] == 0).all(), "an all -inf row must be zeros"
+        assert (yh[2, ::2] == 0).all()
+        live = [0, 2, 3, 4] + ([5] if rows >= 6 else [])
+        np.testing.assert_allclose(yh[live].sum(-1), 1.0, rtol=2e-2 if dtype == BF else 1e-4)
+    again = ck.softmax(xd, out=poisoned(x.shape, dtype))
+    assert np.array_equal(to_host(again).view(np.uint8), to_host(y).view(np.uint8)), "forward rerun not bit-identical"
+    dy = randn(rng, (rows, C), dtype)
+    yh_t = to_host(y)
+    dx_ref = ck.softmax_backward(yh_t, dy)
+    dyd = device_copy(dy)
+    dx = ck.softmax_backward(y, dyd, out=poisoned(x.shape, dtype))
+    assert_close(dx, dx_ref, dtype, what="dx")
+    dx2 = ck.softmax_backward(y, dyd, out=poisoned(x.shape, dtype))
+    assert np.array_equal(to_host(dx2).view(np.uint8), to_host(dx).view(np.uint8)), "backward rerun not bit-identical"
+
+
+# The default plan's points: n 4 (32776: 288 threads a CTA; 40000, 65536: 320 / 512) and n 8 (98304, 131072) both
+# ways, fp32 backward 131072: n 8 x 1024 threads. n 2 only comes with other settings (test_gpu_cluster_forced_configs).
+CLUSTER_COLS = [32776, 40000, 65536, 98304, 131072]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("C", CLUSTER_COLS)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_cluster_rows(rng, rows, C, dtype):
+    _check_cluster_rows(rng, rows, C, dtype)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+@pytest.mark.parametrize("C", [16392, 24576, 65536])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_cluster_forced_configs(rng, monkeypatch, threads, C, dtype):
+    """Other (cluster size, threads) points than the default plan's: rows from 16392 forced onto the cluster
+    kernels, CTAs of up to 256 / 512 / 1024 threads (n = 2 at 16392 .. n = 8 at 65536 x 256)."""
+    from cukernels.ops import softmax as SM
+
+    monkeypatch.setattr(SM, "CLUSTER_FWD_FROM_F32", 16384)
+    monkeypatch.setattr(SM, "CLUSTER_FWD_FROM_BF16", 16384)
+    monkeypatch.setattr(SM, "CLUSTER_THREADS", threads)
+    _check_cluster_rows(rng, 7, C, dtype, bwd_cluster=False)  # bf16 below 32768: the register backward
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("clusters", [1, 2, 3])
+def test_gpu_cluster_rows_strided(rng, monkeypatch, dtype, clusters):
+    """Fewer clusters than rows: each cluster walks several rows, so the two exchange slots and their mbarrier
+    phases are reused (rows 0, 2, 4, ... share a slot); 11 rows is a multiple of nothing."""
+    from cukernels.ops import softmax as SM
+
+    C = 65536
+    monkeypatch.setattr(SM, "CLUSTER_MAX_GRID", clusters * 8)  # 8 // n x clusters clusters (n 4 or 8 here)
+    for backward in (False, True):
+        n = SM._cluster_plan(C, np.dtype(dtype).itemsize, backward)[0]
+        assert SM._cluster_grid(11, n) == clusters * 8
+    _check_cluster_rows(rng, 11, C, dtype)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cluster_many_rows(rng):
+    _check_cluster_rows(rng, 199, 65536, BF)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("K", [40000, 65536])
+def test_gpu_cluster_causal_scale_and_in_place(rng, dtype, K):
+    """Unmasked attention rows: causal rows leave whole CTAs of the cluster with nothing live (written as zeros,
+    never read), scale in both directions, out=scores in place."""
+    shape = (1, 2, 3, K)
+    s = randn(rng, shape, dtype, scale=2.0)
+    p_ref = ck.attn_softmax(s, causal=True, scale=0.7)
+    sd = device_copy(s)
+    p = ck.attn_softmax(sd, causal=True, scale=0.7, out=sd)
+    assert p is sd
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(p, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="causal probs in place")
+    dp = randn(rng, shape, dtype)
+    ds = ck.attn_softmax_backward(p, device_copy(dp), scale=0.7, out=poisoned(shape, dtype))
+    assert_close(ds, ck.attn_softmax_backward(to_host(p), dp, scale=0.7), dtype, what="dscores")
+    # short causal rows too: q_len = k_len, the first query has one live key in rank 0's first pack
+    s2 = randn(rng, (1, 1, 4, K), dtype)
+    s2d = device_copy(s2)
+    p2 = ck.attn_softmax(s2d, causal=True, out=poisoned(s2.shape, dtype))
+    assert_close(p2, ck.attn_softmax(s2, causal=True), dtype, rtol=rt, atol=at / K ** 0.5, what="q_len = k_len")
+    x = randn(rng, (3, K), dtype)
+    xd = device_copy(x)
+    ck.softmax(xd, out=xd)
+    assert_close(xd, ck.softmax(x), dtype, rtol=rt, atol=at / K ** 0.5, what="softmax in place")
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cluster_captures(rng):
+    """The cluster kernels are plain launches on the current stream: they capture into a graph."""
+    import cupy as cp
+
+    x = device_copy(randn(rng, (5, 65536), BF))
+    dy = device_copy(randn(rng, (5, 65536), BF))
+    y, dx = cp.empty_like(x), cp.empty_like(x)
+    ck.softmax(x, out=y)
+    ck.softmax_backward(y, dy, out=dx)
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        st.begin_capture()
+        ck.softmax(x, out=y)
+        ck.softmax_backward(y, dy, out=dx)
+        g = st.end_capture()
+    y.fill(np.nan)
+    dx.fill(np.nan)
+    g.launch(st)
+    st.synchronize()
+    assert_close(y, ck.softmax(to_host(x)), BF, rtol=TOL[np.dtype(BF)][0], atol=TOL[np.dtype(BF)][1] / 256)
+    assert_close(dx, ck.softmax_backward(to_host(y), to_host(dy)), BF)

@@ -5,9 +5,11 @@ import numpy as np
 import cukernels as ck
 from bench_ops import Case
 
-# [4, 32, 1024, 1024] scores as rows first; then the column sweep (1, 128, 1000, 4096, 32768, 65536) at ~2^26
-# elements (32768 bf16: the wide kernel at 512 threads a row, 65536 bf16 at 1024; fp32 65536: the loop kernel).
-SOFTMAX_SHAPES = [(131072, 1024), (1 << 22, 1), (1 << 19, 128), (65536, 1000), (16384, 4096), (2048, 32768), (1024, 65536)]
+# [4, 32, 1024, 1024] scores as rows first; then the column sweep (1, 128, 1000, 4096, 32768, 65536, 131072) at
+# ~2^26 elements (32768: the wide forward, 512 threads a row bf16 / 1024 fp32; on sm_90 the cluster kernels take
+# 65536 and 131072 both ways and the fp32 32768 backward, kernels_cu/softmax.cu; elsewhere the wide / loop ones).
+SOFTMAX_SHAPES = [(131072, 1024), (1 << 22, 1), (1 << 19, 128), (65536, 1000), (16384, 4096), (2048, 32768),
+                  (1024, 65536), (512, 131072)]
 ATTN_SHAPE = (4, 32, 1024, 1024)
 SCALE = 0.125
 
@@ -41,13 +43,49 @@ def _softmax_cases(ctx, dt, dn, N, C):
             return torch._softmax_backward_data(tdy[i], ty[i], -1, ty[i].dtype)
 
     shape = f"{N}x{C}"
-    return [
-        Case("softmax fwd", shape, dn, 2 * N * C * sz, "2*N*C*s",
-             lambda i, xs=xs, outs=outs: ck.softmax(xs[i], out=outs[i]), comp_fwd, tf, extra=dict(nsets=k)),
-        Case("softmax bwd", shape, dn, 3 * N * C * sz, "3*N*C*s",
-             lambda i, ys=ys, dys=dys, outs=outs: ck.softmax_backward(ys[i], dys[i], out=outs[i]), comp_bwd, tb,
-             extra=dict(nsets=k)),
+
+    def fwd(i, xs=xs, outs=outs):
+        return ck.softmax(xs[i], out=outs[i])
+
+    def bwd(i, ys=ys, dys=dys, outs=outs):
+        return ck.softmax_backward(ys[i], dys[i], out=outs[i])
+
+    out = [
+        Case("softmax fwd", shape, dn, 2 * N * C * sz, "2*N*C*s", fwd, comp_fwd, tf, extra=dict(nsets=k)),
+        Case("softmax bwd", shape, dn, 3 * N * C * sz, "3*N*C*s", bwd, comp_bwd, tb, extra=dict(nsets=k)),
     ]
+    # A/B rows for the sm_90 cluster kernels (ops/softmax.py settings, held while the call is captured): off (the
+    # wide / loop kernels), CTAs of 256 threads (4 a SM), a grid of 264 CTAs (one wave at 2 a SM, clusters walking
+    # rows), and at 32768 the forward forced onto 2-CTA clusters.
+    if int(ctx.cp.cuda.Device().compute_capability) >= 90 and C >= 32768:
+        settings = [("CLUSTER_FWD_FROM_F32=16384,CLUSTER_FWD_FROM_BF16=16384", True, False)] if C == 32768 else [
+            ("CLUSTER=0", True, True), ("CLUSTER_THREADS=256", True, True), ("CLUSTER_MAX_GRID=264", True, True)]
+        for spec, do_fwd, do_bwd in settings:
+            for name, fn, nb, formula, on in (("fwd", fwd, 2, "2*N*C*s", do_fwd), ("bwd", bwd, 3, "3*N*C*s", do_bwd)):
+                if on:
+                    out.append(Case(f"softmax {name}", shape, dn, nb * N * C * sz, formula, _with(spec, fn),
+                                    note=f"A/B softmax.{spec}", extra=dict(nsets=k)))
+    return out
+
+
+def _with(spec, fn):
+    """fn with the ops/softmax.py settings of ``spec`` ("NAME=v,NAME=v") in force while it runs (so while it is
+    captured: the graph keeps the kernel chosen then)."""
+    from cukernels.ops import softmax as SM
+
+    pairs = [(k.strip(), int(v)) for k, v in (one.split("=") for one in spec.split(","))]
+
+    def run(i):
+        old = [(k, getattr(SM, k)) for k, _ in pairs]
+        try:
+            for k2, v in pairs:
+                setattr(SM, k2, v)
+            return fn(i)
+        finally:
+            for k2, v in old:
+                setattr(SM, k2, v)
+
+    return run
 
 
 def _attn_cases(ctx, dt, dn):
