@@ -545,3 +545,17 @@ if [ "$stage" = "s11c" ]; then  # session 11, call C: dqkv stored in place, soft
   timeout 120 python -c "import sys, runpy; sys.path.insert(0, 'benchmarks'); import cukernels.blas as b; b.WORKSPACE_BYTES = 0; sys.argv = ['bench_train.py', '--configs', 'b4t64,b8t1024', '--ab', '__main__.GRAD_BF16=1']; runpy.run_path('benchmarks/bench_train.py', run_name='__main__')" \
     2>&1 | tee "$out/bench_llama_ws0.log" | grep -v "^    " | grep "cukernels"
 fi
+if [ "$stage" = "s11d" ]; then  # session 11, call D: the whole GPU suite on the session's tree
+  python -c "import time; t=time.time(); from cukernels import _loader; _loader.precompile(); print(f'precompile {time.time()-t:.1f} s')"
+  timeout 450 python -m pytest -m gpu -q -p no:cacheprovider -n 8 --tb=line 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 40
+fi
+if [ "$stage" = "s11e" ]; then  # session 11, call E: bench_ops rows of the issue-17 misses + the steps (LLaMA, GPT-2)
+  timeout 240 python benchmarks/bench_ops.py --no-startup --quick \
+    --only rms_norm,layer_norm,softmax,attention_sm90,rope,activations,embedding,linear_cross_entropy \
+    --json "$out/bench_ops.json" > "$out/bench_ops.log" 2>&1; grep -v "A/B" "$out/bench_ops.log" | tail -n 70
+  timeout 150 python benchmarks/bench_train.py --configs b4t64,b8t1024 --ab "__main__.GRAD_BF16=1" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
+  timeout 120 python benchmarks/bench_train.py --model gpt2 --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log" \
+    | grep -v "^    "
+fi
