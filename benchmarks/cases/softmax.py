@@ -138,7 +138,7 @@ def _attn_cases(ctx, dt, dn):
     return [
         Case("attn_softmax fwd", shape, dn, io, "2*N*K*s",
              lambda i, ss=ss, outs=outs: ck.attn_softmax(ss[i], scale=SCALE, out=outs[i]),
-             lambda i: comp(i, True), t_none, extra=dict(nsets=k)),
+             lambda i: comp(i, cp.ones((), dtype=cp.bool_)), t_none, extra=dict(nsets=k)),
         Case("attn_softmax fwd key_mask", shape, dn, io + Bn * K, "2*N*K*s + B*K",
              lambda i, ss=ss, outs=outs: ck.attn_softmax(ss[i], key_mask=keep, scale=SCALE, out=outs[i]),
              lambda i: comp(i, keep[:, None, None, :]), t_mask, extra=dict(nsets=k)),
