@@ -86,6 +86,7 @@ def main():
             kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
             kd, smd = A._kernel(D, A.BWD_VARIANT, "dkdv")
             tail = (*tail, np.int32(Bsz))
+            norope = A._rope_args(None, Bsz, T, T, D)
             nmb = -(-T // 128)
             tq_, tkv = nmb * H * Bsz, nmb * Hkv * Bsz
             tp = {}
@@ -95,10 +96,10 @@ def main():
                     "fwd": _time(lambda: kf((A.grid(-(-T // frows) * H * Bsz),), (fthr, 1, 1),
                                             (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smf), a.reps),
                     "dq": _time(lambda: kq((A.grid(tq_),), (A.THREADS, 1, 1),
-                                           (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *sq),
+                                           (q, k, v, o, do, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *sq, *norope),
                                            shared_mem=smq), a.reps),
                     "dkdv": _time(lambda: kd((A.grid(tkv),), (A.THREADS, 1, 1),
-                                             (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *sk),
+                                             (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *sk, *norope),
                                              shared_mem=smd), a.reps),
                 }
             A.PERSISTENT = True

@@ -559,3 +559,12 @@ if [ "$stage" = "s11e" ]; then  # session 11, call E: bench_ops rows of the issu
   timeout 120 python benchmarks/bench_train.py --model gpt2 --json "$out/bench_gpt2.json" 2>&1 | tee "$out/bench_gpt2.log" \
     | grep -v "^    "
 fi
+if [ "$stage" = "s11f" ]; then  # session 11, call F: rope backward fused into the sm_90 attention backward
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention','rope','adam','cross_entropy','elementwise','embedding','rms_norm','activations'])"
+  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_attention.py tests/test_attention_sm90.py \
+    tests/test_nn.py tests/test_gpt2.py tests/test_models.py tests/test_trainer.py tests/test_rope.py \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -n 30
+  timeout 200 python benchmarks/bench_train.py --configs b4t64,b8t1024 \
+    --ab "__main__.GRAD_BF16=1;__main__.GRAD_BF16=1,functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0;functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
+fi

@@ -654,6 +654,50 @@ __device__ __forceinline__ void store_acc(bf16* dst, long long ld, int row0, int
   }
 }
 
+// The rope's backward fused into the gradient store (dq, dk of q / k that the caller rotated with ck.rope before
+// the forward): rows rotated by -angle, (x1 c + x2 sn, x2 c - x1 sn) with pairs (i, i + D/2), in fp32 before the one
+// rounding to bf16 (the separate ck.rope_backward launch re-read the stored bf16 gradient: 2 x 16 MB a layer at
+// B8xT1024 x H32/8 x D64, ~36 us, and rounded twice). A thread holds columns nt * 8 + c2 (+1) of its two rows, so
+// the pair (i, i + D/2) is accumulator tiles nt and nt + D/16 of the same thread. mode < 0: no rope; 0: row t at
+// position t; 1: positions[t]; 2: positions[b * T + t] (int32); positions clamped into the table's L rows, as
+// ck.rope does.
+struct RopeTab {
+  const float* c;
+  const float* s;
+  const int* pos;
+  int mode, L;
+};
+
+template <int D>
+__device__ __forceinline__ void store_acc_rope(bf16* dst, long long ld, int row0, int T, const float (&acc)[D / 8][4],
+                                               float mul, int lane, const RopeTab& rt, long long pos_base) {
+  if (rt.mode < 0) {
+    store_acc<D>(dst, ld, row0, T, acc, mul, lane);
+    return;
+  }
+  constexpr int H2 = D / 16;
+  const int c2 = (lane & 3) * 2;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = row0 + (lane >> 2) + 8 * hr;
+    if (r >= T) continue;
+    long long p = rt.mode == 0 ? r : (long long)rt.pos[rt.mode == 1 ? r : pos_base + r];
+    p = p < 0 ? 0 : (p >= rt.L ? rt.L - 1 : p);
+    const float* cr = rt.c + p * (D / 2);
+    const float* sr = rt.s + p * (D / 2);
+#pragma unroll
+    for (int nt = 0; nt < H2; ++nt) {
+      const int i = nt * 8 + c2;
+      const float2 c = *reinterpret_cast<const float2*>(cr + i);
+      const float2 sn = *reinterpret_cast<const float2*>(sr + i);
+      const float a0 = acc[nt][2 * hr] * mul, a1 = acc[nt][2 * hr + 1] * mul;
+      const float b0 = acc[nt + H2][2 * hr] * mul, b1 = acc[nt + H2][2 * hr + 1] * mul;
+      *reinterpret_cast<unsigned*>(dst + r * ld + i) = pack_bf16(a0 * c.x + b0 * sn.x, a1 * c.y + b1 * sn.y);
+      *reinterpret_cast<unsigned*>(dst + r * ld + i + D / 2) = pack_bf16(b0 * c.x - a0 * sn.x, b1 * c.y - a1 * sn.y);
+    }
+  }
+}
+
 // lse (natural log, -inf for a query that sees no key) -> the exp2 offset: lse * log2(e), and +inf for -inf so
 // that p = 2^(s - offset) = 0 instead of 2^(+inf).
 __device__ __forceinline__ float lse_offset(float l) { return l == -CK_INF ? CK_INF : l * LOG2E; }
@@ -672,7 +716,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
                                                  float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                                  Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                                 float scale, bool causal, int Bsz, Strides sgq) {
+                                                 float scale, bool causal, int Bsz, Strides sgq, RopeTab rope) {
   using SM = SmemDq<D, BN, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -831,7 +875,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       mbar_arrive(empty0 + 8 * st);
     }
     if (nkb == 0) mbar_arrive(fixfree);
-    store_acc<D>(dq + b * sgq.b + h * sgq.h, sgq.t, row0, Tq, acc, scale, lane);
+    store_acc_rope<D>(dq + b * sgq.b + h * sgq.h, sgq.t, row0, Tq, acc, scale, lane, rope, (long long)b * Tq);
   }
 }
 
@@ -850,7 +894,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
-                                                   int Hkv, float scale, bool causal, int Bsz, Strides sgk) {
+                                                   int Hkv, float scale, bool causal, int Bsz, Strides sgk,
+                                                   RopeTab rope) {
   using SM = SmemDkdv<D, BQ, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -1011,7 +1056,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       mbar_arrive(empty0 + 8 * st);
     }
     if (nit == 0) mbar_arrive(fixfree);
-    store_acc<D>(dk + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dka, scale, lane);
+    store_acc_rope<D>(dk + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dka, scale, lane, rope, (long long)b * Tk);
     store_acc<D>(dv + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dva, 1.f, lane);
   }
 }
@@ -1048,27 +1093,31 @@ CK_ATTN90_FWD(128, 128, 2, 2)
 CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 
 // Backward entry points: attn_sm90_bwd_dq_d{D} and attn_sm90_bwd_dkdv_d{D}, same arguments as attention.cu's
-// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz and the element strides (batch, token, head) of the gradients they
-// write (dq; dk and dv share theirs): [B, T, heads, D] C-contiguous, or the head slices of one packed dqkv. 1-D grids of persistent CTAs over ceil(Tq / 128) * H * Bsz and
-// ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
+// attn_bwd_dq_d{D} / attn_bwd_dkdv_d{D} plus Bsz, the element strides (batch, token, head) of the gradients they
+// write (dq; dk and dv share theirs): [B, T, heads, D] C-contiguous, or the head slices of one packed dqkv, and the
+// rope tables for the fused rope backward of dq and dk (RopeTab; rmode -1: none). 1-D grids of persistent CTAs
+// over ceil(Tq / 128) * H * Bsz and ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
 #define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                        \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh) {   \
+      int Tk, int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,      \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL) {                                   \
     attn_bwd_dq_sm90<D, BN, STQ, QBQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
-                                     Hkv, scale, causal, Bsz, Strides{gb, gt, gh});                            \
+                                     Hkv, scale, causal, Bsz, Strides{gb, gt, gh}, RopeTab{rc, rs, rp, rmode, rL}); \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D##SUF(                      \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
-      int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh) {           \
+      int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,              \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL) {                                   \
     attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
                                        Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
-                                       H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh});                      \
+                                       H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh},                        \
+                                       RopeTab{rc, rs, rp, rmode, rL});                                         \
   }
 // attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
 #define CK_ATTN90_BWD(D, BN, STQ, BQ, STK, QBQ, QBK)             \

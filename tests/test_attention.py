@@ -356,6 +356,64 @@ def test_reference_grads_out_packed_slices(rng):
         ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=(*outs[:2], np.zeros(k.shape, np.float32)))
 
 
+def test_reference_rope_grads(rng):
+    """``rope=(cos, sin, positions)``: dq and dk are the plain gradients put through ck.rope_backward (dv as is);
+    seq_q != seq_k and a bad tuple are named errors."""
+    Bsz, T, H, Hkv, D = 2, 7, 4, 2, 32
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    w = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    cos, sin = ck.rope_cache(T + 3, D, xp=np)
+    pos = rng.integers(0, T + 3, (Bsz, T)).astype(np.int32)
+    plain = ck.flash_attention_backward(w, q, k, v, o, lse)
+    got = ck.flash_attention_backward(w, q, k, v, o, lse, rope=(cos, sin, pos))
+    for g, r in zip(got[:2], plain[:2]):
+        want = ck.rope_backward(r, cos, sin, positions=pos)
+        np.testing.assert_array_equal(g.astype(np.float32), want.astype(np.float32))
+    np.testing.assert_array_equal(got[2].astype(np.float32), plain[2].astype(np.float32))
+    with pytest.raises(TypeError, match="rope: expected a tuple"):
+        ck.flash_attention_backward(w, q, k, v, o, lse, rope=cos)
+    q2 = q[:, :5]
+    o2, l2 = ck.flash_attention(q2, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="rope: q and k must be rotated at the same positions"):
+        ck.flash_attention_backward(w[:, :5], q2, k, v, o2, l2, rope=(cos, sin, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pos_kind", ["none", "1d_i32", "2d_i32", "2d_i64"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_rope_grads_fused_in_the_store(rng, pos_kind, D, packed):
+    """The sm_90 kernels' fused rope backward (dq, dk rotated in fp32 before the store) against flash backward +
+    ck.rope_backward on the GPU: within one bf16 rounding (the separate path rounds twice); dv bit-identical; into
+    the packed dqkv's head slices too; int64 positions take the separate rope after."""
+    Bsz, T, H, Hkv = 2, 300, 4, 2
+    q, k, v = _dev(*qkv(rng, Bsz, T, T, H, Hkv, D))
+    w = _dev(qkv(rng, Bsz, T, T, H, Hkv, D)[0])[0]
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    L = T + 5
+    cos, sin = (cp().asarray(a) for a in ck.rope_cache(L, D, xp=np))
+    pos = {"none": None, "1d_i32": rng.integers(0, L + 3, T).astype(np.int32),  # (some clamped into the table)
+           "2d_i32": rng.integers(0, L, (Bsz, T)).astype(np.int32),
+           "2d_i64": rng.integers(0, L, (Bsz, T)).astype(np.int64)}[pos_kind]
+    pos = None if pos is None else cp().asarray(pos)
+    plain = ck.flash_attention_backward(w, q, k, v, o, lse)
+    ref = [to_host(ck.rope_backward(g, cos, sin, positions=pos)) for g in plain[:2]] + [to_host(plain[2])]
+    outs = None
+    if packed:
+        dqkv = cp().full((Bsz, T, H + 2 * Hkv, D), np.nan, dtype=BF16)
+        outs = (dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:])
+    got = ck.flash_attention_backward(w, q, k, v, o, lse, grads_out=outs, rope=(cos, sin, pos))
+    for g, r, n in zip(got[:2], ref[:2], ("dq", "dk")):
+        gh, rf = to_host(g).astype(np.float32), r.astype(np.float32)
+        scale = np.abs(rf).max()
+        np.testing.assert_allclose(gh, rf, rtol=2 ** -7, atol=scale * 2 ** -7, err_msg=n)  # <= 4 half-ulps apart
+    assert np.array_equal(to_host(got[2]).view(np.uint16), ref[2].view(np.uint16))
+    again = ck.flash_attention_backward(w, q, k, v, o, lse, rope=(cos, sin, pos))
+    for a, b in zip(again, got):
+        assert np.array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16)), "rerun not bit-identical"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("key_mask", [False, True])
 @pytest.mark.parametrize("D", [64, 128, 32])

@@ -108,6 +108,11 @@ class FlashAttentionF(Function):
                 None, None, None)
 
 
+# FlashAttentionPackedF's rope backward inside the attention backward's store (sm_90) instead of one ck.rope_backward
+# launch over dq / dk after it (the A/B switch: --ab "functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0").
+ROPE_IN_ATTENTION_BACKWARD = True
+
+
 class FlashAttentionPackedF(Function):
     """Fused attention reading q, k, v as head slices of one packed projection output qkv [B, T, H + 2 Hkv, D]
     (GPT-2's c_attn, LLaMA's q / k / v as one :func:`packed_linear`), returning dqkv as one array: three GetItem
@@ -117,8 +122,8 @@ class FlashAttentionPackedF(Function):
     ``rope = (cos, sin, positions)``: the rotary embedding of the q and k heads first, **in place in qkv** (the
     first H + Hkv heads of each token are q then k: one ``ck.rope`` launch over a token-strided view), so the
     caller passes a projection output nothing else reads; the backward has the attention kernels store dq, dk, dv
-    straight into the head slices of one dqkv array (no concatenate: 50 MB a layer at B8xT1024) and rotates dq
-    and dk back there in place."""
+    straight into the head slices of one dqkv array (no concatenate: 50 MB a layer at B8xT1024), dq and dk rotated
+    back by the rope's backward inside that store on Hopper (``flash_attention_backward(rope=)``)."""
 
     @staticmethod
     def forward(ctx, qkv, H, Hkv, causal=True, scale=None, key_mask=None, rope=None):
@@ -140,9 +145,11 @@ class FlashAttentionPackedF(Function):
             g = _contig(g, o.dtype)
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         dqkv = _xp(qkv).empty(qkv.shape, dtype=qkv.dtype)  # the kernels store dq, dk, dv into its head slices
+        fuse = ctx.rope is not None and ROPE_IN_ATTENTION_BACKWARD
         _flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw,
-                   grads_out=(dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:]))
-        if ctx.rope is not None:
+                   grads_out=(dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:]),
+                   rope=ctx.rope if fuse else None)
+        if ctx.rope is not None and not fuse:  # one rope launch over the q and k heads of dqkv
             cos, sin, pos = ctx.rope
             dqk = dqkv[:, :, :H + Hkv]
             _rope_bwd(dqk, cos, sin, positions=pos, out=dqk)

@@ -9,6 +9,8 @@ import numpy as np
 from .. import _backend as B
 from .._loader import get_function
 from . import _launch
+from .rope import check_tables as _check_rope_tables
+from .rope import rope_backward as _rope_backward
 
 FAMILY = "attention"
 THREADS = 128
@@ -53,6 +55,22 @@ def _strides(name, a):
                          f"strides must be multiples of 16 bytes; got pointer offset {a.data.ptr % 16}, strides "
                          f"{a.strides} (use a contiguous copy)")
     return tuple(np.int64(s // isz) for s in a.strides[:3])
+
+
+def check_rope_grads(rope, Bsz, Tq, Tk, D, xp):
+    """``rope=(cos, sin, positions)`` of the backward: the tables ``ck.rope`` takes, on q's device, for seq_q ==
+    seq_k tokens; returned as a tuple."""
+    if not isinstance(rope, (tuple, list)) or len(rope) != 3:
+        raise TypeError(f"rope: expected a tuple (cos, sin, positions); got {type(rope).__name__}")
+    cos, sin, positions = rope
+    if Tq != Tk:
+        raise ValueError(f"rope: q and k must be rotated at the same positions (seq_q == seq_k); got seq_q = {Tq}, "
+                         f"seq_k = {Tk}")
+    for name, a in (("rope[cos]", cos), ("rope[sin]", sin), ("rope[positions]", positions)):
+        if a is not None and B._kind(a) is not xp:
+            raise TypeError(f"{name}: expected an array on the inputs' device ({xp.__name__}); got {type(a).__name__}")
+    _check_rope_tables(cos, sin, positions, Bsz, Tq, D, "q")
+    return tuple(rope)
 
 
 def check_grads_out(grads_out, q, k, xp):
@@ -257,7 +275,8 @@ def _mask_args(key_mask, km):
 
 
 @B.interop
-def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None, key_mask=None, grads_out=None):
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None, key_mask=None, grads_out=None,
+                             rope=None):
     """Gradients of :func:`flash_attention`: ``(dq, dk, dv)``.
 
     With ``P`` recomputed from ``lse``: ``delta_i = <dO_i, o_i>``, ``dS = P * (dO V^T - delta)``,
@@ -272,6 +291,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
         grads_out: optional ``(dq, dk, dv)`` bfloat16 buffers to write (shapes of q, k, k), strided views allowed
             as for q: the head slices of one packed ``dqkv`` [B, T, H + 2 Hkv, D] get the gradients in place
             (the sm_90 kernels store there directly; the other paths copy in).
+        rope: optional ``(cos, sin, positions)`` with which q and k were rotated by ``ck.rope`` (rotate-half)
+            before the forward: dq and dk are then the gradients of the unrotated q and k (``ck.rope_backward``
+            applied; on the sm_90 path inside the kernels' store, in fp32 before the one rounding). Needs
+            seq_q == seq_k.
 
     Returns:
         ``(dq, dk, dv)``: ``grads_out`` when given, else new C-contiguous arrays (dq like q, dk and dv like k).
@@ -280,6 +303,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
     km = _check_key_mask(key_mask, xp, Bsz, Tk)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
+    if rope is not None:
+        rope = check_rope_grads(rope, Bsz, Tq, Tk, D, xp)
+        A90 = _use_sm90(km, D) if xp is not np else None
+        if A90 is not None and Bsz * H and Tq and (rope[2] is None or rope[2].dtype == np.int32):
+            return A90.flash_attention_backward_sm90(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                                     grads_out=grads_out, rope=rope)
+        dq, dk, dv = flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                              key_mask=key_mask, grads_out=grads_out)
+        for g in (dq, dk):
+            _rope_backward(g, rope[0], rope[1], positions=rope[2], out=g)
+        return dq, dk, dv
     if grads_out is not None:
         grads_out = check_grads_out(grads_out, q, k, xp)
         A90 = _use_sm90(km, D) if xp is not np else None

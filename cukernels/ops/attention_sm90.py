@@ -17,7 +17,7 @@ from .. import _backend as B
 from .._loader import get_function
 from . import _launch
 from . import attention as _attention_module
-from .attention import _check_saved, _strides, _validate, check_grads_out
+from .attention import _check_saved, _strides, _validate, check_grads_out, check_rope_grads
 from .attention import flash_attention as _flash_attention
 from .attention import flash_attention_backward as _flash_attention_backward
 
@@ -204,7 +204,7 @@ def _check_device():
 
 
 @B.interop
-def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None, grads_out=None):
+def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None, grads_out=None, rope=None):
     """Gradients of :func:`flash_attention_sm90` (or of :func:`flash_attention` without key_mask) on Hopper's wgmma
     path: ``(dq, dk, dv)``.
 
@@ -220,6 +220,8 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
 
         grads_out: optional ``(dq, dk, dv)`` buffers the kernels store into (see ``flash_attention_backward``;
             dk and dv must share strides: the head slices of one packed dqkv do).
+        rope: optional ``(cos, sin, positions)`` (see ``flash_attention_backward``): the rope's backward of dq and dk
+            in the kernels' store (positions None or int32; int64 ones take ``ck.rope_backward`` after).
 
     Returns:
         ``(dq, dk, dv)``: ``grads_out`` when given, else new C-contiguous arrays (dq like q, dk and dv like k).
@@ -229,8 +231,10 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention_backward takes 32 too)")
-    if xp is np:  # the argument checks and the NumPy reference are flash_attention_backward's
-        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, grads_out=grads_out)
+    if xp is np or (rope is not None and rope[2] is not None and rope[2].dtype != np.int32):
+        # the argument checks and the NumPy reference are flash_attention_backward's (int64 positions: rope after)
+        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, grads_out=grads_out,
+                                         rope=rope)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
     if out.size and out.data.ptr % 16:  # the dq kernel copies o in 16-byte chunks (delta from shared memory)
         raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
@@ -250,19 +254,32 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     delta = xp.empty((Bsz, H, Tq), dtype=np.float32)  # workspace: written by the dq kernel, read by dkdv
     sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
     tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal), np.int32(Bsz))
+    rt = _rope_args(rope, Bsz, Tq, Tk, D)
     if Tq:
         kq, smq = _kernel(D, BWD_VARIANT, "dq")
         kq((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
-           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq)), shared_mem=smq)
+           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq), *rt),
+           shared_mem=smq)
     if Tk:
         kd, smd = _kernel(D, BWD_VARIANT, "dkdv")
         kd((grid(-(-Tk // BM) * Hkv * Bsz),), (THREADS, 1, 1),
-           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk)), shared_mem=smd)
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt),
+           shared_mem=smd)
     if copy_kv is not None:
         copy_kv[0][...] = dk
         copy_kv[1][...] = dv
         dk, dv = copy_kv
     return dq, dk, dv
+
+
+def _rope_args(rope, Bsz, Tq, Tk, D):
+    """The kernels' (cos, sin, positions, mode, L) for the fused rope backward (mode -1: none). ``rope`` was checked
+    by the caller (``flash_attention_backward``'s check_rope_grads, or here)."""
+    if rope is None:
+        return (B.NULL, B.NULL, B.NULL, np.int32(-1), np.int32(0))
+    cos, sin, pos = check_rope_grads(rope, Bsz, Tq, Tk, D, B._kind(rope[0]))
+    mode = 0 if pos is None else (1 if pos.ndim == 1 else 2)
+    return (cos, sin, pos if pos is not None else B.NULL, np.int32(mode), np.int32(cos.shape[0]))
 
 
 flash_attention_sm90_supported = supported
