@@ -568,3 +568,12 @@ if [ "$stage" = "s11f" ]; then  # session 11, call F: rope backward fused into t
     --ab "__main__.GRAD_BF16=1;__main__.GRAD_BF16=1,functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0;functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0" \
     --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
 fi
+if [ "$stage" = "s11g" ]; then  # session 11, call G: stale-gradient overwrites through ck.cast (the head's fp32 dW)
+  python -c "from cukernels import _loader; _loader.precompile(['attention_sm90','attention','rope','adam','cross_entropy','elementwise','embedding','rms_norm','activations'])"
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/test_autograd.py tests/test_linear_cross_entropy.py \
+    tests/test_models.py tests/test_trainer.py tests/test_optim.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -n 20
+  timeout 150 python benchmarks/bench_train.py --configs b8t1024 \
+    --ab "__main__.GRAD_BF16=1;__main__.GRAD_BF16=1,autograd.FAST_CAST=0" \
+    --json "$out/bench_llama.json" 2>&1 | tee "$out/bench_llama.log" | grep -v "^    "
+fi

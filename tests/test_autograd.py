@@ -355,3 +355,31 @@ def test_tensor_methods_match_numpy_and_differentiate():
     np.testing.assert_allclose(x.grad, np.exp(a) * np.log(a) + np.exp(a) / a, rtol=1e-12)
     r = repr(x)
     assert r.startswith("Tensor([[") and "requires_grad=True" in r and "device=cpu" in r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("gdt", ["f32", "bf16"])
+def test_gpu_stale_gradient_overwrite_casts_like_astype(monkeypatch, fast, gdt):
+    """A lazily zeroed (stale) .grad overwritten by an fp32 gradient: through ck.cast (FAST_CAST) into a bf16 or
+    fp32 buffer, bit for bit what CuPy's assignment gives (round to nearest even), the view kept bound; a second
+    backward adds."""
+    import cupy as cp
+    from cukernels import autograd as AG
+
+    monkeypatch.setattr(AG, "FAST_CAST", fast)
+    dt = ck.bfloat16 if gdt == "bf16" else np.float32
+    rng = np.random.default_rng(0)
+    x = Tensor(cp.asarray(rng.standard_normal((37, 129)).astype(np.float32)), requires_grad=True)
+    flat = cp.full(37 * 129 + 5, np.nan, dtype=dt)
+    x.grad = flat[:37 * 129].reshape(37, 129)
+    view = x.grad
+    x.grad_stale = True
+    w = cp.asarray(rng.standard_normal((37, 129)).astype(np.float32) * 3.7)
+    (x * w).sum().backward()
+    assert x.grad is view and not x.grad_stale
+    assert np.array_equal(cp.asnumpy(view).view(np.uint8), cp.asnumpy(w.astype(dt)).view(np.uint8))
+    (x * w).sum().backward()
+    np.testing.assert_allclose(cp.asnumpy(view).astype(np.float32), 2 * cp.asnumpy(w.astype(dt)).astype(np.float32),
+                               rtol=1e-2 if gdt == "bf16" else 1e-6)
+    assert np.isnan(cp.asnumpy(flat[37 * 129:]).astype(np.float32)).all()  # nothing written past the view
