@@ -359,3 +359,31 @@ def test_gpu_packed_qkv_and_gate_up_match_separate(monkeypatch, grad_dtype):
         ref = out[False][1][n]
         scale = np.abs(ref).max() + 1e-12
         np.testing.assert_allclose(g / scale, ref / scale, rtol=0, atol=3e-2, err_msg=n)
+
+
+def test_packable_only_bias_free_fused_projections(rng, monkeypatch):
+    """PackedLinear takes bias-free projections of a fused module only: with biases (or unfused, or the switch off)
+    the MLP keeps one Linear call each and gives the same output."""
+    from cukernels.nn import layers
+    from cukernels.nn.mlp import SwiGLUMLP
+
+    x = Tensor(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    for bias, fused, pack, want in ((False, True, True, True), (True, True, True, False),
+                                    (False, False, True, False), (False, True, False, False)):
+        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        m = SwiGLUMLP(8, 12, bias=bias, rng=np.random.default_rng(1), dtype=np.float32)
+        m.set_fused(fused)
+        assert layers.packable(m, (m.gate_proj, m.up_proj)) is want
+        calls = []
+        real = F.PackedLinear.forward
+        monkeypatch.setattr(F.PackedLinear, "forward", staticmethod(lambda *a, **k: calls.append(1) or real(*a, **k)))
+        y = m(x)
+        monkeypatch.setattr(F.PackedLinear, "forward", staticmethod(real))
+        assert len(calls) == int(want)
+        gate, up = x.data @ m.gate_proj.weight.data.T, x.data @ m.up_proj.weight.data.T
+        if bias:
+            gate, up = gate + m.gate_proj.bias.data, up + m.up_proj.bias.data
+        ref = (gate / (1 + np.exp(-gate)) * up) @ m.down_proj.weight.data.T
+        if bias:
+            ref = ref + m.down_proj.bias.data
+        np.testing.assert_allclose(y.data, ref, rtol=1e-4, atol=1e-6)
