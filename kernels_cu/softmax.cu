@@ -261,7 +261,9 @@ __device__ __forceinline__ void sm_fwd_wide(const T* __restrict__ x, const void*
   }
 }
 
-// Online (max, sum) state merge: commutative bit for bit (fmaxf and + are), so xor butterflies agree.
+// Online (max, sum of exp) state merge with explicit roundings: no FMA contraction (which would round one product
+// and not the other), so merge(a, b) and merge(b, a) agree bit for bit and the xor butterflies leave every lane
+// with the same pair. The loop kernels and the cluster kernels share it.
 __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2) {
   const float mn = fmaxf(m, m2);
   if (mn == -CK_INF) {
@@ -269,7 +271,7 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
     s = 0.f;
     return;
   }
-  s = s * exp2f((m - mn) * CK_LOG2E) + s2 * exp2f((m2 - mn) * CK_LOG2E);
+  s = __fadd_rn(__fmul_rn(s, exp2f((m - mn) * CK_LOG2E)), __fmul_rn(s2, exp2f((m2 - mn) * CK_LOG2E)));
   m = mn;
 }
 
@@ -509,22 +511,10 @@ __device__ __forceinline__ const V (*cl_exchange(ClExchange<NC, V>& x, V v, int 
   return x.slot[p];
 }
 
-// (max, sum of exp) merge with explicit roundings: no FMA contraction, so merge(a, b) and merge(b, a) agree bit
-// for bit and the xor butterflies leave every lane with the same pair.
-__device__ __forceinline__ void ms_merge_sym(float& m, float& s, float m2, float s2) {
-  const float mn = fmaxf(m, m2);
-  if (mn == -CK_INF) {
-    m = mn;
-    s = 0.f;
-    return;
-  }
-  s = __fadd_rn(__fmul_rn(s, exp2f((m - mn) * CK_LOG2E)), __fmul_rn(s2, exp2f((m2 - mn) * CK_LOG2E)));
-  m = mn;
-}
 __device__ __forceinline__ void ms_warp(float& m, float& s) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
-    ms_merge_sym(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    ms_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
 }
 
 // The row's (max, sum) from every thread's (m, s). All threads call it, once a row.
@@ -537,7 +527,7 @@ __device__ __forceinline__ void cl_reduce_ms(float& m, float& s, ClExchange<NC, 
 #pragma unroll
     for (int r = 0; r < NC; ++r) {
       const float2 v = got[r][threadIdx.x & 31];
-      ms_merge_sym(m, s, v.x, v.y);
+      ms_merge(m, s, v.x, v.y);
     }
   ms_warp(m, s);
 }
