@@ -271,7 +271,7 @@ def check_world(cfg: dict, world_size: int):
         ranks = f" * {world_size} ranks" if world_size > 1 else ""
         raise ConfigError(f"grad_dtype: bfloat16 needs one micro-batch a step (total_batch_size = batch_size * "
                           f"seq_len{ranks} = {B * T * world_size}; got {tbs}): accumulating in bf16 would round "
-                          f"every micro-batch")
+                          f"every micro-batch; set grad_dtype: float32 to accumulate")
     return tbs, accum
 
 
