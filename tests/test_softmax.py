@@ -367,10 +367,16 @@ def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign, cluster, monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("K", [16392, 32768, 65536])
-def test_gpu_wide_causal_and_in_place(rng, dtype, K):
-    """Unmasked attention rows take the wide kernel too: causal rows skip the masked tail (written as zeros,
-    never read), and out=scores works in place (each thread reads its packs before any write)."""
+@pytest.mark.parametrize("K", [16392, 40000, 65536])
+@pytest.mark.parametrize("cluster", [1, 0], ids=["cluster", "nocluster"])
+def test_gpu_long_causal_scale_and_in_place(rng, dtype, K, cluster, monkeypatch):
+    """Unmasked attention rows past the register kernels, on the cluster kernels (sm_90) and with CLUSTER = 0 on the
+    wide / loop kernels: causal rows skip the masked tail (written as zeros, never read; whole CTAs of a cluster
+    with nothing live), scale in both directions, out=scores in place (each thread reads its packs before any
+    write), and short q_len = k_len rows whose first query has one live key."""
+    from cukernels.ops import softmax as SM
+
+    monkeypatch.setattr(SM, "CLUSTER", cluster)
     shape = (1, 2, 3, K)
     s = randn(rng, shape, dtype, scale=2.0)
     p_ref = ck.attn_softmax(s, causal=True, scale=0.7)
@@ -379,6 +385,12 @@ def test_gpu_wide_causal_and_in_place(rng, dtype, K):
     assert p is sd
     rt, at = TOL[np.dtype(dtype)]
     assert_close(p, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="causal probs in place")
+    dp = randn(rng, shape, dtype)
+    ds = ck.attn_softmax_backward(p, device_copy(dp), scale=0.7, out=poisoned(shape, dtype))
+    assert_close(ds, ck.attn_softmax_backward(to_host(p), dp, scale=0.7), dtype, what="dscores")
+    s2 = randn(rng, (1, 1, 4, K), dtype)
+    p2 = ck.attn_softmax(device_copy(s2), causal=True, out=poisoned(s2.shape, dtype))
+    assert_close(p2, ck.attn_softmax(s2, causal=True), dtype, rtol=rt, atol=at / K ** 0.5, what="q_len = k_len")
     x = randn(rng, (3, K), dtype)
     xd = device_copy(x)
     ck.softmax(xd, out=xd)
@@ -577,35 +589,6 @@ def test_gpu_cluster_rows_strided(rng, monkeypatch, dtype, clusters):
 @needs_sm90
 def test_gpu_cluster_many_rows(rng):
     _check_cluster_rows(rng, 199, 65536, BF)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-@pytest.mark.parametrize("K", [40000, 65536])
-def test_gpu_cluster_causal_scale_and_in_place(rng, dtype, K):
-    """Unmasked attention rows: causal rows leave whole CTAs of the cluster with nothing live (written as zeros,
-    never read), scale in both directions, out=scores in place."""
-    shape = (1, 2, 3, K)
-    s = randn(rng, shape, dtype, scale=2.0)
-    p_ref = ck.attn_softmax(s, causal=True, scale=0.7)
-    sd = device_copy(s)
-    p = ck.attn_softmax(sd, causal=True, scale=0.7, out=sd)
-    assert p is sd
-    rt, at = TOL[np.dtype(dtype)]
-    assert_close(p, p_ref, dtype, rtol=rt, atol=at / K ** 0.5, what="causal probs in place")
-    dp = randn(rng, shape, dtype)
-    ds = ck.attn_softmax_backward(p, device_copy(dp), scale=0.7, out=poisoned(shape, dtype))
-    assert_close(ds, ck.attn_softmax_backward(to_host(p), dp, scale=0.7), dtype, what="dscores")
-    # short causal rows too: q_len = k_len, the first query has one live key in rank 0's first pack
-    s2 = randn(rng, (1, 1, 4, K), dtype)
-    s2d = device_copy(s2)
-    p2 = ck.attn_softmax(s2d, causal=True, out=poisoned(s2.shape, dtype))
-    assert_close(p2, ck.attn_softmax(s2, causal=True), dtype, rtol=rt, atol=at / K ** 0.5, what="q_len = k_len")
-    x = randn(rng, (3, K), dtype)
-    xd = device_copy(x)
-    ck.softmax(xd, out=xd)
-    assert_close(xd, ck.softmax(x), dtype, rtol=rt, atol=at / K ** 0.5, what="softmax in place")
 
 
 @pytest.mark.gpu
