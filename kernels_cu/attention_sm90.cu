@@ -365,6 +365,15 @@ __device__ __forceinline__ int key_tiles(int qend, int Tk, int off, bool causal,
   const int kend = causal ? min(Tk, qend + off) : Tk;
   return kend > 0 ? (kend + bn - 1) / bn : 0;
 }
+// dkdv's work tile of keys from k0: the first query tile (of bq rows) that can see one of its keys (query i sees key
+// n when n <= i + off) and how many query tiles from there; the producer and the consumers walk the same range.
+struct QueryTiles {
+  int first, n;
+};
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int off, bool causal, int nqb, int bq) {
+  const int first = causal ? max(0, (k0 - off) / bq) : 0;
+  return QueryTiles{first, max(0, nqb - first)};
+}
 __device__ __forceinline__ int snake_tile(int k) {
   return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
 }
@@ -932,9 +941,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
       const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
       const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
-      // Query tiles that can see a key of this tile: query i sees key n when n <= i + off, i.e. i >= k0 - off.
-      const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
-      const int nq = max(0, nqb - qstart), nit = G * nq;
+      const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
+      const int qstart = qt.first, nq = qt.n, nit = G * nq;
       const int fb = fix_buf<QB>(tc);
       mbar_wait(fixempty + 8 * fb, fix_par<QB>(tc) ^ 1);
       load_swz<D, BM>(Fx + fb * SM::FIX, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
@@ -969,8 +977,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
     const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
-    const int qstart = causal ? max(0, (k0 - off) / BQ) : 0;
-    const int nq = max(0, nqb - qstart), nit = G * nq;
+    const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
+    const int qstart = qt.first, nq = qt.n, nit = G * nq;
     const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
 
     const int fb = fix_buf<QB>(tc);

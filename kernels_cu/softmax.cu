@@ -29,8 +29,8 @@
 // - "wide" kernels (no key mask; plain softmax and unmasked / causal attention rows) take the rows past that:
 //   the row stays in registers as raw 16-byte packs (64 bf16 or 32 fp32 values a thread in 32 registers) and
 //   z is recomputed in each pass; bf16 up to 65536 columns, fp32 up to 32768 (element path 16384); on sm_90 the
-//   cluster kernels take the 16-byte rows past 32768.
-// - "cluster" kernels (sm_90+, 16-byte packs, no key mask; forward past 32768 columns, backward past the register
+//   cluster kernels take the 16-byte rows instead (ops/softmax.py CLUSTER_FWD_FROM_*: past 16384 columns).
+// - "cluster" kernels (sm_90+, 16-byte packs, no key mask; forward past 16384 columns, backward past the register
 //   kernel) split a row over 2-8 CTAs of a thread-block cluster, each holding its slice in registers, the row
 //   reductions exchanged through distributed shared memory: x (y, dy) read once, as the register kernels, up to
 //   262144 columns (fp32 backward 131072). Design and numbers above their code below.

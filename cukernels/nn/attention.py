@@ -73,10 +73,14 @@ class Attention(Module):
     def extra_repr(self):
         return (f"heads={self.H}, kv_heads={self.Hkv}, head_dim={self.D}, rope={self.rope}, causal={self.causal}")
 
-    def _uses_flash(self, q):
-        d = q.data
-        return (self.fused and self.flash and not isinstance(d, np.ndarray) and d.dtype == B.bfloat16
+    def _flash_ok(self, data, dtype):
+        """The fused kernel runs for q of this dtype and array kind: fused, flash on, CuPy bf16 activations, a
+        head_dim it has, no attention dropout active."""
+        return (self.fused and self.flash and not isinstance(data, np.ndarray) and dtype == B.bfloat16
                 and self.D in FLASH_HEAD_DIMS and not (self.attn_dropout is not None and self.attn_dropout.active()))
+
+    def _uses_flash(self, q):
+        return self._flash_ok(q.data, q.data.dtype)
 
     def _split(self, qkv):
         H, Hkv = self.H, self.Hkv
@@ -101,12 +105,10 @@ class Attention(Module):
         return None
 
     def _flash_input(self, x):
-        """Whether the projections of x will feed the fused kernel (what :meth:`_uses_flash` will say of q): only
-        then are separate q / k / v packed, since the materialised path would slice the packed output apart
-        again (three GetItem gradients of the packed size)."""
-        dt = amp.get_autocast_dtype() or x.dtype
-        return (self.fused and self.flash and not isinstance(x.data, np.ndarray) and dt == B.bfloat16
-                and self.D in FLASH_HEAD_DIMS and not (self.attn_dropout is not None and self.attn_dropout.active()))
+        """Whether the projections of x will feed the fused kernel (what :meth:`_uses_flash` will say of q, whose
+        dtype is the autocast dtype or x's): only then are separate q / k / v packed, since the materialised path
+        would slice the packed output apart again (three GetItem gradients of the packed size)."""
+        return self._flash_ok(x.data, amp.get_autocast_dtype() or x.dtype)
 
     def _qkv(self, x):
         Bsz, T, _ = x.shape

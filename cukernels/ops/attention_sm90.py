@@ -8,7 +8,6 @@ kernels.
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import numpy as np
@@ -101,21 +100,10 @@ def smem_bytes(D: int, variant: str = "") -> int:
     return qb * rows * D * 2 + 2 * st * bn * D * 2 + 8 * (2 * qb + 2 * st) + 1024
 
 
-@functools.lru_cache(maxsize=None)
-def _cc(dev: int) -> str:
-    import cupy
-
-    return cupy.cuda.Device(dev).compute_capability
-
-
 def supported() -> bool:
     """True when the current CUDA device can run the sm_90a kernels (compute capability 9.0 exactly: the
     architecture-specific features compiled here do not exist on other generations)."""
-    if not B.gpu_available():
-        return False
-    import cupy
-
-    return _cc(cupy.cuda.Device().id) == "90"
+    return B.gpu_available() and B.capability() == 90
 
 
 def grid(tiles: int) -> int:
@@ -197,10 +185,9 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
 
 def _check_device():
     if not supported():
-        import cupy
-
+        cc = B.capability()
         raise ValueError(f"q: the sm_90 attention kernels run on compute capability 9.0 GPUs (H100 / H200) only; "
-                         f"the current device has {_cc(cupy.cuda.Device().id)} (use flash_attention)")
+                         f"the current device has {cc // 10}.{cc % 10} (use flash_attention)")
 
 
 @B.interop
