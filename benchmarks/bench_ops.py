@@ -229,10 +229,13 @@ def main(argv=None):
     ap.add_argument("--json", default="", help="save the rows to this file")
     ap.add_argument("--no-startup", action="store_true", help="skip the cold/warm start measurement")
     ap.add_argument("--startup-only", action="store_true", help="only the cold/warm start measurement")
+    ap.add_argument("--ab", default="", help="A/B rows of module settings (benchmarks/ab.py): each case is timed "
+                    "again under every row, printed below its default row")
     ap.add_argument("--startup-cache", default="", help="CuPy cache folder for the start-up measurement "
                     "(emptied, then left warm); default: a temporary folder")
     args = ap.parse_args(argv)
 
+    import ab
     import cupy as cp
 
     from cukernels import _loader
@@ -294,6 +297,18 @@ def main(argv=None):
                   f"{f(row['x_cupy'], '%6.2fx'):>7} {f(row['x_torch'], '%7.2fx'):>8} {eager:9.4f}  {c.formula}"
                   + (f"  [{how}]" if how != "graph" else "") + (f"  {c.note}" if c.note else "")
                   + (f"  {row['tflops']:.0f} TFLOP/s" if c.flops else ""), flush=True)
+            for ab_row in ab.rows(args.ab):
+                try:
+                    with ab.applied(ab_row):
+                        ms_ab, _ = timeit(c.ours, nsets)
+                except Exception as e:
+                    print(f"  ({ab_row}) FAILED: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                gb_ab = c.nbytes / (ms_ab * 1e-3) / 1e9
+                rows.append(dict(row, ms=ms_ab, gbs=gb_ab, pct_copy=100 * gb_ab / bw, ab=ab_row, x_cupy=None,
+                                 x_torch=(tor / ms_ab) if tor else None, eager_ms=None))
+                print(f"{'  (' + ab_row + ')':<54} {ms_ab:9.4f} {gb_ab:7.0f} {100 * gb_ab / bw:5.0f}% {'':>7} "
+                      f"{f(rows[-1]['x_torch'], '%7.2fx'):>8}", flush=True)
         del cases
         cp.get_default_memory_pool().free_all_blocks()
     if args.json:

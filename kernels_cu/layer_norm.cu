@@ -12,7 +12,9 @@
 //   TPR = blockDim.x threads (1 .. 1024, a power of two) with VPT packs of 16 bytes each; rows of fewer than
 //   256 threads share a block (TPR x RPB = 256), and below 32 threads several rows share a warp
 //   (common/rows.cuh reduces within a row's lanes), so C = 1 .. 64 still fills the machine.
-//   8192 x 2048: forward and backward bf16 TPR 64 x VPT 4, fp32 TPR 128 x VPT 4 (4 rows / 2 rows a block).
+//   8192 x 2048: forward bf16 TPR 64 x VPT 4 (4 rows a block; the launcher's bf16 forward target, session 12:
+//   fewer threads a row, fewer cross-warp reduction steps), fp32 TPR 256 x VPT 2; backward bf16 TPR 128 x VPT 2,
+//   fp32 TPR 256 x VPT 2.
 //   Backward blocks stop at 512 threads (128 registers: packs of x and dy plus the dgamma/dbeta accumulators,
 //   2 * VPT * 8 floats); vector packs stop at 4 a thread (element packs at 8). In registers: forward up to
 //   1024 x 4 packs (fp32 C <= 16384, bf16 C <= 32768), backward 512 x 4 packs (fp32 8192, bf16 16384).

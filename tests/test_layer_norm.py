@@ -160,6 +160,22 @@ def test_gpu_matches_reference(rng, rows, C, dtype, misalign):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("target", [1, 2, 4])
+@pytest.mark.parametrize("C", [8, 64, 768, 1000, 2048, 16384, 32768])
+@pytest.mark.parametrize("dtype, wdtype", [(ck.bfloat16, np.float32), (ck.bfloat16, ck.bfloat16),
+                                           (np.float32, np.float32), (np.float32, ck.bfloat16)],
+                         ids=["bf16-f32", "bf16-bf16", "f32-f32", "f32-bf16"])
+def test_gpu_forward_plans(rng, monkeypatch, target, C, dtype, wdtype):
+    """The forward plans every target picks (fp32 rows default to 2 packs a thread, bf16 rows to 4), both
+    parameter dtypes, against the reference."""
+    from cukernels.ops import layer_norm as LN
+
+    monkeypatch.setattr(LN, "FWD_TARGET_VPT", target)
+    monkeypatch.setattr(LN, "FWD_TARGET_VPT_BF16", target)
+    _check(rng, 37 if C <= 2048 else 5, C, dtype, wdtype, misalign=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("C", [8192, 32768])
 def test_gpu_fp32_reg_and_loop_boundaries(rng, C):
     _check(rng, 37, C, np.float32, np.float32, False)

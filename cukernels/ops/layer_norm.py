@@ -12,6 +12,12 @@ FAMILY = "layer_norm"
 # Packs per thread the planner aims at: 2 measured best for rms_norm's identical structure on the H200
 # (benchmarks/tune_rms_norm.py) and keeps the backward at 512 threads without spills.
 TARGET_VPT = 2
+# The forward's own targets, fp32 and bf16 rows. Fewer threads a row means fewer cross-warp steps in its two row
+# reductions (two barriers each). Session 12 (NOTES.md), bf16 at 4 packs a thread instead of 2, % of copy:
+# 8192 x 2048 64 -> 69, 8192 x 768 48 -> 59, 65536 x 1000 72 -> 88, 16384 x 4096 74 -> 86; fp32 at 4 lost
+# (92 -> 88 at 8192 x 2048).
+FWD_TARGET_VPT = 2
+FWD_TARGET_VPT_BF16 = 4
 
 
 def _validate(x, gamma, beta=None):
@@ -37,13 +43,15 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
 
     Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
-    TARGET_VPT packs. Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
+    TARGET_VPT packs (the forward's vector path: FWD_TARGET_VPT, FWD_TARGET_VPT_BF16). Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
     packs) a thread, so rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
     Vector packs backward are capped at 2 because x, dy and two accumulators at 4 packs need more than the 128
     registers a 512-thread block allows (ptxas spilled).
     """
-    max_vpt = (2 if backward else 4) if vec else 8
-    return L.row_plan(C, itemsize, vec, max_tpr=512 if backward else 1024, target_vpt=TARGET_VPT, max_vpt=max_vpt)
+    if backward:
+        return L.row_plan(C, itemsize, vec, max_tpr=512, target_vpt=TARGET_VPT, max_vpt=2 if vec else 8)
+    target = (FWD_TARGET_VPT_BF16 if itemsize == 2 else FWD_TARGET_VPT) if vec else TARGET_VPT
+    return L.row_plan(C, itemsize, vec, max_tpr=1024, target_vpt=target, max_vpt=4 if vec else 8)
 
 
 def _tag(x, gamma):
