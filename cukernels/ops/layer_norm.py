@@ -43,8 +43,9 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
 
     Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
-    TARGET_VPT packs (the forward's vector path: FWD_TARGET_VPT, FWD_TARGET_VPT_BF16). Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element
-    packs) a thread, so rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
+    TARGET_VPT packs (the forward's vector path: FWD_TARGET_VPT, FWD_TARGET_VPT_BF16). Register limits (see
+    layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element packs) a thread, so rows beyond
+    1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
     Vector packs backward are capped at 2 because x, dy and two accumulators at 4 packs need more than the 128
     registers a 512-thread block allows (ptxas spilled).
     """
