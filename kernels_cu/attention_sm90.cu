@@ -154,6 +154,17 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[16][4], const unsigned 
 
 // ---- end generated
 
+// D[64 x 64] (+)= A B with both operands MN-major in shared memory (transpose bits 1, 1): the fused backward's
+// dQ = dS K, A = dS^T stored [key][query] (queries contiguous), B = K stored [key][d] (d contiguous).
+__device__ __forceinline__ void wgmma_ss_n64_tt(float (&d)[8][4], unsigned long long da, unsigned long long db,
+                                                int accumulate) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1; }"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], unsigned long long da, unsigned long long db,
                                          int accumulate) {
@@ -181,9 +192,9 @@ template <int ROWS> __device__ __forceinline__ unsigned swz(int r, int c) {
 // pass (4 rows at D = 64, 2 at D = 128; 8 consecutive threads write one swizzled 128-byte row: no bank
 // conflict), and since RPI (16 at D = 64, 8 at D = 128) is a multiple of 8, the swizzled chunk position is the same in
 // every pass: one address computed once, then fixed increments (the producer runs on 56 registers).
-template <int D, int ROWS>
+template <int D, int ROWS, int NT = WG>  // NT: copying threads (the fused backward's producer: 64)
 __device__ __forceinline__ void load_swz(unsigned char* dst, const bf16* src, long long ld, int r0, int T, int tid) {
-  constexpr int CH = D / 8, RPI = WG / CH;
+  constexpr int CH = D / 8, RPI = NT / CH;
   static_assert(RPI % 8 == 0 && ROWS % RPI == 0, "passes must keep the row's swizzle phase");
   const int r = tid / CH, c = tid % CH;
   unsigned char* d = dst + swz<ROWS>(r, c);
@@ -337,6 +348,12 @@ struct Strides {
 // CTA per SM; 384 threads launch with 168 each).
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
+// The fused backward (dkdvq): its producer warpgroup also holds the dQ writers; at 64 / 224 ptxas spilled 4 bytes
+// there (28 at 56 / 224). setmaxnreg.inc waits for registers that .dec released, so the split must fit the launch
+// allocation, 384 x 168 = 64512, not the SM's 65536: 128 x 72 + 256 x 216 = 64512 (no spills). (128 x 80 +
+// 256 x 216 = 65536 left the consumers waiting forever: session 13, run D.)
+constexpr int PRODUCER_REGS_FQ = 72;
+constexpr int CONSUMER_REGS_FQ = 216;
 // The forward's three-consumer variant (_wg3: 512 threads, 192 query rows): 128 x 32 + 384 x 160 = 65536 (24 for
 // the producer, as FlashAttention-3's TMA producer has, spilled 16 bytes of our cp.async address math).
 constexpr int PRODUCER_REGS3 = 32;
@@ -888,30 +905,96 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
   }
 }
 
-template <int D, int BQ, int STAGES, int QB> struct SmemDkdv {
+template <int D, int BQ, int STAGES, int QB, bool FQ = false> struct SmemDkdv {
   static constexpr int FIX = 2 * BM * D * 2;  // K and V tiles (BM = 128 keys)
   static constexpr int QT = BQ * D * 2;       // one Q (or dO) stage
   static constexpr int VEC = BQ * 4;          // one lse (or delta) stage
-  static constexpr int BYTES = QB * FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 * QB + 2 * STAGES) + 1024;
+  // FQ (the fused dQ): each consumer's dS^T tile [64 keys x BQ queries] bf16, and two hand-off buffers of the two
+  // consumers' fp32 [BQ x D] dQ partials
+  static constexpr int DS = FQ ? 2 * 64 * BQ * 2 : 0;
+  static constexpr int PB = FQ ? 2 * 2 * BQ * D * 4 : 0;
+  static constexpr int BYTES =
+      QB * FIX + 2 * STAGES * QT + DS + PB + 2 * STAGES * VEC + 8 * (2 * QB + 2 * STAGES) + 1024;
 };
 
+// The fused backward's dQ (FQ): named barriers beyond the turns' 1 and 2, one per (hand-off buffer pb, consumer
+// cw), each between that consumer warpgroup (128 threads) and the writer warp of the buffer (32): FULL (3 + 2 pb +
+// cw) its partial is in the buffer, EMPTY (7 + 2 pb + cw) the writer has read it; DS (11 + cw, the warpgroup
+// alone): its dS^T tile is in shared memory.
+constexpr int BAR_FULL = 3, BAR_EMPTY = 7, BAR_DS = 11, HANDOFF_THREADS = WG + 32;
+__device__ __forceinline__ void bar_sync_n(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_gpu(int* p, int v) {
+  asm volatile("st.relaxed.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void bar_arrive_n(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+// Iteration `it` of a dkdv work tile: (query head within the group, query tile). Two-kernel backward: heads outer,
+// query tiles ascending from the first visible one. Fused dQ: query tiles descending from the last, heads inner,
+// so that key tile j reaches query tile i some iterations after key tile j - 1 did (j - 1 starts 2 query tiles
+// further from its diagonal), which is the semaphore order: key tiles add into a query tile's dQ in ascending j.
+template <bool FQ>
+__device__ __forceinline__ void dkdv_iter(int it, int G, int nq, int qstart, int nqb, int& g, int& qi) {
+  if (FQ) {
+    g = it % G;
+    qi = nqb - 1 - it / G;
+  } else {
+    g = it / nq;
+    qi = qstart + it % nq;
+  }
+}
+
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tk / 128) x Hkv x B tiles (low key tiles first: under the
-// causal mask they see the most queries); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES>::BYTES.
-template <int D, int BQ, int STAGES, int QB, bool PP>
+// causal mask they see the most queries); 384 threads; dynamic shared memory SmemDkdv<D, BQ, STAGES, QB, FQ>::BYTES.
+//
+// FQ = true (D = 64, BQ = 64; attn_sm90_bwd_dkdvq_d64): the five-product backward. The dq kernel recomputed S and
+// dP (2 of its 3 products) for every (query tile, key tile) pair dkdv had already computed; here dkdv also issues
+// dQ_part = dS K for each pair: each consumer stores its dS^T (64 keys x 64 queries, bf16) to shared memory and
+// multiplies it by its 64 rows of K (both operands MN-major) in the same block as dV and dK, then stores its fp32
+// partial into a hand-off buffer. Warps 2 and 3 of the producer warpgroup (the producer copies with warps 0-1)
+// are the dQ writers, one per buffer: they sum the two partials in shared memory and add the pair's 128-key dQ
+// into an fp32 accumulator dq_acc in global memory with one bulk reduce-add (cp.reduce.async.bulk .add.f32, 16 KB;
+// dq_acc keeps the buffers' swizzled row order, which attn_sm90_bwd_dq_convert undoes). Deterministic: the key
+// tiles of a query tile add in ascending order, one at a time, under a per-(b, h, query tile) semaphore sem = the
+// number of key tiles that have added (key tile 0 bulk-copies instead of adding, so dq_acc needs no zeroing); a
+// writer publishes sem = j + 1 once its bulk add has completed (wait_group 0, fence.acq_rel.gpu), and the next
+// key tile's writer acquires it (relaxed poll, prefetched, then fence.acq_rel.gpu). Session 13 (NOTES) measured
+// each step: done by consumer warpgroup 2 with red.global.add, the hand-off, the adds and the semaphore cost
+// 32 + 64 + 105 us of the kernel's 409 at B8 x T1024 (the fifth product itself: 6 us); writer warps with 1024
+// red.global.add.v4 a hand-off: 350 us; writer warps with the bulk reduce-add: ~275 us (dq + dkdv: 377).
+// Deadlock-free: a writer waits only on key tiles before its own of the same (b, K/V head), which lie earlier in
+// the list every CTA walks in order, with all CTAs resident (the grid is at most one CTA per SM; the launcher
+// never runs this kernel one CTA per tile). attn_sm90_bwd_delta_d64 writes delta first,
+// attn_sm90_bwd_dq_convert_d64 turns dq_acc into dq after (scale, the fused rope backward, zeros where no key
+// tile added).
+template <int D, int BQ, int STAGES, int QB, bool PP, bool FQ = false>
 __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
                                                    int Hkv, float scale, bool causal, int Bsz, Strides sgk,
-                                                   RopeTab rope) {
-  using SM = SmemDkdv<D, BQ, STAGES, QB>;
+                                                   RopeTab rope, float* __restrict__ dq_acc = nullptr,
+                                                   int* __restrict__ sem = nullptr) {
+  using SM = SmemDkdv<D, BQ, STAGES, QB, FQ>;
+  static_assert(!FQ || (D == 64 && BQ == 64), "the fused dQ is instantiated for D = 64, 64-query tiles");
+  constexpr int NP = FQ ? 64 : WG;  // producer threads (FQ: warps 2 and 3 of the producer warpgroup write dQ)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* Fx = base;                     // [QB][K, V tiles]
   unsigned char* Qs = base + QB * SM::FIX;      // [STAGES][BQ x D]
   unsigned char* dOs = Qs + STAGES * SM::QT;    // [STAGES][BQ x D]
-  float* Ls = reinterpret_cast<float*>(dOs + STAGES * SM::QT);  // [STAGES][BQ]
+  unsigned char* dSs = dOs + STAGES * SM::QT;   // FQ: [2 consumers][64 keys x BQ] bf16, swizzled like V
+  float* Pb = reinterpret_cast<float*>(dSs + SM::DS);           // FQ: [2 buffers][2 consumers][BQ x D] fp32
+  float* Ls = reinterpret_cast<float*>(dSs + SM::DS + SM::PB);  // [STAGES][BQ]
   float* Ds = Ls + STAGES * BQ;                                  // [STAGES][BQ]
   const unsigned fixbar = smem_addr(Ds + STAGES * BQ), fixempty = fixbar + 8 * QB;  // [QB] each
   const unsigned full0 = fixbar + 16 * QB, empty0 = full0 + 8 * STAGES;
@@ -923,19 +1006,93 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
 
   if (tid == 0) {
     for (int i = 0; i < QB; ++i) {
-      mbar_init(fixbar + 8 * i, WG);
-      mbar_init(fixempty + 8 * i, 2 * WG);  // the tile's last S^T / dP^T have read K and V
+      mbar_init(fixbar + 8 * i, NP);
+      mbar_init(fixempty + 8 * i, 2 * WG);  // the tile's last S^T / dP^T (FQ: dQ) have read K and V
     }
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, WG);
+      mbar_init(full0 + 8 * s, NP);
       mbar_init(empty0 + 8 * s, 2 * WG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (wg == 0) {  // ---------------------------------------------------------------- producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(FQ ? PRODUCER_REGS_FQ : PRODUCER_REGS));
+    if constexpr (FQ) {
+      if (tid >= NP) {  // ------------------------------------------------------------ dQ writers
+        // Warp w (2 or 3) takes the hand-offs pc with pc % 2 == w % 2, i.e. buffer pc % 2: it waits for both
+        // consumers' partials, for the query tile's turn (sem == j: the key tiles before j have added), sums the
+        // partials (warpgroup 1's + warpgroup 2's) and stores (j = 0) or adds them into dq_acc, frees the buffer,
+        // then publishes sem = j + 1 once its adds are performed (fence.acq_rel.gpu). The consumers never wait on
+        // another CTA; they wait for this warp only when it is two hand-offs behind.
+        const int wsel = (tid >> 5) & 1, lane = tid & 31;
+        int pc = 0, tc = 0;
+        for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
+          const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
+          const int j = ti.blk, b = ti.b, k0 = j * BM;
+          const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
+          const int nit = G * qt.n;
+          for (int it = 0; it < nit; ++it, ++pc) {
+            if ((pc & 1) != wsel) continue;
+            int gq, qi;
+            dkdv_iter<true>(it, G, qt.n, qt.first, nqb, gq, qi);
+            const long long tile = ((long long)b * H + ti.h * G + gq) * nqb + qi;
+            int* semp = sem + tile;
+            int semv = 0;
+            if (lane == 0 && j > 0) semv = ld_relaxed_gpu(semp);  // in flight while the consumers finish
+            const int pb = pc & 1;
+            bar_sync_n(BAR_FULL + 2 * pb, HANDOFF_THREADS);
+            bar_sync_n(BAR_FULL + 2 * pb + 1, HANDOFF_THREADS);
+            if (lane == 0 && j > 0) {
+              while (semv != j) semv = ld_relaxed_gpu(semp);
+              fence_acq_rel_gpu();
+            }
+            __syncwarp();
+            // the two partials summed in place into warpgroup 1's (same swizzled positions), then one bulk copy
+            // (key tile 0) or bulk reduce-add of the 16 KB tile into dq_acc, which keeps the swizzled order
+            // (attn_sm90_bwd_dq_convert reads it back)
+            const unsigned p0 = smem_addr(Pb) + 2 * pb * (BQ * D * 4), p1 = p0 + BQ * D * 4;
+#pragma unroll 4
+            for (int c = lane; c < BQ * D / 4; c += 32) {
+              float4 a, e;
+              asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                           : "=f"(a.x), "=f"(a.y), "=f"(a.z), "=f"(a.w) : "r"(p0 + 16 * c) : "memory");
+              asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                           : "=f"(e.x), "=f"(e.y), "=f"(e.z), "=f"(e.w) : "r"(p1 + 16 * c) : "memory");
+              asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(p0 + 16 * c), "f"(a.x + e.x),
+                           "f"(a.y + e.y), "f"(a.z + e.z), "f"(a.w + e.w)
+                           : "memory");
+            }
+            fence_proxy_async();  // the sums (generic proxy) before the bulk copy's (async proxy) reads
+            __syncwarp();
+            bar_arrive_n(BAR_EMPTY + 2 * pb + 1, HANDOFF_THREADS);  // warpgroup 2's partial is read
+            float* dst = dq_acc + tile * (BQ * D);
+            if (lane == 0) {
+              if (j == 0)
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(p0),
+                             "n"(BQ * D * 4)
+                             : "memory");
+              else
+                asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+                             "r"(p0), "n"(BQ * D * 4)
+                             : "memory");
+              asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+              asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            }
+            __syncwarp();
+            bar_arrive_n(BAR_EMPTY + 2 * pb, HANDOFF_THREADS);  // the sum is read: buffer free
+            if (lane == 0) {
+              asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds performed
+              fence_acq_rel_gpu();
+              st_relaxed_gpu(semp, j + 1);
+            }
+          }
+        }
+        return;
+      }
+    }
+    // -------------------------------------------------------------------------------- producer
     Ring<STAGES> ring;
     int tc = 0;
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
@@ -945,17 +1102,19 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       const int qstart = qt.first, nq = qt.n, nit = G * nq;
       const int fb = fix_buf<QB>(tc);
       mbar_wait(fixempty + 8 * fb, fix_par<QB>(tc) ^ 1);
-      load_swz<D, BM>(Fx + fb * SM::FIX, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
-      load_swz<D, BM>(Fx + fb * SM::FIX + BM * D * 2, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
+      load_swz<D, BM, NP>(Fx + fb * SM::FIX, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
+      load_swz<D, BM, NP>(Fx + fb * SM::FIX + BM * D * 2, v + b * sv.b + j * sv.h, sv.t, k0, Tk, tid);
       cp_async_arrive(fixbar + 8 * fb);
       for (int it = 0; it < nit; ++it, ring.next()) {
-        const int st = ring.st, hq = j * G + it / nq, qb0 = (qstart + it % nq) * BQ;
+        int gq, qi;
+        dkdv_iter<FQ>(it, G, nq, qstart, nqb, gq, qi);
+        const int st = ring.st, hq = j * G + gq, qb0 = qi * BQ;
         mbar_wait(empty0 + 8 * st, ring.ph ^ 1);
-        load_swz<D, BQ>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
-        load_swz<D, BQ>(dOs + st * SM::QT, dout + b * sdo.b + hq * sdo.h, sdo.t, qb0, Tq, tid);
+        load_swz<D, BQ, NP>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
+        load_swz<D, BQ, NP>(dOs + st * SM::QT, dout + b * sdo.b + hq * sdo.h, sdo.t, qb0, Tq, tid);
         const long long vrow = ((long long)b * H + hq) * Tq;
 #pragma unroll
-        for (int i = tid; i < 2 * BQ; i += WG) {  // lse and delta of the tile's queries, 4 bytes each (any Tq)
+        for (int i = tid; i < 2 * BQ; i += NP) {  // lse and delta of the tile's queries, 4 bytes each (any Tq)
           const int c = i % BQ, ok = qb0 + c < Tq;
           const float* src = (i < BQ ? lse : delta) + vrow + (ok ? qb0 + c : 0);
           cp_async4((i < BQ ? Ls : Ds) + st * BQ + c, src, ok);
@@ -968,12 +1127,14 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   }
 
   // ---------------------------------------------------------------------------------- consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(FQ ? CONSUMER_REGS_FQ : CONSUMER_REGS));
   const int cw = wg - 1, ct = tid - wg * WG, warp = ct >> 5, lane = ct & 31, c2 = (lane & 3) * 2;
   const float sl2 = scale * LOG2E;
   const Turns<PP> turns(cw);
   Ring<STAGES> ring;
   int tc = 0;
+  int pc = 0;  // FQ: hand-offs so far (the writers count the same iterations)
+  const unsigned dsaddr = FQ ? smem_addr(dSs) + cw * (64 * BQ * 2) : 0u;
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
     const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
@@ -992,81 +1153,204 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     mbar_wait(fixbar + 8 * fb, fix_par<QB>(tc));
     turns.open(nit > 0);
     for (int it = 0; it < nit; ++it, ring.next()) {
-      const int st = ring.st, qb0 = (qstart + it % nq) * BQ;
+      int gq, qi;
+      dkdv_iter<FQ>(it, G, nq, qstart, nqb, gq, qi);
+      const int st = ring.st, qb0 = qi * BQ;
       const bool last = it + 1 == nit;
+      float dqa[FQ ? D / 8 : 1][4];
       mbar_wait(full0 + 8 * st, ring.ph);
       if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
         turns.skip(last, fixfree);
         mbar_arrive(empty0 + 8 * st);
-        continue;
+        if constexpr (FQ) zero(dqa);
+      } else {
+        fence_proxy_async();
+        const unsigned qaddr = smem_addr(Qs + st * SM::QT), doaddr = smem_addr(dOs + st * SM::QT);
+        float s[BQ / 8][4], dp[BQ / 8][4];  // S^T and dP^T: rows = keys, columns = queries
+        fence_regs(s);
+        fence_regs(dp);
+        turns.begin();
+        wgmma_fence();
+        issue_s<D, BQ>(s, kaddr, qaddr);
+        issue_s<D, BQ>(dp, vaddr, doaddr);
+        wgmma_commit();
+        turns.end(false);
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(dp);
+        if (!FQ && last) mbar_arrive(fixfree);  // K and V read for the last time: this buffer may load again
+        // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
+        // 2^(0 - lse) may overflow), and the causal rule key > query + off.
+        if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
+          const int g = lane >> 2;
+#pragma unroll
+          for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int key = row0 + g + (e >> 1) * 8, qi_ = qb0 + nt * 8 + c2 + (e & 1);
+              if (qi_ >= Tq || key >= Tk || (causal && key > qi_ + off)) s[nt][e] = -CK_INF;
+            }
+        }
+        const float* Lt = Ls + st * BQ;
+        const float* Dt = Ds + st * BQ;
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) {
+          const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
+          const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
+          const float lo0 = lse_offset(lq.x), lo1 = lse_offset(lq.y);
+          const float p00 = ex2(fmaf(s[nt][0], sl2, -lo0)), p01 = ex2(fmaf(s[nt][1], sl2, -lo1));
+          const float p10 = ex2(fmaf(s[nt][2], sl2, -lo0)), p11 = ex2(fmaf(s[nt][3], sl2, -lo1));
+          s[nt][0] = p00;
+          s[nt][1] = p01;
+          s[nt][2] = p10;
+          s[nt][3] = p11;
+          dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
+          dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
+          dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
+          dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
+        }
+        unsigned pa[BQ / 16][4], da[BQ / 16][4];
+        pack_p<BQ>(pa, s);
+        pack_p<BQ>(da, dp);
+        if constexpr (FQ) {
+          // dS^T to shared memory as dQ's A operand, [key][query] with the queries contiguous (128-byte rows,
+          // the 128-byte swizzle: chunk nt of key row r at (nt ^ (r & 7)); r & 7 = g). A warp's 32 lanes write
+          // 8 rows x 4 words of one chunk column: 32 distinct banks.
+          const int g = lane >> 2;
+#pragma unroll
+          for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int r = warp * 16 + g + (e & 1) * 8, nt = 2 * kk + (e >> 1);
+              asm volatile("st.shared.b32 [%0], %1;" ::"r"(dsaddr + r * 128 + ((nt ^ g) << 4) + c2 * 2),
+                           "r"(da[kk][e])
+                           : "memory");
+            }
+          fence_proxy_async();  // generic-proxy stores before the tensor core's (async-proxy) reads
+          bar_sync_n(BAR_DS + cw, WG);
+        }
+        fence_regs(dva);
+        fence_regs(dka);
+        turns.begin();
+        wgmma_fence();
+        issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
+        issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
+        if constexpr (FQ) {  // dQ_part = dS K over this warpgroup's 64 keys: A = dS^T, B = K, both MN-major
+          const unsigned long long a0 = make_desc(dsaddr, 64 * 128, 1024), b0 = make_desc(kaddr, BM * 128, 1024);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_ss_n64_tt(dqa, desc_plus(a0, kk * 2048), desc_plus(b0, kk * 2048), kk > 0);
+        }
+        wgmma_commit();
+        turns.end(last);
+        wgmma_wait<0>();
+        fence_regs(dva);
+        fence_regs(dka);
+        fence_regs(pa);
+        fence_regs(da);
+        if constexpr (FQ) {
+          fence_regs(dqa);
+          if (last) mbar_arrive(fixfree);  // K (dQ's B) and V read for the last time
+        }
+        mbar_arrive(empty0 + 8 * st);
       }
-      fence_proxy_async();
-      const unsigned qaddr = smem_addr(Qs + st * SM::QT), doaddr = smem_addr(dOs + st * SM::QT);
-      float s[BQ / 8][4], dp[BQ / 8][4];  // S^T and dP^T: rows = keys, columns = queries
-      fence_regs(s);
-      fence_regs(dp);
-      turns.begin();
-      wgmma_fence();
-      issue_s<D, BQ>(s, kaddr, qaddr);
-      issue_s<D, BQ>(dp, vaddr, doaddr);
-      wgmma_commit();
-      turns.end(false);
-      wgmma_wait<0>();
-      fence_regs(s);
-      fence_regs(dp);
-      if (last) mbar_arrive(fixfree);  // K and V read for the last time: this buffer may load again
-      // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
-      // 2^(0 - lse) may overflow), and the causal rule key > query + off.
-      if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
-        const int g = lane >> 2;
+      if constexpr (FQ) {
+        // Hand-off to the writer warp of buffer pc % 2: thread (warp, lane) holds dQ_part rows warp * 16 + g
+        // (+ 8), columns nt * 8 + c2 (+ 1); float2 slot p = nt * 4 + (lane & 3) of row r is stored at
+        // p ^ ((r & 7) << 2) (a warp's 32 float2 stores fill the 32 banks twice: 2 wavefronts, the minimum; the
+        // writer's float4 c of row r sits at (c ^ ((r & 7) << 1)): 8 lanes of a phase, 8 distinct bank quads).
+        const int g = lane >> 2, pb = pc & 1;
+        float* P = Pb + (2 * pb + cw) * (BQ * D);
+        if (pc >= 2) bar_sync_n(BAR_EMPTY + 2 * pb + cw, HANDOFF_THREADS);  // the writer has read hand-off pc - 2
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt)
+        for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = row0 + g + (e >> 1) * 8, qi = qb0 + nt * 8 + c2 + (e & 1);
-            if (qi >= Tq || key >= Tk || (causal && key > qi + off)) s[nt][e] = -CK_INF;
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp * 16 + g + 8 * h, slot = (nt * 4 + (lane & 3)) ^ (g << 2);
+            *reinterpret_cast<float2*>(P + r * D + slot * 2) = make_float2(dqa[nt][2 * h], dqa[nt][2 * h + 1]);
           }
+        bar_arrive_n(BAR_FULL + 2 * pb + cw, HANDOFF_THREADS);
+        ++pc;
       }
-      const float* Lt = Ls + st * BQ;
-      const float* Dt = Ds + st * BQ;
-#pragma unroll
-      for (int nt = 0; nt < BQ / 8; ++nt) {
-        const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
-        const float2 dq_ = *reinterpret_cast<const float2*>(Dt + nt * 8 + c2);
-        const float lo0 = lse_offset(lq.x), lo1 = lse_offset(lq.y);
-        const float p00 = ex2(fmaf(s[nt][0], sl2, -lo0)), p01 = ex2(fmaf(s[nt][1], sl2, -lo1));
-        const float p10 = ex2(fmaf(s[nt][2], sl2, -lo0)), p11 = ex2(fmaf(s[nt][3], sl2, -lo1));
-        s[nt][0] = p00;
-        s[nt][1] = p01;
-        s[nt][2] = p10;
-        s[nt][3] = p11;
-        dp[nt][0] = p00 * (dp[nt][0] - dq_.x);  // dS^T
-        dp[nt][1] = p01 * (dp[nt][1] - dq_.y);
-        dp[nt][2] = p10 * (dp[nt][2] - dq_.x);
-        dp[nt][3] = p11 * (dp[nt][3] - dq_.y);
-      }
-      unsigned pa[BQ / 16][4], da[BQ / 16][4];
-      pack_p<BQ>(pa, s);
-      pack_p<BQ>(da, dp);
-      fence_regs(dva);
-      fence_regs(dka);
-      turns.begin();
-      wgmma_fence();
-      issue_pv<D, BQ>(dva, pa, doaddr);  // dV += P^T dO (dO MN-major)
-      issue_pv<D, BQ>(dka, da, qaddr);   // dK += dS^T Q (Q MN-major)
-      wgmma_commit();
-      turns.end(last);
-      wgmma_wait<0>();
-      fence_regs(dva);
-      fence_regs(dka);
-      fence_regs(pa);
-      fence_regs(da);
-      mbar_arrive(empty0 + 8 * st);
     }
     if (nit == 0) mbar_arrive(fixfree);
     store_acc_rope<D>(dk + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dka, scale, lane, rope, (long long)b * Tk);
     store_acc<D>(dv + b * sgk.b + j * sgk.h, sgk.t, row0, Tk, dva, 1.f, lane);
   }
+  if constexpr (FQ) {  // the EMPTY arrivals not waited for (hand-offs pc - 2 and pc - 1)
+    if (pc >= 2) bar_sync_n(BAR_EMPTY + 2 * (pc & 1) + cw, HANDOFF_THREADS);
+    if (pc >= 1) bar_sync_n(BAR_EMPTY + 2 * ((pc - 1) & 1) + cw, HANDOFF_THREADS);
+  }
+}
+
+// Before the fused backward: delta[b, h, t] = <dO[b, t, h], o[b, t, h]> (the dq kernel's job in the two-kernel
+// backward). D / 8 threads a row of 16-byte chunks; rows in o's order (b, t, h): o is read contiguously.
+template <int D>
+__device__ __forceinline__ void bwd_delta(const bf16* __restrict__ o, const bf16* __restrict__ dout,
+                                          float* __restrict__ delta, Strides sdo, int Tq, int H, int Bsz) {
+  constexpr int TPR = D / 8;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, row = i / TPR;
+  const int c = (int)(i % TPR);
+  const bool ok = row < (long long)Bsz * Tq * H;
+  const long long rr = ok ? row : 0;
+  const int h = (int)(rr % H);
+  const long long bt = rr / H;
+  const int t = (int)(bt % Tq), b = (int)(bt / Tq);
+  const uint4 ov = *reinterpret_cast<const uint4*>(o + rr * D + c * 8);
+  const uint4 dv = *reinterpret_cast<const uint4*>(dout + b * sdo.b + t * sdo.t + h * sdo.h + c * 8);
+  const unsigned ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc = fmaf(__uint_as_float(ow[e] << 16), __uint_as_float(dw[e] << 16), acc);
+    acc = fmaf(__uint_as_float(ow[e] & 0xFFFF0000u), __uint_as_float(dw[e] & 0xFFFF0000u), acc);
+  }
+#pragma unroll
+  for (int m = 1; m < TPR; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (ok && c == 0) delta[((long long)b * H + h) * Tq + t] = acc;
+}
+
+// After the fused backward: dq[b, t, h] = scale * dq_acc[b, h, t] rounded to bf16 (rope backward fused, as in
+// store_acc_rope), 0 where no key tile added (sem = 0: queries that see no key, Tq > Tk under the causal mask).
+// D / 8 threads a row, each 4 columns of each half (the rope's pairs (i, i + D / 2)); rows in dq_acc's order.
+template <int D, int BQ>
+__device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ acc, const int* __restrict__ sem,
+                                               bf16* __restrict__ dq, Strides sgq, int Tq, int H, int Bsz,
+                                               float scale, RopeTab rt) {
+  constexpr int TPR = D / 8;
+  const int nqb = (Tq + BQ - 1) / BQ;
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, row = i / TPR;
+  if (row >= (long long)Bsz * H * Tq) return;
+  const int c = (int)(i % TPR) * 4, t = (int)(row % Tq);
+  const long long bh = row / Tq;
+  const int h = (int)(bh % H), b = (int)(bh / H);
+  const bool any = sem[bh * nqb + t / BQ] > 0;
+  // dq_acc rows keep the hand-off buffers' swizzle: float4 q of row r at q ^ ((r & 7) << 1)
+  const float* src = acc + (bh * nqb * BQ + t) * D;
+  const int sw = (t & 7) << 1;
+  float4 a = any ? *reinterpret_cast<const float4*>(src + 4 * ((c >> 2) ^ sw)) : make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 z = any ? *reinterpret_cast<const float4*>(src + 4 * (((c + D / 2) >> 2) ^ sw))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+  float x0[4] = {a.x * scale, a.y * scale, a.z * scale, a.w * scale};
+  float x1[4] = {z.x * scale, z.y * scale, z.z * scale, z.w * scale};
+  if (rt.mode >= 0) {  // rotate by -angle: (x1 c + x2 s, x2 c - x1 s)
+    long long p = rt.mode == 0 ? t : (long long)rt.pos[rt.mode == 1 ? t : (long long)b * Tq + t];
+    p = p < 0 ? 0 : (p >= rt.L ? rt.L - 1 : p);
+    const float4 cs = *reinterpret_cast<const float4*>(rt.c + p * (D / 2) + c);
+    const float4 sn = *reinterpret_cast<const float4*>(rt.s + p * (D / 2) + c);
+    const float cc[4] = {cs.x, cs.y, cs.z, cs.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float u = x0[e], w = x1[e];
+      x0[e] = u * cc[e] + w * ss[e];
+      x1[e] = w * cc[e] - u * ss[e];
+    }
+  }
+  bf16* d = dq + b * sgq.b + t * sgq.t + h * sgq.h + c;
+  reinterpret_cast<unsigned*>(d)[0] = pack_bf16(x0[0], x0[1]);
+  reinterpret_cast<unsigned*>(d)[1] = pack_bf16(x0[2], x0[3]);
+  reinterpret_cast<unsigned*>(d + D / 2)[0] = pack_bf16(x1[0], x1[1]);
+  reinterpret_cast<unsigned*>(d + D / 2)[1] = pack_bf16(x1[2], x1[3]);
 }
 
 // ================================================================================================ entry points
@@ -1137,3 +1421,35 @@ CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 // 2 x 32 KB (K, V) + 4 x 16.5 KB = 131 KB; D = 128 2 x 64 KB + 4 x 16.3 KB = 194 KB.
 CK_ATTN90_BWD(64, 64, 4, 64, 4, 2, 2)
 CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)
+
+// The fused (five-product) backward at head_dim 64: attn_sm90_bwd_delta_d64, then attn_sm90_bwd_dkdvq_d64{,_serial}
+// (dkdv's arguments plus dq_acc: fp32 [B, H, ceil(Tq / 64) * 64, 64], rows swizzled by 16-byte chunk, and sem:
+// int32 [B, H, ceil(Tq / 64)], zeroed), then attn_sm90_bwd_dq_convert_d64. dkdvq: 64-query tiles, 4 stages, 2 K / V
+// buffers, + 2 x 8 KB dS^T + 2 x 2 x 16 KB hand-off = 211 KB of shared memory. Its grid must be persistent (at
+// most one CTA per SM).
+#define CK_ATTN90_BWD_FQ_1(D, BQ, STK, QBK, PP, SUF)                                                          \
+  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdvq_d##D##SUF(                     \
+      const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
+      bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
+      long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
+      int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,              \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL, float* dq_acc, int* sem) {          \
+    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP, true>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},       \
+                                                  Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, \
+                                                  Tq, Tk, H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh},      \
+                                                  RopeTab{rc, rs, rp, rmode, rL}, dq_acc, sem);                 \
+  }
+CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, true, )
+CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, false, _serial)
+
+// 256 threads a block, ceil(rows * 8 / 256) blocks (rows = B * Tq * H).
+extern "C" __global__ void __launch_bounds__(256) attn_sm90_bwd_delta_d64(const bf16* o, const bf16* dout,
+                                                                          float* delta, long long db, long long dt,
+                                                                          long long dh, int Tq, int H, int Bsz) {
+  bwd_delta<64>(o, dout, delta, Strides{db, dt, dh}, Tq, H, Bsz);
+}
+extern "C" __global__ void __launch_bounds__(256) attn_sm90_bwd_dq_convert_d64(
+    const float* acc, const int* sem, bf16* dq, long long gb, long long gt, long long gh, int Tq, int H, int Bsz,
+    float scale, const float* rc, const float* rs, const int* rp, int rmode, int rL) {
+  bwd_dq_convert<64, 64>(acc, sem, dq, Strides{gb, gt, gh}, Tq, H, Bsz, scale, RopeTab{rc, rs, rp, rmode, rL});
+}

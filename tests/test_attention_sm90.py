@@ -252,12 +252,22 @@ def test_config_mirrors_the_kernel_instantiations():
     assert bwd == A90.BWD_CONFIG
     assert "FIX = 3 * BM * D * 2;  // Q, dO and O tiles" in src  # SmemDq: bwd_smem_bytes("dq")
     assert "BYTES = QB * FIX + 2 * STAGES * KV + 8 * (2 * QB + 2 * STAGES) + 1024" in src
-    assert "BYTES = QB * FIX + 2 * STAGES * QT + 2 * STAGES * VEC + 8 * (2 * QB + 2 * STAGES) + 1024" in src  # SmemDkdv
+    assert re.search(r"BYTES =\s+QB \* FIX \+ 2 \* STAGES \* QT \+ DS \+ PB \+ 2 \* STAGES \* VEC \+ "
+                     r"8 \* \(2 \* QB \+ 2 \* STAGES\) \+ 1024", src)  # SmemDkdv: bwd_smem_bytes("dkdv"/"dkdvq")
+    assert "DS = FQ ? 2 * 64 * BQ * 2 : 0;" in src and "PB = FQ ? 2 * 2 * BQ * D * 4 : 0;" in src
+    fq = [tuple(int(x) for x in m) for m in
+          re.findall(r"^CK_ATTN90_BWD_FQ_1\((\d+), (\d+), (\d+), (\d+), (?:true|false), \w*\)", src, re.M)]
+    assert fq and all(f == (64,) + A90.BWD_CONFIG[64][2:4] + A90.BWD_CONFIG[64][5:] for f in fq)
+    assert A90.FUSED_DQ_DIMS == (64,) and A90.BWD_CONFIG[64][2] == A90.FUSED_BQ == 64
+    assert A90.bwd_smem_bytes("dkdvq", 64) <= 227 * 1024
     assert "BARS = 8 * (2 * QB + 2 * STAGES);" in src  # Smem (forward): smem_bytes
     assert re.search(r"BYTES = QB \* Q \+ 2 \* STAGES \* KV \+ BARS \+ 1024", src), "update smem_bytes"
     assert re.search(r"constexpr int BM = 128;", src) and A90.BM == 128
+    # setmaxnreg.inc waits for the registers .dec released: a split must fit the launch allocation (384 threads x
+    # 168; the _wg3 forward 512 x 128), not merely the SM's 65536 (128 x 80 + 256 x 216 hung the fused backward)
+    launch = 3 * WG * 168
     regs = dict(re.findall(r"constexpr int (PRODUCER_REGS|CONSUMER_REGS) = (\d+);", src))
-    assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= 65536
+    assert WG * int(regs["PRODUCER_REGS"]) + 2 * WG * int(regs["CONSUMER_REGS"]) <= launch
     for D in A90.HEAD_DIMS:  # every kernel fits the 227 KB of shared memory an SM gives one block
         assert max(A90.smem_bytes(D), A90.bwd_smem_bytes("dq", D), A90.bwd_smem_bytes("dkdv", D)) <= 227 * 1024
     wg3 = {int(d): tuple(int(x) for x in rest) for d, *rest in
@@ -265,8 +275,121 @@ def test_config_mirrors_the_kernel_instantiations():
     assert wg3 == A90.WG3_CONFIG and all(A90.smem_bytes(D, "_wg3") <= 227 * 1024 for D in wg3)
     assert "CK_ATTN90_FWD_1(D, BN, STAGES, QB, 2, 3, _wg3)" in src  # overlap loop, 3 consumers: 192 rows, 512 thr
     assert A90.fwd_shape(64, "_wg3")[3:] == (192, 512) and A90.fwd_variant(128, "_wg3") == ""
+    fqr = dict(re.findall(r"constexpr int (PRODUCER_REGS_FQ|CONSUMER_REGS_FQ) = (\d+);", src))
+    assert WG * int(fqr["PRODUCER_REGS_FQ"]) + 2 * WG * int(fqr["CONSUMER_REGS_FQ"]) <= launch
     p3 = dict(re.findall(r"constexpr int (PRODUCER_REGS3|CONSUMER_REGS3) = (\d+);", src))
     assert WG * int(p3["PRODUCER_REGS3"]) + 3 * WG * int(p3["CONSUMER_REGS3"]) <= 65536
+
+
+def dkdv_iters(fused, G, nq, qstart, nqb):
+    """Kernel: dkdv_iter<FQ> over a work tile's G * nq iterations -> [(query head in the group, query tile)]."""
+    if fused:
+        return [(it % G, nqb - 1 - it // G) for it in range(G * nq)]
+    return [(it // nq, qstart + it % nq) for it in range(G * nq)]
+
+
+def simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid):
+    """Kernel model of attn_sm90_bwd_dkdvq's dQ semaphores: `grid` persistent CTAs walk the snake list of work tiles
+    (key tile j, K/V head, batch); every iteration of a work tile adds into dq_acc[b, h, query tile] once sem == j
+    (key tile 0 without waiting) and then publishes sem = j + 1 (the dQ writer warps: each round every CTA that is
+    not blocked moves one iteration; the writers' lag behind their consumers only delays). Returns the adds of each
+    (b, h, query tile) in order, and raises on a deadlock (a round where no CTA moved)."""
+    BQ, BMK = 64, 128
+    off, nkt, nqb, G = Tk - Tq, -(-Tk // BMK), -(-Tq // BQ), H // Hkv
+    ntiles = nkt * Hkv * Bsz
+    per = Hkv * Bsz
+    lists = [[] for _ in range(grid)]
+    k = 0
+    while k * grid < ntiles:
+        for c in range(grid):
+            t = k * grid + (grid - 1 - c if k & 1 else c)
+            if t < ntiles:
+                lists[c].append(t)
+        k += 1
+    work = []
+    for tl in lists:
+        its = []
+        for t in tl:
+            r, rest = divmod(t, per)
+            hk, b = rest % Hkv, rest // Hkv
+            k0 = r * BMK
+            first = max(0, int((k0 - off) / BQ)) if causal else 0  # C's truncating division
+            nq = max(0, nqb - first)
+            its += [(r, b, hk * G + g, qi) for g, qi in dkdv_iters(True, G, nq, first, nqb)]
+        work.append(its)
+    sem, adds = {}, {}
+    pos = [0] * grid
+    while any(p < len(w) for p, w in zip(pos, work)):
+        moved = False
+        for c in range(grid):
+            if pos[c] == len(work[c]):
+                continue
+            j, b, h, qi = work[c][pos[c]]
+            key = (b, h, qi)
+            if j > 0 and sem.get(key, 0) != j:
+                continue
+            adds.setdefault(key, []).append(j)
+            sem[key] = j + 1
+            pos[c] += 1
+            moved = True
+        if not moved:
+            raise AssertionError(f"deadlock at {pos}")
+    return adds
+
+
+@pytest.mark.parametrize("case", [(1, 1024, 1024, 4, 1, True, 132), (2, 1000, 1000, 8, 2, True, 7),
+                                  (2, 1000, 1000, 8, 2, False, 3), (1, 300, 700, 4, 2, True, 5),
+                                  (1, 700, 300, 4, 4, True, 2), (3, 257, 257, 2, 1, True, 1),
+                                  (8, 1024, 1024, 32, 8, True, 132), (2, 4096, 4096, 32, 8, True, 132)])
+def test_fused_dq_semaphores_never_deadlock_and_add_in_key_order(case):
+    """Every (b, h, query tile) gets one add from each key tile that sees it, in ascending key-tile order (the
+    deterministic sum), on full and capped grids, Tq != Tk included, with no deadlock."""
+    Bsz, Tq, Tk, H, Hkv, causal, grid = case
+    adds = simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid)
+    off, nkt = Tk - Tq, -(-Tk // 128)
+    for b in range(Bsz):
+        for h in range(H):
+            for qi in range(-(-Tq // 64)):
+                last_key = min(Tk, qi * 64 + 64 + off) - 1 if causal else Tk - 1
+                want = list(range(min(nkt - 1, last_key // 128) + 1)) if last_key >= 0 else []
+                assert adds.get((b, h, qi), []) == want, (b, h, qi)
+
+
+def test_fused_dq_shared_layouts_are_bijective_and_conflict_free():
+    """dS^T store: (warp, lane, kk, e) -> 4-byte word of the 64 x 64 bf16 [key][query] tile, the 128-byte swizzle
+    (the same placement as the producer's V tiles, which wgmma reads MN-major); the hand-off buffer: float2 slot
+    (nt * 4 + lane % 4) ^ (g << 2) of row r, i.e. float4 q of the row at q ^ ((r & 7) << 1), the order dq_acc keeps
+    and the convert kernel undoes. Both cover their tile once; one warp instruction touches each bank at most once
+    (dS^T) or twice (a float2 warp store: 256 bytes, two wavefronts)."""
+    seen = set()
+    for warp in range(4):
+        for kk in range(4):
+            for e in range(4):
+                banks = []
+                for lane in range(32):
+                    g, c2 = lane >> 2, (lane & 3) * 2
+                    r, nt = warp * 16 + g + (e & 1) * 8, 2 * kk + (e >> 1)
+                    addr = r * 128 + ((nt ^ g) << 4) + c2 * 2
+                    assert addr == swz(64, r, nt) + c2 * 2  # element (key r, query nt * 8 + c2) of a V-like tile
+                    seen.add(addr)
+                    banks.append((addr // 4) % 32)
+                assert len(set(banks)) == 32
+    assert len(seen) == 64 * 64 * 2 // 4
+    slots = set()
+    for warp in range(4):
+        for nt in range(8):
+            for h in range(2):
+                words = []
+                for lane in range(32):
+                    g = lane >> 2
+                    r, slot = warp * 16 + g + 8 * h, (nt * 4 + (lane & 3)) ^ (g << 2)
+                    col = nt * 8 + (lane & 3) * 2
+                    # the float4 the writer bulk-copies and attn_sm90_bwd_dq_convert reads: q ^ ((r & 7) << 1)
+                    assert slot >> 1 == (col >> 2) ^ ((r & 7) << 1) and slot & 1 == (col >> 1) & 1
+                    slots.add((r, slot))
+                    words += [(r * 64 + slot * 2) % 32, (r * 64 + slot * 2 + 1) % 32]
+                assert max(words.count(w) for w in set(words)) == 2
+    assert len(slots) == 64 * 32
 
 
 def turn_events(cw, nblocks):
@@ -568,6 +691,43 @@ def test_gpu_backward_matches_reference_and_mma_sync(rng, variant, case):
         np.testing.assert_array_equal(to_host(x).view(np.uint16), to_host(y).view(np.uint16))
 
 
+FUSED = [(1, 1024, 1024, 32, 8, True), (2, 1000, 1000, 4, 4, False), (1, 300, 700, 4, 2, True),
+         (1, 700, 300, 4, 1, True), (2, 65, 65, 8, 2, True), (1, 1, 1, 2, 1, False)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", FUSED, ids=lambda c: "B%dTq%dTk%dH%d/%d%s" % (*c[:5], "c" if c[5] else "f"))
+def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch, case):
+    """Head_dim 64: the five-product backward (BWD_DQ "fused", the default) against the two-kernel one ("kernel",
+    kept as the A/B reference) and the mma.sync backward, into NaN-poisoned buffers (every dq row written: rows
+    that see no key get 0); bit-identical when rerun and on grids capped to 1 and 5 CTAs."""
+    Bsz, Tq, Tk, H, Hkv, causal = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)
+    w = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)[0]
+    Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
+    o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, return_lse=True)
+
+    def run(mode):
+        monkeypatch.setattr(A90, "BWD_DQ", mode)
+        outs = tuple(cp().full(x.shape, np.nan, dtype=BF16) for x in (Q, K, K))
+        got = A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal, grads_out=outs)
+        return [to_host(x) for x in got]
+
+    fused, two = run("fused"), run("kernel")
+    ref = ck.flash_attention_backward(W, Q, K, V, o, lse, causal=causal)
+    for x, y, z, n in zip(fused, two, ref, ("dq", "dk", "dv")):
+        close(x, y, 2e-2, n + " fused vs two kernels")
+        close(x, z, 3e-2, n + " fused vs flash_attention_backward")
+    for cap in (1, 5):
+        monkeypatch.setattr(A90, "GRID_CAP", cap)
+        for x, y, n in zip(run("fused"), fused, ("dq", "dk", "dv")):
+            np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16), err_msg=f"{n}, grid cap {cap}")
+    monkeypatch.setattr(A90, "BWD_DQ", "bogus")
+    with pytest.raises(ValueError, match="BWD_DQ"):
+        A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", CROSS)
@@ -675,7 +835,8 @@ def test_snake_walk_takes_every_tile_once(ntiles, grid):
     a CTA stops at its first tile past the end. Every tile is taken exactly once."""
     src = CU.read_text()
     assert "return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);" in src
-    assert src.count("for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {") == 6
+    # fwd, dq, dkdv: producer and consumers; dkdv's FQ instantiation also the dQ writers
+    assert src.count("for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {") == 7
     seen = []
     for c in range(grid):
         k = 0
