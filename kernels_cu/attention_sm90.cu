@@ -938,9 +938,11 @@ __device__ __forceinline__ void bar_arrive_n(int id, int n) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 // Iteration `it` of a dkdv work tile: (query head within the group, query tile). Two-kernel backward: heads outer,
-// query tiles ascending from the first visible one. Fused dQ: query tiles descending from the last, heads inner,
-// so that key tile j reaches query tile i some iterations after key tile j - 1 did (j - 1 starts 2 query tiles
-// further from its diagonal), which is the semaphore order: key tiles add into a query tile's dQ in ascending j.
+// query tiles ascending from the first visible one. Fused dQ: query tiles descending from the last, heads inner:
+// every key tile of a (b, K/V head) walks the same sequence from the same start and stops at its own diagonal, so
+// key tile j meets query tile i at the same iteration as key tile j - 1 and, after one wait, trails it by about a
+// hand-off (the semaphore order is ascending j). Ascending from the diagonal, key tile j would start 2G
+// iterations ahead of j - 1 on the query tiles they share, and wait that long.
 template <bool FQ>
 __device__ __forceinline__ void dkdv_iter(int it, int G, int nq, int qstart, int nqb, int& g, int& qi) {
   if (FQ) {
