@@ -339,7 +339,7 @@ if [ "$stage" = "s8c" ]; then  # session 8, call C: Nsight Compute counters of t
   M=gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_elapsed.avg,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,smsp__inst_executed.sum
   for r in long_scoreboard barrier short_scoreboard lg_throttle mio_throttle drain membar wait math_pipe_throttle not_selected selected no_instruction branch_resolving dispatch_stall imc_miss misc sleeping tex_throttle; do
     M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio; done
-  timeout 300 ncu --clock-control none -k regex:"bwdp|rms_fwd_bf16|finalize" --csv --page raw --metrics $M \
+  timeout ${NCU_TIMEOUT:-300} ncu --clock-control none -k regex:"${NCU_KERNELS:-bwdp|rms_fwd_bf16|finalize}" --csv --page raw --metrics $M \
     python benchmarks/ncu_norm_backward.py > "$out/ncu.csv" 2> "$out/ncu.err"; echo "ncu rc $?"; tail -3 "$out/ncu.err"
   python - "$out/ncu.csv" <<'PY'
 import csv, sys

@@ -38,6 +38,7 @@
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 #include "common/pipe.cuh"
+#include "common/pdl.cuh"
 
 template <typename T, typename W, int VPT, bool VEC>
 __device__ __forceinline__ void ln_fwd_reg(const T* __restrict__ x, const W* __restrict__ gamma,
@@ -404,6 +405,104 @@ __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* _
   }
 }
 
+// Backward, one warp a row (issue 17, session 14; 16-byte path, 32 < C / E <= 256 packs: bf16 C 264..2048, fp32
+// 132..1024): rms_norm.cu's rms_bwd_warp with layer_norm's math. A warp holds its row's x and dy packs in
+// registers, reduces mean(g) and mean(g xh) with one butterfly of paired shuffles and meets no barrier until the
+// block's final combine, so the SM's warps drift apart and keep their loads in flight (ln_bwd_pipe's 256-thread
+// blocks meet two barriers a row group: 41 us, 58 % of copy at 8192 x 2048 bf16, session 8). dgamma and dbeta
+// accumulate in registers (2 x VPT x E floats: 128 at VPT 8 bf16, so 256-thread blocks there), one partial row of
+// each per block: part[blk] and part[gridDim.x + blk], as ln_bwd_reg's.
+template <typename T, typename W, int VPT>
+__device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* __restrict__ x,
+                                            const W* __restrict__ gamma, const float* __restrict__ mean,
+                                            const float* __restrict__ rstd, T* __restrict__ dx,
+                                            float* __restrict__ part, long long rows, int C) {
+  constexpr int E = 16 / sizeof(T);
+  __shared__ __align__(16) float comb[32 * VPT * E], w_s[32 * VPT * E];
+  const int lane = threadIdx.x;
+  const int units = C / E;
+  // The warp's first row on its way to L2 while the block stages the weight row (common/pdl.cuh: prefetch_l2).
+  if (blockIdx.x + (long long)gridDim.x * threadIdx.y < rows) {
+    const long long off = (blockIdx.x + (long long)gridDim.x * threadIdx.y) * C;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = threadIdx.x + 32 * k;
+      if (u < units) {
+        prefetch_l2(x + off + u * E);
+        prefetch_l2(dy + off + u * E);
+      }
+    }
+  }
+  stage_row_f32<W>(gamma, w_s, C);  // common/vec.cuh says why
+  const float inv_c = 1.f / (float)C;
+  float acc_g[VPT][E], acc_b[VPT][E];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc_g[k][e] = acc_b[k][e] = 0.f;
+
+  // Row r goes to block r % gridDim.x (then warp, then trip): consecutive rows land on different SMs, so a partial
+  // last trip, or a call of few rows, spreads over the whole machine. (Rows block-major, run A: the 272 rows of
+  // 8192 x 2048's last trip all went to the first 23 SMs, 12 rows each, and 256 rows took 12.8 us against 6.7.)
+  const long long step = (long long)gridDim.x * blockDim.y;
+  for (long long row = blockIdx.x + (long long)gridDim.x * threadIdx.y; row < rows; row += step) {
+    const long long off = row * C;
+    Pack<T, E> xv[VPT], gv[VPT];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        xv[k] = load_pack<T, E>(x + off + u * E);
+        gv[k] = load_pack<T, E>(dy + off + u * E);
+      }
+    }
+    const float mu = mean[row], r = rstd[row];
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        float xf[E], df[E], wf[E];
+        unpack_f32<T, E>(xv[k], xf);
+        unpack_f32<T, E>(gv[k], df);
+        load_smem_f32<E>(w_s + u * E, wf);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float g = df[e] * wf[e];
+          sg += g;
+          sgx = fmaf(g, (xf[e] - mu) * r, sgx);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sg += __shfl_xor_sync(0xffffffffu, sg, o);
+      sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
+    }
+    const float a = sg * inv_c, b = sgx * inv_c;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int u = lane + 32 * k;
+      if (u < units) {
+        float xf[E], df[E], wf[E], o[E];
+        unpack_f32<T, E>(xv[k], xf);
+        unpack_f32<T, E>(gv[k], df);
+        load_smem_f32<E>(w_s + u * E, wf);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float xh = (xf[e] - mu) * r;
+          o[e] = r * (df[e] * wf[e] - a - xh * b);
+          acc_g[k][e] = fmaf(df[e], xh, acc_g[k][e]);
+          acc_b[k][e] += df[e];
+        }
+        store_pack<T, E>(dx + off + u * E, pack_f32<T, E>(o));
+      }
+    }
+  }
+  write_warps_partial<VPT, E>(acc_g, part + (long long)blockIdx.x * C, units, comb);
+  write_warps_partial<VPT, E>(acc_b, part + (long long)(gridDim.x + blockIdx.x) * C, units, comb);
+}
+
 // Long rows (the register plan does not fit): two kernels, no read-modify-write of partials.
 // 1) ln_bwd_rowsums: a block per row (block-stride) reduces a = mean(g), b = mean(g * x_hat), g = dy * gamma,
 //    into `sums` (two floats per row). Reads dy and x once.
@@ -550,9 +649,19 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
                                                    int C, int nstages, bool w_vec) {                          \
     ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, nstages, w_vec);                       \
   }
+// One warp a row (16-byte path): blocks of NTH threads, one per SM; __launch_bounds__ at the registers that allows
+// (VPT 8 256 threads, <= 255 registers: x and dy packs and 128 bf16 accumulators; VPT 4 512, <= 128; VPT 2 768,
+// <= 85). Names ln_bwdw_<x>_<param>_<VPT>; ops/layer_norm.py's WARP_THREADS mirrors the counts.
+#define LN_WARP(T, W, TN, WN, VPT, NTH)                                                                             \
+  extern "C" __global__ void __launch_bounds__(NTH, 1)                                                              \
+      ln_bwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd,    \
+                                  T* dx, float* part, long long rows, int C) {                                      \
+    ln_bwd_warp<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C);                                            \
+  }
 #define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN) \
   LN_PIPE(T, W, TN, WN, 1, 512, 1) LN_PIPE(T, W, TN, WN, 2, 512, 1)                                             \
-  LN_PIPE(T, W, TN, WN, 1, 256, 3) LN_PIPE(T, W, TN, WN, 2, 256, 3)
+  LN_PIPE(T, W, TN, WN, 1, 256, 3) LN_PIPE(T, W, TN, WN, 2, 256, 3)                                             \
+  LN_WARP(T, W, TN, WN, 2, 768) LN_WARP(T, W, TN, WN, 4, 512) LN_WARP(T, W, TN, WN, 8, 256)
 
 LN_ALL(float, float, f32, f32)
 LN_ALL(float, bf16, f32, bf16)

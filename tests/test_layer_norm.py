@@ -262,6 +262,65 @@ def test_gpu_pipelined_backward_shapes(rng, rows, C, dtype):
         assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
 
 
+# Issue 17, session 14: the one-warp-a-row backward (ln_bwd_warp) at the row lengths where its packs per lane change
+# (33, 64, 65, 128, 129 and 256 packs of 16 bytes), for rows from fewer than a block's warps to several trips a warp,
+# both parameter dtypes, the bf16 gamma misaligned (element loads of gamma; x and dy still 16-byte); the same inputs
+# through ln_bwd_pipe (BWD_KERNEL "pipe", the A/B row) too.
+WARP_COLS = {2: [264, 512, 520, 1024, 1032, 2048], 4: [132, 256, 260, 512, 516, 1024]}
+# (BWD_KERNEL, WARP_ROWS, WARP_WPB): the persistent one-wave grid, one row a warp (hardware-scheduled blocks, capped
+# at 4 waves so 8195 rows still loop), two rows a warp in 4-warp blocks, and the pipelined kernel.
+VARIANTS = [("warp", 0, 0), ("warp", 1, 0), ("warp", 2, 4), ("pipe", 0, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [3, 517, 8195])
+@pytest.mark.parametrize("dtype, wdtype", [(ck.bfloat16, np.float32), (ck.bfloat16, ck.bfloat16),
+                                           (np.float32, ck.bfloat16), (np.float32, np.float32)],
+                         ids=["bf16", "bf16-wbf16", "f32-wbf16", "f32"])
+def test_gpu_warp_backward_matches_reference(rng, monkeypatch, rows, dtype, wdtype):
+    from cukernels.ops import _launch as L
+    from cukernels.ops import layer_norm as LN
+
+    for C in WARP_COLS[np.dtype(dtype).itemsize]:
+        assert L.warp_vpt(C * np.dtype(dtype).itemsize // 16) is not None
+        x = (randn(rng, (rows, C), np.float32, scale=3.0) + 1.0).astype(dtype)
+        dy = randn(rng, (rows, C), dtype)
+        g = randn(rng, (C,), wdtype)
+        _, m, r = ck.layer_norm(x, g, randn(rng, (C,), wdtype), eps=1e-5, return_stats=True)
+        ref = ck.layer_norm_backward(dy, x, g, m, r)
+        xd, dyd, md, rd = (device_copy(a) for a in (x, dy, m, r))
+        gd = device_copy(g, misalign=np.dtype(wdtype).itemsize == 2)
+        rt, at = TOL[np.dtype(wdtype)]
+        for kernel, trips, wpb in VARIANTS:
+            monkeypatch.setattr(LN, "BWD_KERNEL", kernel)
+            monkeypatch.setattr(LN, "WARP_ROWS", trips)
+            monkeypatch.setattr(LN, "WARP_WPB", wpb)
+            dxo = poisoned(x.shape, dtype)
+            runs = [ck.layer_norm_backward(dyd, xd, gd, md, rd, out=dxo if i == 0 else None) for i in range(2)]
+            assert runs[0][0] is dxo
+            what = f"{kernel} rows/warp {trips} warps {wpb} C={C}"
+            assert_close(runs[0][0], ref[0], dtype, rtol=TOL[np.dtype(dtype)][0] * 5,
+                         atol=TOL[np.dtype(dtype)][1] * 5, what=f"dx ({what})")
+            for name, a, b in (("dgamma", runs[0][1], ref[1]), ("dbeta", runs[0][2], ref[2])):
+                assert_close(a, b, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-3 * np.sqrt(rows)),
+                             what=f"{name} ({what})")
+            for a, b in zip(runs[0], runs[1]):
+                assert np.array_equal(to_host(a).view(np.uint8), to_host(b).view(np.uint8)), f"reruns ({what})"
+
+
+def test_warp_thread_counts_mirror_the_kernels():
+    """WARP_THREADS must be the LN_WARP instantiations' __launch_bounds__ counts (a bigger block than the bound
+    fails to launch, a smaller one leaves an SM's registers idle)."""
+    import re
+    from pathlib import Path
+
+    from cukernels.ops import layer_norm as LN
+
+    src = (Path(LN.__file__).parents[2] / "kernels_cu" / "layer_norm.cu").read_text()
+    inst = re.findall(r"LN_WARP\(T, W, TN, WN, (\d+), (\d+)\)", src)
+    assert {int(v): int(n) for v, n in inst} == LN.WARP_THREADS
+
+
 # The pipelined backward at each pipeline depth (2..4 row groups in flight a block) and block size (256 threads,
 # three blocks an SM; 512, one), with row counts from fewer row groups than SMs to many trips a block (the mean and
 # rstd prefetched one group ahead must follow the right row).
@@ -275,6 +334,7 @@ def test_gpu_pipelined_backward_depths(rng, monkeypatch, stages, threads, rows, 
 
     monkeypatch.setattr(LN, "PIPE_STAGES", stages)
     monkeypatch.setattr(LN, "PIPE_THREADS", threads)
+    monkeypatch.setattr(LN, "BWD_KERNEL", "pipe")  # rows of 33..256 packs would take the one-warp-a-row kernel
     _check(rng, rows, C, dtype, wdtype, False)
     x, dy = device_copy(randn(rng, (rows, C), dtype)), device_copy(randn(rng, (rows, C), dtype))
     g, b = device_copy(randn(rng, (C,), wdtype)), device_copy(randn(rng, (C,), wdtype))

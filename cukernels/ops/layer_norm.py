@@ -130,6 +130,18 @@ PIPE_THREADS = 256
 PIPE_STAGES = 2
 PIPE_MIN_TPR = 32
 
+# One warp a row (ln_bwd_warp), the 16-byte path's backward for rows of 33..256 packs (bf16 C 264..2048, fp32
+# 132..1024): packs per lane 2 / 4 / 8 (_launch.warp_vpt), threads a block as the kernels' __launch_bounds__
+# (layer_norm.cu, LN_WARP), one block an SM. BWD_KERNEL "pipe" keeps ln_bwd_pipe for those rows too (the A/B row).
+BWD_KERNEL = "warp"
+WARP_THREADS = {2: 768, 4: 512, 8: 256}
+# Grid of the one-warp-a-row kernels: WARP_ROWS 0 is persistent (one wave of blocks, each warp walks rows until
+# the end); n > 0 gives each warp n rows, ceil(rows / (warps x n)) blocks that the hardware schedules as earlier ones
+# finish (more partial rows, but no machine-wide ramp and tail). WARP_WPB: warps a block (0: the most the kernel's
+# __launch_bounds__ allows).
+WARP_ROWS = 0
+WARP_WPB = 0
+
 
 @B.interop
 def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
@@ -183,7 +195,19 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     w_vec = B.aligned16(gamma)
     plan = _plan(C, x.itemsize, vec, backward=True)
     vs = "v" if vec else "s"
-    if plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
+    wvpt = L.warp_vpt(C * x.itemsize // 16) if vec and BWD_KERNEL == "warp" else None
+    if wvpt is not None:
+        nth = WARP_THREADS[wvpt]
+        k = get_function(FAMILY, f"ln_bwdw_{_tag(x, gamma)}_{wvpt}")
+        wpb = min(WARP_WPB, nth // 32) if WARP_WPB > 0 else nth // 32
+        # Row r on block r % blocks (then warp, then trip). Persistent: one wave (one block a row when fewer rows);
+        # WARP_ROWS > 0: capped at 4 waves (the partial rows stay <= 4 x SMs x C floats; the warps then loop).
+        wave = L.wave(k, 32 * wpb)
+        nparts = min(-(-rows // (wpb * WARP_ROWS)), 4 * wave) if WARP_ROWS > 0 else min(rows, wave)
+        part = xp.empty((2 * nparts, C), dtype=np.float32)
+        k((nparts,), (32, wpb, 1),
+          (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C)))
+    elif plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
         # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, more row slots a block.
         tpr, vpt, _ = plan
         nth = max(PIPE_THREADS, tpr)

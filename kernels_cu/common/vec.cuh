@@ -161,6 +161,76 @@ __device__ __forceinline__ void write_block_partial(const float (&acc)[VPT][E], 
   }
 }
 
+// The same first stage for the one-warp-a-row backwards (rms_bwd_warp, ln_bwd_warp: blockDim = (32, warps), lane
+// owns packs lane + 32 k, E elements each, E a multiple of 4): the warps' accumulators are summed in warp order
+// through shared memory `comb` (one float per column, 16-byte aligned), then the block writes its partial row
+// with 16-byte stores (C % E == 0 on that path, so `part` is 16-byte aligned). blockDim.y barriers, once a
+// kernel. Every thread of the block calls it. Deterministic.
+template <int VPT, int E>
+__device__ __forceinline__ void write_warps_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
+                                                    float* comb) {
+  static_assert(E % 4 == 0, "16-byte path only");
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  for (int j = 0; j < (int)blockDim.y; ++j) {
+    if (warp == j) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int u = lane + 32 * k;
+        if (u < units) {
+#pragma unroll
+          for (int q = 0; q < E; q += 4) {
+            float4* c4 = reinterpret_cast<float4*>(comb + u * E + q);
+            float4 v = make_float4(acc[k][q], acc[k][q + 1], acc[k][q + 2], acc[k][q + 3]);
+            if (j > 0) {
+              const float4 o = *c4;
+              v.x += o.x;
+              v.y += o.y;
+              v.z += o.z;
+              v.w += o.w;
+            }
+            *c4 = v;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int n = units * E, nth = 32 * blockDim.y;
+  for (int i = 4 * (warp * 32 + lane); i < n; i += 4 * nth)
+    *reinterpret_cast<float4*>(part + i) = *reinterpret_cast<const float4*>(comb + i);
+}
+
+// The one-warp-a-row backwards' weight row, staged once a block into shared memory as fp32 (C floats): every row
+// of the block reads it twice. Read from global memory instead, each pack's load sat behind its own `u < units`
+// branch right before its first use, so a row's 2 x VPT weight loads ran in series, each an L1 round trip or,
+// once the streaming x / dy packs had evicted the row from L1, an L2 one: 12 us for a 256-row call that streams
+// 3 MB, against 6.7 us for rms_bwd_pipe (session 14, runs A-B). Ends with a barrier.
+// A thread's up to 8 loads a pass are issued together: the index is clamped, so no load sits behind a branch (the
+// plain one-load-one-store loop ran its ~6 loads in series, ~0.5 us each: runs C-D, ncu at 256 rows).
+template <typename W> __device__ __forceinline__ void stage_row_f32(const W* __restrict__ w, float* w_s, int C) {
+  const int nth = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int base = tid; base < C; base += 8 * nth) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_f32(w[min(base + j * nth, C - 1)]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (base + j * nth < C) w_s[base + j * nth] = v[j];
+  }
+  __syncthreads();
+}
+// E (a multiple of 4) consecutive fp32 of a 16-byte aligned shared-memory row.
+template <int E> __device__ __forceinline__ void load_smem_f32(const float* p, float (&f)[E]) {
+#pragma unroll
+  for (int q = 0; q < E; q += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p + q);
+    f[q] = v.x;
+    f[q + 1] = v.y;
+    f[q + 2] = v.z;
+    f[q + 3] = v.w;
+  }
+}
+
 // Second stage of the two-stage column reductions: out[c] = sum_p part[p * C + c], p in order. Block (32, 16):
 // a warp reads 32 consecutive columns of one partial row (128 B, coalesced); the 16 warps split the partial
 // rows and are combined through shared memory in a fixed order (deterministic). Grid: ceil(C / 32) blocks.
