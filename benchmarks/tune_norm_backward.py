@@ -1,5 +1,4 @@
-"""rms_norm / layer_norm backward: the one-warp-a-row kernels (the default, session 14) against the pipelined ones
-(their depths and block sizes) at 8192 x 2048, then
+"""rms_norm / layer_norm backward on the pipelined kernels: pipeline depths and block sizes at 8192 x 2048, then
 a row sweep of the defaults that splits each call into a fixed cost and a streaming rate (t = a + bytes / bw,
 least squares), so the % of copy at 8192 x 2048 can be read against what the kernel streams at. GPU only.
 
@@ -55,14 +54,13 @@ def pct(nb, us):
     return f"{nb / us / 1e3:6.0f} GB/s {100 * nb / us / 1e3 / bw:3.0f}%"
 
 
-KNOBS = ((R, "PIPE_STAGES"), (R, "PIPE_THREADS"), (LN, "PIPE_STAGES"), (LN, "PIPE_THREADS"), (R, "BWD_KERNEL"),
-         (LN, "BWD_KERNEL"))
+KNOBS = ((R, "PIPE_STAGES"), (R, "PIPE_THREADS"), (LN, "PIPE_STAGES"), (LN, "PIPE_THREADS"))
 defaults = {f"{m.__name__.split('.')[-1]}.{a}": getattr(m, a) for m, a in KNOBS}
 
 
 def apply(**kw):
-    """Module knobs by short name (rs, rt, ls, lt, rk, lk); the rest at their defaults."""
-    short = dict(rs=0, rt=1, ls=2, lt=3, rk=4, lk=5)
+    """Module knobs by short name (rs, rt, ls, lt); the rest at their defaults."""
+    short = dict(rs=0, rt=1, ls=2, lt=3)
     for i, (m, a) in enumerate(KNOBS):
         setattr(m, a, defaults[f"{m.__name__.split('.')[-1]}.{a}"])
     for k, v in kw.items():
@@ -71,10 +69,9 @@ def apply(**kw):
 
 
 # Each row times one rms and one layer_norm variant; the first is the default.
-P = dict(rk="pipe", lk="pipe")
-settings = [dict(), P, dict(P, rs=3, ls=3), dict(P, rs=2, ls=4), dict(P, rt=256, lt=512), dict(P, rs=4, ls=3)]
+settings = [dict(), dict(rs=3, ls=3), dict(rs=2, ls=4), dict(rt=256, lt=512), dict(rs=4, ls=3)]
 if args.quick:
-    settings = settings[:2]
+    settings = settings[:3]
 if args.timeline:
     settings = []
 for dt, dn in ((ck.bfloat16, "bf16"), (np.float32, "f32")):
@@ -107,7 +104,7 @@ if args.timeline:  # kernel durations and the gaps between back-to-back calls (C
     import timeline
 
     for N in (1024, 8192):
-        for kw in (dict(), P):
+        for kw in (dict(),):
             apply(**kw)
             xs, dys, w, outs, rs, st = inputs(N, 2048, ck.bfloat16, 2)
             s = cp.cuda.Stream(non_blocking=True)

@@ -34,7 +34,8 @@
 //   partials, written and re-read through L2 (4 % of the fp32 backward's bytes, 8 % of bf16's).
 //   The loop kernel accumulates into its (memset-zeroed) partial rows instead, one block per SM.
 // - Issue 17: on the 16-byte path with >= 32 threads a row the launcher takes ln_bwd_pipe instead of
-//   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, three per SM: 2 x 396 partial rows).
+//   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, three per SM: 2 x 396 partial rows), except bf16 rows of
+//   C 520..1024, which take ln_bwd_warp (one warp a row, session 14).
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 #include "common/pipe.cuh"
@@ -405,13 +406,81 @@ __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* _
   }
 }
 
-// Backward, one warp a row (issue 17, session 14; 16-byte path, 32 < C / E <= 256 packs: bf16 C 264..2048, fp32
-// 132..1024): rms_norm.cu's rms_bwd_warp with layer_norm's math. A warp holds its row's x and dy packs in
-// registers, reduces mean(g) and mean(g xh) with one butterfly of paired shuffles and meets no barrier until the
-// block's final combine, so the SM's warps drift apart and keep their loads in flight (ln_bwd_pipe's 256-thread
-// blocks meet two barriers a row group: 41 us, 58 % of copy at 8192 x 2048 bf16, session 8). dgamma and dbeta
-// accumulate in registers (2 x VPT x E floats: 128 at VPT 8 bf16, so 256-thread blocks there), one partial row of
-// each per block: part[blk] and part[gridDim.x + blk], as ln_bwd_reg's.
+// common/vec.cuh's write_block_partial for ln_bwd_warp (blockDim = (32, warps), lane owns packs lane + 32 k, E
+// elements each, E a multiple of 4): the warps' accumulators are summed in warp order
+// through shared memory `comb` (one float per column, 16-byte aligned), then the block writes its partial row
+// with 16-byte stores (C % E == 0 on that path, so `part` is 16-byte aligned). blockDim.y barriers, once a
+// kernel. Every thread of the block calls it. Deterministic.
+template <int VPT, int E>
+__device__ __forceinline__ void write_warps_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
+                                                    float* comb) {
+  static_assert(E % 4 == 0, "16-byte path only");
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  for (int j = 0; j < (int)blockDim.y; ++j) {
+    if (warp == j) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int u = lane + 32 * k;
+        if (u < units) {
+#pragma unroll
+          for (int q = 0; q < E; q += 4) {
+            float4* c4 = reinterpret_cast<float4*>(comb + u * E + q);
+            float4 v = make_float4(acc[k][q], acc[k][q + 1], acc[k][q + 2], acc[k][q + 3]);
+            if (j > 0) {
+              const float4 o = *c4;
+              v.x += o.x;
+              v.y += o.y;
+              v.z += o.z;
+              v.w += o.w;
+            }
+            *c4 = v;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int n = units * E, nth = 32 * blockDim.y;
+  for (int i = 4 * (warp * 32 + lane); i < n; i += 4 * nth)
+    *reinterpret_cast<float4*>(part + i) = *reinterpret_cast<const float4*>(comb + i);
+}
+
+// ln_bwd_warp's gamma row, staged once a block into shared memory as fp32 (C floats): every row reads it twice.
+// Read from global memory, each pack's load sat behind its own `u < units` branch right before its use, so a row's
+// 2 x VPT loads ran in series, an L1 or L2 round trip each. The staging loads of a thread (up to 8 a pass) are
+// issued together: the index is clamped, so none sits behind a branch. Ends with a barrier.
+template <typename W> __device__ __forceinline__ void stage_row_f32(const W* __restrict__ w, float* w_s, int C) {
+  const int nth = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  for (int base = tid; base < C; base += 8 * nth) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_f32(w[min(base + j * nth, C - 1)]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (base + j * nth < C) w_s[base + j * nth] = v[j];
+  }
+  __syncthreads();
+}
+// E (a multiple of 4) consecutive fp32 of a 16-byte aligned shared-memory row.
+template <int E> __device__ __forceinline__ void load_smem_f32(const float* p, float (&f)[E]) {
+#pragma unroll
+  for (int q = 0; q < E; q += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p + q);
+    f[q] = v.x;
+    f[q + 1] = v.y;
+    f[q + 2] = v.z;
+    f[q + 3] = v.w;
+  }
+}
+
+// Backward, one warp a row (issue 17, session 14): bf16 rows of 65..128 packs (C 520..1024: GPT-2's 768), where
+// ln_bwd_pipe ran at 40 % of copy. A warp holds its row's x and dy packs in registers (lane l: packs l + 32 k),
+// reduces mean(g) and mean(g xh) with one butterfly of paired shuffles and meets no barrier until the block's final
+// combine. Blocks of 4 warps, 4 rows a warp (WARP_ROWS in ops/layer_norm.py), up to 4 blocks an SM: 8192 x 768
+// bf16 18.2 us (49 % of copy) against ln_bwd_pipe's 22.1 (run E). Measured and not kept (NOTES.md, session 14):
+// the same kernel at VPT 2 / 8, for fp32 rows, as a persistent one-wave grid, and rms_norm's twin; at 8192 x 2048
+// bf16 it matched the pipelined kernels (~35-39 us) instead of beating them. dgamma and dbeta accumulate in
+// registers, one partial row of each per block: part[blk] and part[gridDim.x + blk], as ln_bwd_reg's.
 template <typename T, typename W, int VPT>
 __device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ gamma, const float* __restrict__ mean,
@@ -433,7 +502,7 @@ __device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* _
       }
     }
   }
-  stage_row_f32<W>(gamma, w_s, C);  // common/vec.cuh says why
+  stage_row_f32<W>(gamma, w_s, C);  // (above: why)
   const float inv_c = 1.f / (float)C;
   float acc_g[VPT][E], acc_b[VPT][E];
 #pragma unroll
@@ -441,9 +510,8 @@ __device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int e = 0; e < E; ++e) acc_g[k][e] = acc_b[k][e] = 0.f;
 
-  // Row r goes to block r % gridDim.x (then warp, then trip): consecutive rows land on different SMs, so a partial
-  // last trip, or a call of few rows, spreads over the whole machine. (Rows block-major, run A: the 272 rows of
-  // 8192 x 2048's last trip all went to the first 23 SMs, 12 rows each, and 256 rows took 12.8 us against 6.7.)
+  // Row r goes to block r % gridDim.x (then warp, then trip): when the grid is capped (more than 4 waves of
+  // blocks' rows) the warps loop, and a partial last trip spreads over every block.
   const long long step = (long long)gridDim.x * blockDim.y;
   for (long long row = blockIdx.x + (long long)gridDim.x * threadIdx.y; row < rows; row += step) {
     const long long off = row * C;
@@ -649,24 +717,24 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
                                                    int C, int nstages, bool w_vec) {                          \
     ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, nstages, w_vec);                       \
   }
-// One warp a row (16-byte path): blocks of NTH threads, one per SM; __launch_bounds__ at the registers that allows
-// (VPT 8 256 threads, <= 255 registers: x and dy packs and 128 bf16 accumulators; VPT 4 512, <= 128; VPT 2 768,
-// <= 85). Names ln_bwdw_<x>_<param>_<VPT>; ops/layer_norm.py's WARP_THREADS mirrors the counts.
-#define LN_WARP(T, W, TN, WN, VPT, NTH)                                                                             \
-  extern "C" __global__ void __launch_bounds__(NTH, 1)                                                              \
-      ln_bwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd,    \
-                                  T* dx, float* part, long long rows, int C) {                                      \
-    ln_bwd_warp<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C);                                            \
+// One warp a row (bf16 x, VPT 4): blocks of 4 warps, 4 an SM (<= 128 registers: x and dy packs and 64
+// accumulators, no spills); ops/layer_norm.py's WARP_WARPS mirrors the 128 (tests/test_layer_norm.py checks).
+#define LN_WARP(T, W, TN, WN, VPT, NTH, MINB)                                                                  \
+  extern "C" __global__ void __launch_bounds__(NTH, MINB)                                                      \
+      ln_bwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd, \
+                                  T* dx, float* part, long long rows, int C) {                                 \
+    ln_bwd_warp<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C);                                       \
   }
 #define LN_ALL(T, W, TN, WN) LN_ALL_VEC(T, W, TN, WN) LN_ALL_SCALAR(T, W, TN, WN) \
   LN_PIPE(T, W, TN, WN, 1, 512, 1) LN_PIPE(T, W, TN, WN, 2, 512, 1)                                             \
-  LN_PIPE(T, W, TN, WN, 1, 256, 3) LN_PIPE(T, W, TN, WN, 2, 256, 3)                                             \
-  LN_WARP(T, W, TN, WN, 2, 768) LN_WARP(T, W, TN, WN, 4, 512) LN_WARP(T, W, TN, WN, 8, 256)
+  LN_PIPE(T, W, TN, WN, 1, 256, 3) LN_PIPE(T, W, TN, WN, 2, 256, 3)
 
 LN_ALL(float, float, f32, f32)
 LN_ALL(float, bf16, f32, bf16)
 LN_ALL(bf16, float, bf16, f32)
 LN_ALL(bf16, bf16, bf16, bf16)
+LN_WARP(bf16, float, bf16, f32, 4, 128, 4)
+LN_WARP(bf16, bf16, bf16, bf16, 4, 128, 4)
 
 extern "C" __global__ void __launch_bounds__(512) ln_finalize_f32(const float* part, float* dgamma, float* dbeta,
                                                                   int nparts, int C) {

@@ -34,7 +34,6 @@
 #include "common/vec.cuh"
 
 #include "common/pipe.cuh"
-#include "common/pdl.cuh"
 
 // Loads this thread's packs of row `row` (nothing when the row is past the end).
 template <typename T, int E, int VPT>
@@ -365,100 +364,6 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
   }
 }
 
-// Backward, one warp a row (issue 17, session 14; the 16-byte path with 32 < C / E <= 256 packs: bf16 C 264..2048,
-// fp32 132..1024). Why: rms_bwd_pipe streams at ~90 % of copy once running, but pays ~10 us a call that does not
-// scale with rows (session 8's fit: 35 us at 8192 x 2048 bf16, 67 % of copy); every row group of its 512-thread
-// blocks meets two block barriers in row_sum, so a block's 16 warps advance in step and wait for the slowest
-// load of the group. Here a warp owns a whole row: lane l holds packs l + 32 k of x and dy (and dh) in
-// registers (VPT <= 8: 8 KB of loads a warp in flight for a 2048 bf16 row), the row's dot product is one
-// butterfly of shuffles, and no barrier runs until the block's final combine, so the warps of an SM drift apart
-// and keep loads in flight continuously: 12 warps of 8 KB = 96 KB an SM at VPT 8, against the ~32 KB that
-// 4.2 TB/s x ~1 us asks. One block an SM (a persistent grid of ~132 blocks, rows round-robin over all warps):
-// 132 partial dw rows (1 MB at C 2048) instead of 264. The weight row is staged in shared memory as fp32 once a
-// block (common/vec.cuh, stage_row_f32, says why).
-template <typename T, typename W, int VPT, bool ADD>
-__device__ __forceinline__ void rms_bwd_warp(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const W* __restrict__ w, const float* __restrict__ rstd,
-                                             const T* __restrict__ dh, T* __restrict__ dx,
-                                             float* __restrict__ dw_part, long long rows, int C) {
-  constexpr int E = 16 / sizeof(T);
-  __shared__ __align__(16) float comb[32 * VPT * E], w_s[32 * VPT * E];
-  const int lane = threadIdx.x;
-  const int units = C / E;
-  // The warp's first row on its way to L2 while the block stages the weight row (common/pdl.cuh: prefetch_l2).
-  if (blockIdx.x + (long long)gridDim.x * threadIdx.y < rows) {
-    const long long off = (blockIdx.x + (long long)gridDim.x * threadIdx.y) * C;
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = threadIdx.x + 32 * k;
-      if (u < units) {
-        prefetch_l2(x + off + u * E);
-        prefetch_l2(dy + off + u * E);
-      }
-    }
-  }
-  stage_row_f32<W>(w, w_s, C);  // common/vec.cuh says why
-  const float inv_c = 1.f / (float)C;
-  float acc[VPT][E];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k)
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[k][e] = 0.f;
-
-  // Row r goes to block r % gridDim.x (then warp, then trip): consecutive rows land on different SMs, so a partial
-  // last trip, or a call of few rows, spreads over the whole machine. (Rows block-major, run A: the 272 rows of
-  // 8192 x 2048's last trip all went to the first 23 SMs, 12 rows each, and 256 rows took 12.8 us against 6.7.)
-  const long long step = (long long)gridDim.x * blockDim.y;
-  for (long long row = blockIdx.x + (long long)gridDim.x * threadIdx.y; row < rows; row += step) {
-    const long long off = row * C;
-    Pack<T, E> xv[VPT], gv[VPT], hv[ADD ? VPT : 1];
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        xv[k] = load_pack<T, E>(x + off + u * E);
-        gv[k] = load_pack<T, E>(dy + off + u * E);
-        if constexpr (ADD) hv[k] = load_pack<T, E>(dh + off + u * E);
-      }
-    }
-    const float r = rstd[row];
-    float dot = 0.f;
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        float xf[E], gf[E], wf[E];
-        unpack_f32<T, E>(xv[k], xf);
-        unpack_f32<T, E>(gv[k], gf);
-        load_smem_f32<E>(w_s + u * E, wf);
-#pragma unroll
-        for (int e = 0; e < E; ++e) dot = fmaf(gf[e] * wf[e], xf[e], dot);
-      }
-    }
-    const float c = warp_sum(dot) * r * r * inv_c;  // dx = g (w r) - (x r) c, as rms_bwd_pipe
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int u = lane + 32 * k;
-      if (u < units) {
-        float xf[E], gf[E], wf[E], d[E];
-        unpack_f32<T, E>(xv[k], xf);
-        unpack_f32<T, E>(gv[k], gf);
-        load_smem_f32<E>(w_s + u * E, wf);
-        if constexpr (ADD) unpack_f32<T, E>(hv[ADD ? k : 0], d);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-          const float xr = xf[e] * r;
-          const float v = fmaf(gf[e], wf[e] * r, -xr * c);
-          d[e] = ADD ? d[e] + v : v;
-          acc[k][e] = fmaf(gf[e], xr, acc[k][e]);
-        }
-        store_pack<T, E>(dx + off + u * E, pack_f32<T, E>(d));
-      }
-    }
-  }
-  write_warps_partial<VPT, E>(acc, dw_part + (long long)blockIdx.x * C, units, comb);
-}
-
 // Long rows (the register plan does not fit): two kernels, no read-modify-write of partials (the layout of
 // layer_norm.cu's long-row backward).
 // 1) rms_bwd_rowsums: a block per row (block-stride): c = r^2 * mean(dy * w * x) into `coef` (one float per row).
@@ -618,22 +523,6 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
                                       T* dx, float* dw_part, long long rows, int C, int nstages, bool w_vec) { \
     rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, nstages, w_vec);                   \
   }
-// One warp a row (16-byte path): blocks of NTH threads (NTH_ADD with dh), one per SM, __launch_bounds__ at the
-// registers that allows: VPT 8 384 threads (<= 168 registers: x and dy packs and 64 bf16 accumulators), with dh
-// 256 (<= 255; at 168 ptxas spilled 212 bytes, and 320 threads still gave 168: warps are allocated 4 at a time);
-// VPT 4 512 (<= 128); VPT 2 1024 (<= 64), with dh 768 (at 64 it spilled 36 bytes). Names rms_bwdw_<x>_<w>_<VPT>, rms_addbwdw_... (dh added into dx). ops/rms_norm.py's
-// WARP_THREADS mirrors these counts (tests/test_rms_norm.py checks).
-#define RMS_WARP(T, W, TN, WN, VPT, NTH, NTH_ADD)                                                                   \
-  extern "C" __global__ void __launch_bounds__(NTH, 1)                                                              \
-      rms_bwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, T* dx,                   \
-                                   float* dw_part, long long rows, int C) {                                         \
-    rms_bwd_warp<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C);                                  \
-  }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(NTH_ADD, 1)                                                          \
-      rms_addbwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,          \
-                                      T* dx, float* dw_part, long long rows, int C) {                               \
-    rms_bwd_warp<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C);                                        \
-  }
 #define RMS_ALL_VPT(T, W, TN, WN, VEC, VS)                                                                      \
   RMS_REG(T, W, TN, WN, 1, VEC, VS)                                                                             \
   RMS_REG(T, W, TN, WN, 2, VEC, VS)                                                                             \
@@ -643,9 +532,7 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 #define RMS_ALL(T, W, TN, WN)                                                                                   \
   RMS_ALL_VPT(T, W, TN, WN, true, v)                                                                            \
   RMS_ALL_VPT(T, W, TN, WN, false, s)                                                                           \
-  RMS_PIPE(T, W, TN, WN, 1, 512) RMS_PIPE(T, W, TN, WN, 2, 512) RMS_PIPE(T, W, TN, WN, 4, 256)                  \
-  RMS_WARP(T, W, TN, WN, 2, 1024, 768) RMS_WARP(T, W, TN, WN, 4, 512, 512)                                      \
-  RMS_WARP(T, W, TN, WN, 8, 384, 256)
+  RMS_PIPE(T, W, TN, WN, 1, 512) RMS_PIPE(T, W, TN, WN, 2, 512) RMS_PIPE(T, W, TN, WN, 4, 256)
 
 RMS_ALL(float, float, f32, f32)
 RMS_ALL(float, bf16, f32, bf16)

@@ -543,67 +543,6 @@ def test_gpu_backward_paths_match_reference(rng, rows, C, dtype, with_dh):
         "bit-identical reruns"
 
 
-# Issue 17, session 14: the one-warp-a-row backward (rms_bwd_warp) at the row lengths where its packs per lane change
-# (33, 64, 65, 128, 129 and 256 packs of 16 bytes), for rows from fewer than a block's warps to several trips a warp,
-# with and without dh, both weight dtypes; the bf16 weight misaligned (element loads of w, x and dy still 16-byte).
-# The grid variants below and rms_bwd_pipe (BWD_KERNEL "pipe", the A/B row) on the same inputs must match too.
-WARP_COLS = {2: [264, 512, 520, 1024, 1032, 2048], 4: [132, 256, 260, 512, 516, 1024]}
-# (BWD_KERNEL, WARP_ROWS, WARP_WPB): the persistent one-wave grid, one row a warp (hardware-scheduled blocks, capped
-# at 4 waves so 8195 rows still loop), two rows a warp in 4-warp blocks, and the pipelined kernel.
-VARIANTS = [("warp", 0, 0), ("warp", 1, 0), ("warp", 2, 4), ("pipe", 0, 0)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [3, 517, 8195])
-@pytest.mark.parametrize("dtype, wdtype", [(ck.bfloat16, np.float32), (ck.bfloat16, ck.bfloat16),
-                                           (np.float32, ck.bfloat16), (np.float32, np.float32)],
-                         ids=["bf16", "bf16-wbf16", "f32-wbf16", "f32"])
-@pytest.mark.parametrize("with_dh", [False, True], ids=["rms", "add"])
-def test_gpu_warp_backward_matches_reference(rng, monkeypatch, rows, dtype, wdtype, with_dh):
-    from cukernels.ops import _launch as L
-    from cukernels.ops import rms_norm as R
-
-    for C in WARP_COLS[np.dtype(dtype).itemsize]:
-        assert L.warp_vpt(C * np.dtype(dtype).itemsize // 16) is not None
-        x, dy, dh = (randn(rng, (rows, C), dtype, scale=2.0) for _ in range(3))
-        dh = dh if with_dh else None
-        w = randn(rng, (C,), wdtype)
-        _, r_ref = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)
-        dx_ref, dw_ref = ck.rms_norm_backward(dy, x, w, r_ref, dh=dh)
-        xd, dyd, rd = device_copy(x), device_copy(dy), device_copy(r_ref)
-        wd = device_copy(w, misalign=np.dtype(wdtype).itemsize == 2)
-        dhd = device_copy(dh) if with_dh else None
-        rt, at = TOL[np.dtype(wdtype)]
-        for kernel, trips, wpb in VARIANTS:
-            monkeypatch.setattr(R, "BWD_KERNEL", kernel)
-            monkeypatch.setattr(R, "WARP_ROWS", trips)
-            monkeypatch.setattr(R, "WARP_WPB", wpb)
-            dxo = poisoned(x.shape, dtype)
-            runs = [ck.rms_norm_backward(dyd, xd, wd, rd, dh=dhd, out=dxo if i == 0 else None) for i in range(2)]
-            assert runs[0][0] is dxo
-            what = f"{kernel} rows/warp {trips} warps {wpb} C={C}"
-            assert_close(runs[0][0], dx_ref, dtype, what=f"dx ({what})")
-            assert_close(runs[0][1], dw_ref, wdtype, rtol=max(rt, 1e-4), atol=max(at, 1e-3 * np.sqrt(rows)),
-                         what=f"dw ({what})")
-            for a, b in zip(runs[0], runs[1]):
-                assert np.array_equal(to_host(a).view(np.uint8), to_host(b).view(np.uint8)), f"reruns ({what})"
-
-
-def test_warp_thread_counts_mirror_the_kernels():
-    """WARP_THREADS (the launcher's block sizes) must be the RMS_WARP instantiations' __launch_bounds__ counts: a
-    bigger block than the bound fails to launch, a smaller one leaves an SM's registers idle."""
-    import re
-    from pathlib import Path
-
-    from cukernels.ops import _launch as L
-    from cukernels.ops import rms_norm as R
-
-    src = (Path(R.__file__).parents[2] / "kernels_cu" / "rms_norm.cu").read_text()
-    inst = re.findall(r"RMS_WARP\(T, W, TN, WN, (\d+), (\d+), (\d+)\)", src)
-    assert {int(v): (int(a), int(b)) for v, a, b in inst} == R.WARP_THREADS
-    assert [L.warp_vpt(u) for u in (32, 33, 64, 65, 128, 129, 256, 257)] == [None, 2, 2, 4, 4, 8, 8, None]
-
-
 # The pipelined backward at each pipeline depth (2..4 cp.async row groups in flight a block; the launcher caps
 # the depth where two blocks would not fit an SM). Row counts: fewer row groups than SMs, one partial wave, many
 # trips a block (the rstd prefetched one group ahead must follow the right row).
@@ -616,7 +555,6 @@ def test_gpu_backward_pipeline_depths(rng, monkeypatch, stages, rows, C, dtype, 
     from cukernels.ops import rms_norm as R
 
     monkeypatch.setattr(R, "PIPE_STAGES", {2: stages, 4: stages})
-    monkeypatch.setattr(R, "BWD_KERNEL", "pipe")  # these rows would take the one-warp-a-row kernel
     x, dy, dh = (randn(rng, (rows, C), dtype, scale=2.0) for _ in range(3))
     w = randn(rng, (C,), wdtype)
     _, r_ref = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)

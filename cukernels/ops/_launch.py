@@ -206,15 +206,6 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False)
         raise RuntimeError(f"cuLaunchKernelEx failed (CUresult {r}) for a {_dims(grid)} x {_dims(block)} launch")
 
 
-def warp_vpt(units: int):
-    """Packs per lane of the one-warp-a-row norm backwards (rms_bwd_warp, ln_bwd_warp) for a row of ``units``
-    16-byte packs: 2, 4 or 8, or None outside 33..256 packs (shorter rows leave most lanes idle; longer ones do
-    not fit the registers)."""
-    if not 32 < units <= 256:
-        return None
-    return 2 if units <= 64 else 4 if units <= 128 else 8
-
-
 def pipe_stages(target: int, stage_bytes: int, blocks_per_sm: int) -> int:
     """cp.async stages a block for the pipelined norm backwards (kernels_cu/common/pipe.cuh): 2..4, at most
     ``target``, such that ``blocks_per_sm`` blocks of ``stage_bytes`` a stage still fit an SM's shared memory

@@ -130,17 +130,14 @@ PIPE_THREADS = 256
 PIPE_STAGES = 2
 PIPE_MIN_TPR = 32
 
-# One warp a row (ln_bwd_warp), the 16-byte path's backward for rows of 33..256 packs (bf16 C 264..2048, fp32
-# 132..1024): packs per lane 2 / 4 / 8 (_launch.warp_vpt), threads a block as the kernels' __launch_bounds__
-# (layer_norm.cu, LN_WARP), one block an SM. BWD_KERNEL "pipe" keeps ln_bwd_pipe for those rows too (the A/B row).
+# One warp a row (ln_bwd_warp, session 14): bf16 rows of 65..128 16-byte packs (C 520..1024, GPT-2's 768) take
+# it instead of ln_bwd_pipe: WARP_WARPS warps a block (the kernel's __launch_bounds__: 4, four blocks an SM), each
+# warp WARP_ROWS rows (ceil(rows / 16) blocks, capped at 4 waves: the partial rows stay <= 4 x 4 x SMs x C floats
+# a kind, and the warps loop). At 8192 x 768: 18.2 us against 22.1 (run E). BWD_KERNEL "pipe" keeps ln_bwd_pipe
+# for those rows too (the A/B row: --ab "layer_norm.BWD_KERNEL=pipe").
 BWD_KERNEL = "warp"
-WARP_THREADS = {2: 768, 4: 512, 8: 256}
-# Grid of the one-warp-a-row kernels: WARP_ROWS 0 is persistent (one wave of blocks, each warp walks rows until
-# the end); n > 0 gives each warp n rows, ceil(rows / (warps x n)) blocks that the hardware schedules as earlier ones
-# finish (more partial rows, but no machine-wide ramp and tail). WARP_WPB: warps a block (0: the most the kernel's
-# __launch_bounds__ allows).
-WARP_ROWS = 0
-WARP_WPB = 0
+WARP_WARPS = 4
+WARP_ROWS = 4
 
 
 @B.interop
@@ -195,18 +192,12 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     w_vec = B.aligned16(gamma)
     plan = _plan(C, x.itemsize, vec, backward=True)
     vs = "v" if vec else "s"
-    wvpt = L.warp_vpt(C * x.itemsize // 16) if vec and BWD_KERNEL == "warp" else None
-    if wvpt is not None:
-        nth = WARP_THREADS[wvpt]
-        k = get_function(FAMILY, f"ln_bwdw_{_tag(x, gamma)}_{wvpt}")
-        wpb = min(WARP_WPB, nth // 32) if WARP_WPB > 0 else nth // 32
-        # Row r on block r % blocks (then warp, then trip). Persistent: one wave (one block a row when fewer rows);
-        # WARP_ROWS > 0: capped at 4 waves (the partial rows stay <= 4 x SMs x C floats; the warps then loop).
-        wave = L.wave(k, 32 * wpb)
-        nparts = min(-(-rows // (wpb * WARP_ROWS)), 4 * wave) if WARP_ROWS > 0 else min(rows, wave)
+    if vec and BWD_KERNEL == "warp" and x.dtype == B.bfloat16 and 64 < C // 8 <= 128:
+        k = get_function(FAMILY, f"ln_bwdw_{_tag(x, gamma)}_4")
+        # Row r on block r % blocks (then warp, then trip).
+        nparts = min(-(-rows // (WARP_WARPS * WARP_ROWS)), 4 * L.wave(k, 32 * WARP_WARPS))
         part = xp.empty((2 * nparts, C), dtype=np.float32)
-        k((nparts,), (32, wpb, 1),
-          (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C)))
+        k((nparts,), (32, WARP_WARPS, 1), (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C)))
     elif plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
         # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, more row slots a block.
         tpr, vpt, _ = plan

@@ -168,19 +168,6 @@ def _same_memory(a, b):
 PIPE_THREADS = {1: 512, 2: 512, 4: 256}
 PIPE_STAGES = {2: 2, 4: 3}
 
-# One warp a row (rms_bwd_warp), the 16-byte path's backward for rows of 33..256 packs (bf16 C 264..2048, fp32
-# 132..1024): packs per lane 2 / 4 / 8, threads a block (without dh, with dh) as the kernels'
-# __launch_bounds__ (rms_norm.cu, RMS_WARP), one block an SM. BWD_KERNEL "pipe" keeps rms_bwd_pipe for those rows
-# too (the A/B row of benchmarks/bench_ops.py: --ab "rms_norm.BWD_KERNEL=pipe").
-BWD_KERNEL = "warp"
-WARP_THREADS = {2: (1024, 768), 4: (512, 512), 8: (384, 256)}
-# Grid of the one-warp-a-row kernels: WARP_ROWS 0 is persistent (one wave of blocks, each warp walks rows until
-# the end); n > 0 gives each warp n rows, ceil(rows / (warps x n)) blocks that the hardware schedules as earlier ones
-# finish (more partial rows, but no machine-wide ramp and tail). WARP_WPB: warps a block (0: the most the kernel's
-# __launch_bounds__ allows).
-WARP_ROWS = 0
-WARP_WPB = 0
-
 
 @B.interop
 def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
@@ -235,19 +222,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
     kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256)
     tag, vs = _names(x, weight, vec)
     dh_arg = (dh,) if add else ()
-    wvpt = L.warp_vpt(C * x.itemsize // 16) if vec and BWD_KERNEL == "warp" else None
-    if wvpt is not None:
-        nth = WARP_THREADS[wvpt][add]
-        k = get_function(FAMILY, f"{'rms_addbwdw' if add else 'rms_bwdw'}_{tag}_{wvpt}")
-        wpb = min(WARP_WPB, nth // 32) if WARP_WPB > 0 else nth // 32
-        # Row r on block r % blocks (then warp, then trip). Persistent: one wave (one block a row when fewer rows);
-        # WARP_ROWS > 0: capped at 4 waves (the partial rows stay <= 4 x SMs x C floats; the warps then loop).
-        wave = L.wave(k, 32 * wpb)
-        nparts = min(-(-rows // (wpb * WARP_ROWS)), 4 * wave) if WARP_ROWS > 0 else min(rows, wave)
-        part = xp.empty((nparts, C), dtype=np.float32)
-        k((nparts,), (32, wpb, 1),
-          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C)))
-    elif kind == "reg" and vec and vpt in PIPE_THREADS:
+    if kind == "reg" and vec and vpt in PIPE_THREADS:
         # cp.async pipeline (rms_norm.cu, rms_bwd_pipe): the plan's threads per row, more row slots per block.
         nth = PIPE_THREADS[vpt]
         stage = (3 if add else 2) * vpt * nth * 16
