@@ -407,10 +407,10 @@ __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* _
 }
 
 // common/vec.cuh's write_block_partial for ln_bwd_warp (blockDim = (32, warps), lane owns packs lane + 32 k, E
-// elements each, E a multiple of 4): the warps' accumulators are summed in warp order
-// through shared memory `comb` (one float per column, 16-byte aligned), then the block writes its partial row
-// with 16-byte stores (C % E == 0 on that path, so `part` is 16-byte aligned). blockDim.y barriers, once a
-// kernel. Every thread of the block calls it. Deterministic.
+// elements each, E a multiple of 4): the warps' accumulators are summed in warp order through shared memory `comb`
+// (one float per column, 16-byte aligned), then the block writes its partial row with 16-byte stores (C % E == 0
+// on that path, so `part` is 16-byte aligned). blockDim.y barriers, once a kernel. Every thread of the block calls
+// it. Deterministic.
 template <int VPT, int E>
 __device__ __forceinline__ void write_warps_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
                                                     float* comb) {
