@@ -490,9 +490,12 @@ __device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* _
   __shared__ __align__(16) float comb[32 * VPT * E], w_s[32 * VPT * E];
   const int lane = threadIdx.x;
   const int units = C / E;
+  // Row r goes to block r % gridDim.x (then warp, then trip): when the grid is capped (more than 4 waves of
+  // blocks' rows) the warps loop, and a partial last trip spreads over every block.
+  const long long row0 = blockIdx.x + (long long)gridDim.x * threadIdx.y, step = (long long)gridDim.x * blockDim.y;
   // The warp's first row on its way to L2 while the block stages the weight row (common/pdl.cuh: prefetch_l2).
-  if (blockIdx.x + (long long)gridDim.x * threadIdx.y < rows) {
-    const long long off = (blockIdx.x + (long long)gridDim.x * threadIdx.y) * C;
+  if (row0 < rows) {
+    const long long off = row0 * C;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + 32 * k;
@@ -510,10 +513,7 @@ __device__ __forceinline__ void ln_bwd_warp(const T* __restrict__ dy, const T* _
 #pragma unroll
     for (int e = 0; e < E; ++e) acc_g[k][e] = acc_b[k][e] = 0.f;
 
-  // Row r goes to block r % gridDim.x (then warp, then trip): when the grid is capped (more than 4 waves of
-  // blocks' rows) the warps loop, and a partial last trip spreads over every block.
-  const long long step = (long long)gridDim.x * blockDim.y;
-  for (long long row = blockIdx.x + (long long)gridDim.x * threadIdx.y; row < rows; row += step) {
+  for (long long row = row0; row < rows; row += step) {
     const long long off = row * C;
     Pack<T, E> xv[VPT], gv[VPT];
 #pragma unroll

@@ -328,7 +328,7 @@ def test_gpu_pipelined_backward_depths(rng, monkeypatch, stages, threads, rows, 
 
     monkeypatch.setattr(LN, "PIPE_STAGES", stages)
     monkeypatch.setattr(LN, "PIPE_THREADS", threads)
-    monkeypatch.setattr(LN, "BWD_KERNEL", "pipe")  # rows of 33..256 packs would take the one-warp-a-row kernel
+    monkeypatch.setattr(LN, "BWD_KERNEL", "pipe")  # bf16 C 1024 would take the one-warp-a-row kernel
     _check(rng, rows, C, dtype, wdtype, False)
     x, dy = device_copy(randn(rng, (rows, C), dtype)), device_copy(randn(rng, (rows, C), dtype))
     g, b = device_copy(randn(rng, (C,), wdtype)), device_copy(randn(rng, (C,), wdtype))
