@@ -294,6 +294,41 @@ def test_fused_head_loss_writes_a_bf16_grad_directly(rng, which, monkeypatch):
                                atol=2**-7 * np.abs(ref[head.name]).max())
 
 
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_fused_head_loss_chunks_follow_head_workspace(rng, monkeypatch, grad_dtype):
+    """The model's head picks its chunk rows from loss_ops.HEAD_WORKSPACE (here shrunk, with 4-row quanta, so tiny
+    models take several chunks): fp32 .grad -> chunk_rows_for(N, V, s, HEAD_WORKSPACE); a stale bf16 .grad -> one
+    chunk straight into .grad while the logits fit HEAD_WORKSPACE + the V x H x 4 bytes of an fp32 dW, else the
+    same chunks into a fresh fp32 dW. Loss and gradients equal the logits path's either way."""
+    from cukernels.functional import loss_ops
+    from cukernels.ops import linear_cross_entropy as lce_mod
+    which = "llama-untied"
+    V, H = _config().vocab_size, _config().hidden_size
+    monkeypatch.setattr(lce_mod, "ROW_QUANTUM", 4)
+    monkeypatch.setattr(loss_ops, "HEAD_WORKSPACE", 8 * V * 4)  # 8 fp32 rows of logits a chunk
+    seen, lce = [], loss_ops._lce
+    monkeypatch.setattr(loss_ops, "_lce", lambda *a, **k: (seen.append(k), lce(*a, **k))[1])
+    bf16 = grad_dtype == "bfloat16"
+    for B, one_chunk in ((3, True), (6, False)):  # 27 rows: 27 V 4 <= 8 V 4 + V H 4; 54 rows: above it
+        m = _head_model(which)
+        ids, tgt = _batch(rng, m, B=B)
+        N = ids.size
+        _, ref = _loss_and_grads(_head_model(which), ids, tgt, False)
+        opt = ck.optim.AdamW(m.parameters(), lr=0.0, shadow_dtype=None,
+                             grad_dtype=ck.bfloat16 if bf16 else np.float32)
+        buf = m.output_weight()[1].grad
+        opt.zero_grad(lazy=True)
+        _, got = _loss_and_grads(m, ids, tgt, True, expect=LinearCrossEntropyF)
+        k = seen[-1]
+        if bf16 and one_chunk:
+            assert k["chunk_rows"] == N and k["grad_weight"] is buf
+        else:
+            assert k["chunk_rows"] == 8 and -(-N // 8) >= 4  # several chunks of the shrunk workspace
+            assert k["grad_weight"] is (None if bf16 else buf)
+        tol = dict(rtol=2**-7, atol=2**-8) if bf16 else {}
+        _assert_grads_equal(got, ref, what=f"{grad_dtype}, {N} rows", **tol)
+
+
 @pytest.mark.parametrize("which", ["llama-tied", "gpt2-untied"])
 def test_fused_head_loss_scaled_backward(rng, which):
     """loss * s: dx and dW scaled when dW is the buffer's first write of the step (or a fresh array); on top of an

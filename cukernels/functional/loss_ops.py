@@ -18,9 +18,17 @@ done in the FORWARD of this Function:
   backward raises RuntimeError saying what to do (the trainer calls ``loss.backward()`` unscaled and folds
   1 / accumulation into the optimizer's ``grad_scale``).
 * A bf16 ``.grad`` (``grad_dtype=ck.bfloat16``) is written the same way when this is its first write of the step
-  and the rows fit one chunk (B4xT64 at the LLaMA shape: 256 rows; the GEMM's fp32 sum is rounded once);
-  otherwise, and without a usable ``.grad`` buffer (none yet, a non-leaf weight), dW is a fresh fp32 array,
-  returned by ``backward`` like any gradient (and added into a bf16 ``.grad`` by the autograd).
+  and the rows are taken in one chunk (the GEMM's fp32 sum is rounded once); otherwise, and without a usable
+  ``.grad`` buffer (none yet, a non-leaf weight), dW is a fresh fp32 array, returned by ``backward`` like any
+  gradient (and added into a bf16 ``.grad`` by the autograd).
+
+Chunks (``HEAD_WORKSPACE``): the model's head takes up to 1 GiB of logits a chunk, twice the op's default, because
+every chunk's dW GEMM reads and writes the whole fp32 [V, H] gradient (2.1 GB at the LLaMA-3.2-1B head) and
+taller GEMMs run faster. Measured on the H200 at B8 x T1024 (8192 rows; session 15, run A, same process): 4 chunks
+of 2048 rows 115.55 ms a step, 36.0 GiB; 2 chunks of 4096 113.82 ms, 36.5 GiB. A bf16 ``.grad`` takes all rows in
+one chunk when its logits fit HEAD_WORKSPACE plus the V x H x 4 bytes of the fp32 dW that several chunks would
+need instead (the same peak): at B8 x T1024 one chunk of 2.1 GB, 112.60 ms and 35.2 GiB, against 114.22 ms and
+34.7 GiB in 4 chunks with the fp32 dW. Lower HEAD_WORKSPACE to trade speed for memory.
 
 Consequences for callers: the head weight's ``.grad`` changes during the forward, so a loss computed with
 gradients enabled should be back-propagated (compute it under ``no_grad()`` otherwise: then no gradient is
@@ -41,6 +49,7 @@ from ..ops.linear_cross_entropy import linear_cross_entropy as _lce
 from .array_ops import _data, _padded_weight
 
 PAD = 64  # the row quantum of the padded weight (array_ops._padded_weight): 128-byte bf16 rows
+HEAD_WORKSPACE = 1 << 30  # bytes of logits a chunk of the model's fused head (see the module docstring)
 
 
 class LinearCrossEntropyF(Function):
@@ -70,6 +79,8 @@ class LinearCrossEntropyF(Function):
         ctx.xshape = x.shape
         ctx.dx = ctx.dw = None
         ctx.dw_fresh = ctx.dw_added = False
+        N = x2.shape[0]
+        kw["chunk_rows"] = max(1, chunk_rows_for(N, wl.shape[0], x2.itemsize, HEAD_WORKSPACE))
         if not (need_x or need_w):
             loss, _, _ = _lce(x2, wl, t, compute_grad=False, **kw)
             return loss
@@ -81,10 +92,11 @@ class LinearCrossEntropyF(Function):
                 if cand.dtype == np.float32:
                     buf, acc = ctx.leaf_grad_write(1)  # clears grad_stale: later writers of a tied weight add
                 elif (cand.dtype == B.bfloat16 and ctx.inputs[1].grad_stale
-                      and x2.shape[0] <= chunk_rows_for(x2.shape[0], wl.shape[0], x2.itemsize)):
+                      and N * wl.shape[0] * x2.itemsize <= HEAD_WORKSPACE + w.size * 4):
                     # a bf16 .grad (grad_dtype=bf16): its first write of the step, in one chunk -> the dW GEMM
                     # writes the rounded sum straight into it (no fp32 [V, H] temporary, no add pass)
                     buf, acc = ctx.leaf_grad_write(1)
+                    kw["chunk_rows"] = max(1, N)
         loss, dx, dw = _lce(x2, wl, t, grad_weight=buf, accumulate=acc, **kw)
         ctx.dx = dx if need_x else None
         if need_w:

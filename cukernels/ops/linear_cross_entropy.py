@@ -57,8 +57,9 @@ WORKSPACE_BUDGET = 512 << 20  # bytes of logits per chunk (see the module docstr
 ROW_QUANTUM = 128  # chunk rows are a multiple of this (GEMM tile height / dW GEMM K without a ragged tail)
 
 
-def chunk_rows_for(N: int, V: int, itemsize: int) -> int:
-    """The default rows per chunk: <= WORKSPACE_BUDGET of logits, multiple of ROW_QUANTUM, balanced over chunks.
+def chunk_rows_for(N: int, V: int, itemsize: int, budget: int | None = None) -> int:
+    """The default rows per chunk: <= ``budget`` bytes of logits (default WORKSPACE_BUDGET), multiple of
+    ROW_QUANTUM, balanced over chunks.
 
     ``chunk_rows_for(8192, 128256, 2) == 2048`` (4 chunks, 525 MB workspace); fp32 -> 1024; GPT-2's
     ``(8192, 50257, 2) -> 4096`` (2 chunks, 412 MB). A vocabulary so large that 128 rows exceed the budget still
@@ -66,7 +67,8 @@ def chunk_rows_for(N: int, V: int, itemsize: int) -> int:
     """
     if N <= 0:
         return 0
-    cmax = max(ROW_QUANTUM, WORKSPACE_BUDGET // (V * itemsize) // ROW_QUANTUM * ROW_QUANTUM)
+    budget = WORKSPACE_BUDGET if budget is None else budget
+    cmax = max(ROW_QUANTUM, budget // (V * itemsize) // ROW_QUANTUM * ROW_QUANTUM)
     if N <= cmax:
         return N
     n = -(-N // cmax)
