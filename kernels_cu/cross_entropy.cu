@@ -136,6 +136,25 @@ template <typename T, int E>
 __device__ __forceinline__ void store16(T* p, const Pack<T, E>& o) {
   __stwb(reinterpret_cast<uint4*>(p), pack_words(o));
 }
+// The fused kernel's pass 2 with `hint`: the re-read is the row's last use and dx is not read again here, so both
+// go to L2 as evict-first (ld/st .cs). Without it the dx lines (written back, so they stay dirty in L2) and the
+// re-read rows compete with the rows still waiting for their pass 2: 132 rows of 256 KB in flight are 34 MB of
+// reads plus 34 MB of dirty writes against the H200's 50 MB L2 (issue 17, session 15).
+template <typename T, int E>
+__device__ __forceinline__ Pack<T, E> load_pack_hint(const T* p, bool hint) {
+  if (!hint) return load_pack<T, E>(p);
+  const uint4 w = __ldcs(reinterpret_cast<const uint4*>(p));
+  Pack<T, E> r;
+  *reinterpret_cast<uint4*>(&r) = w;
+  return r;
+}
+template <typename T, int E>
+__device__ __forceinline__ void store16_hint(T* p, const Pack<T, E>& o, bool hint) {
+  if (hint)
+    __stcs(reinterpret_cast<uint4*>(p), pack_words(o));
+  else
+    __stwb(reinterpret_cast<uint4*>(p), pack_words(o));
+}
 
 // Row layout: [0, head) scalar, [head, head + units * E) packs of E, [tail0, V) scalar.
 struct RowSplit {
@@ -214,7 +233,7 @@ __device__ __forceinline__ Lse row_lse_partial(const T* __restrict__ xr, int V, 
 // rows are zero-filled by row_zero).
 template <typename T>
 __device__ __forceinline__ void row_grad(const T* xr, T* or_, int V, const RowSplit& sp, float lse, int t, float g,
-                                         float g_epsv, float g_tgt) {
+                                         float g_epsv, float g_tgt, bool hint = false) {
   constexpr int E = 16 / sizeof(T);
   constexpr int U = 4;
   for (int seg = 0; seg < 2; ++seg) {
@@ -244,7 +263,7 @@ __device__ __forceinline__ void row_grad(const T* xr, T* or_, int V, const RowSp
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = u0 + k * blockDim.x;
-      if (u < sp.units) p[k] = load_pack<T, E>(body + (long long)u * E);
+      if (u < sp.units) p[k] = load_pack_hint<T, E>(body + (long long)u * E, hint);
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -258,7 +277,7 @@ __device__ __forceinline__ void row_grad(const T* xr, T* or_, int V, const RowSp
           if (j0 + i == t) d -= g_tgt;
           o.v[i] = from_f32<T>(d);
         }
-        store16<T, E>(obody + (long long)u * E, o);
+        store16_hint<T, E>(obody + (long long)u * E, o, hint);
       }
     }
   }
@@ -312,7 +331,8 @@ template <typename T, typename I>
 __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T* dx, float* __restrict__ loss_row,
                                          int* __restrict__ err, const int* __restrict__ count,
                                          const float* __restrict__ dloss, float dloss_scalar, long long N, int V,
-                                         long long ldx, long long ldo, long long ignore, float eps, bool vec) {
+                                         long long ldx, long long ldo, long long ignore, float eps, bool vec,
+                                         bool hint) {
   __shared__ float sh[96];
   const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
   const float gbase = (dloss != nullptr ? *dloss : dloss_scalar) * cnt_scale;
@@ -336,7 +356,7 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T
     float lse;
     const float l = row_loss(a, xt, eps, V, &lse);
     if (threadIdx.x == 0) loss_row[row] = l;
-    row_grad(xr, orow, V, sp, lse, (int)t, gbase, gbase * eps / (float)V, gbase * (1.f - eps));
+    row_grad(xr, orow, V, sp, lse, (int)t, gbase, gbase * eps / (float)V, gbase * (1.f - eps), hint);
   }
 }
 
@@ -419,8 +439,8 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       ce_fused_##TN##_##IN(const T* x, const I* tg, T* dx, float* loss_row, int* err, const int* count,        \
                            const float* dloss, float dloss_scalar, long long N, int V, long long ldx,           \
-                           long long ldo, long long ignore, float eps, bool vec) {                             \
-    ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldo, ignore, eps, vec);    \
+                           long long ldo, long long ignore, float eps, bool vec, bool hint) {                  \
+    ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldo, ignore, eps, vec, hint); \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                                           \
       ce_bwd_##TN##_##IN(const T* x, const I* tg, const float* lse, T* dx, int* err, const int* count,         \

@@ -203,6 +203,13 @@ def _check_dloss(xp, dloss, reduction, shape):
     return 0.0, dloss
 
 
+# The fused kernel's pass 2 reads its row for the last time and writes dx that this kernel never reads again: with
+# CACHE_HINTS both go to L2 as evict-first (ld / st .cs), so the rows still waiting for their pass 2 stay in L2
+# (132 rows of 256 KB in flight at V = 128256 bf16: 34 MB read + 34 MB written against 50 MB). Measured on the
+# H200 (session 15): see benchmarks/NOTES.md. 0 = plain loads / stores (the A/B row).
+CACHE_HINTS = 1
+
+
 def _threads(V: int, itemsize: int) -> int:
     """Block size for one row: ~16 packs per thread, 128..1024 threads."""
     units = max(1, V // (16 // itemsize))
@@ -319,7 +326,7 @@ def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ldx, ldo, ig, 
     if kind == "fused":
         k((grid,), (threads, 1, 1),
           (logits, targets, dx, loss_row, _err(xp, error), cptr, dptr, np.float32(dscalar), np.int64(N), np.int32(V),
-           np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec)))
+           np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec), np.bool_(CACHE_HINTS)))
     else:
         per_row = darr is not None and darr.ndim > 0
         k((grid,), (threads, 1, 1),

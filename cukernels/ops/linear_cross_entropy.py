@@ -267,7 +267,8 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
                 continue
             # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
             k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
-                                      np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True)))
+                                      np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True),
+                                      np.bool_(_ce.CACHE_HINTS)))
             if Vw > V:
                 zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
             matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros
