@@ -24,11 +24,12 @@ done in the FORWARD of this Function:
 
 Chunks (``HEAD_WORKSPACE``): the model's head takes up to 1 GiB of logits a chunk, twice the op's default, because
 every chunk's dW GEMM reads and writes the whole fp32 [V, H] gradient (2.1 GB at the LLaMA-3.2-1B head) and
-taller GEMMs run faster. Measured on the H200 at B8 x T1024 (8192 rows; session 15, run A, same process): 4 chunks
-of 2048 rows 115.55 ms a step, 36.0 GiB; 2 chunks of 4096 113.82 ms, 36.5 GiB. A bf16 ``.grad`` takes all rows in
-one chunk when its logits fit HEAD_WORKSPACE plus the V x H x 4 bytes of the fp32 dW that several chunks would
-need instead (the same peak): at B8 x T1024 one chunk of 2.1 GB, 112.60 ms and 35.2 GiB, against 114.22 ms and
-34.7 GiB in 4 chunks with the fp32 dW. Lower HEAD_WORKSPACE to trade speed for memory.
+taller GEMMs run faster. A bf16 ``.grad`` takes all rows in one chunk when its logits fit HEAD_WORKSPACE plus the
+V x H x 4 bytes of the fp32 dW that several chunks would need instead (the same peak). Measured on the H200 at
+B8 x T1024 (8192 rows; session 15, run E, rows interleaved in one process, 20 steps each): fp32 gradients, 2
+chunks of 4096 rows 115.7 ms a step and 36.5 GiB against 4 chunks of 2048 116.2 ms and 36.0 GiB; bf16 gradients,
+one chunk of 2.1 GB 113.7 ms and 35.2 GiB against 4 chunks and the fp32 dW 115.1 ms and 34.7 GiB. Lower
+HEAD_WORKSPACE to trade that speed for memory.
 
 Consequences for callers: the head weight's ``.grad`` changes during the forward, so a loss computed with
 gradients enabled should be back-propagated (compute it under ``no_grad()`` otherwise: then no gradient is
