@@ -937,43 +937,6 @@ __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_re
 __device__ __forceinline__ void bar_arrive_n(int id, int n) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
-// The fused backward's last step for 4 columns c..c + 3 of one dq row and their rope partners c + D / 2: the fp32
-// sums a (columns c..) and z (c + D / 2..) times scale, the rope's backward (rotate by -angle: (x1 c + x2 s,
-// x2 c - x1 s)), rounded to bf16 at d (= the row + c). One function for attn_sm90_bwd_dq_convert and for the dQ
-// writer of a query tile's last key tile, so both paths give the same bits. pos_row: row t's index into
-// positions for mode 2 (b * Tq + t).
-template <int D>
-__device__ __forceinline__ void dq_store4(float4 a, float4 z, float scale, const RopeTab& rt, int t, long long pos_row,
-                                          int c, bf16* d) {
-  float x0[4] = {a.x * scale, a.y * scale, a.z * scale, a.w * scale};
-  float x1[4] = {z.x * scale, z.y * scale, z.z * scale, z.w * scale};
-  if (rt.mode >= 0) {
-    long long p = rt.mode == 0 ? t : (long long)rt.pos[rt.mode == 1 ? t : pos_row];
-    p = p < 0 ? 0 : (p >= rt.L ? rt.L - 1 : p);
-    const float4 cs = *reinterpret_cast<const float4*>(rt.c + p * (D / 2) + c);
-    const float4 sn = *reinterpret_cast<const float4*>(rt.s + p * (D / 2) + c);
-    const float cc[4] = {cs.x, cs.y, cs.z, cs.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float u = x0[e], w = x1[e];
-      x0[e] = u * cc[e] + w * ss[e];
-      x1[e] = w * cc[e] - u * ss[e];
-    }
-  }
-  reinterpret_cast<unsigned*>(d)[0] = pack_bf16(x0[0], x0[1]);
-  reinterpret_cast<unsigned*>(d)[1] = pack_bf16(x0[2], x0[3]);
-  reinterpret_cast<unsigned*>(d + D / 2)[0] = pack_bf16(x1[0], x1[1]);
-  reinterpret_cast<unsigned*>(d + D / 2)[1] = pack_bf16(x1[2], x1[3]);
-}
-// The last key tile (of BM keys) that adds into query tile qi, i.e. the largest j with query_tiles(j * BM).first
-// <= qi: under the causal mask the tile's last query row (qi + 1) * bq - 1 sees keys up to that row + off. -1 when
-// no key tile sees the tile (every row before the first key: Tq - Tk >= bq under the causal mask).
-__device__ __forceinline__ int last_key_tile(int qi, int off, bool causal, int nkt, int bq) {
-  if (!causal) return nkt - 1;
-  const int x = (qi + 1) * bq + off;  // keys [0, x) are seen by some row of the tile
-  return x > 0 ? min(nkt - 1, (x - 1) / BM) : -1;
-}
-
 // Iteration `it` of a dkdv work tile: (query head within the group, query tile). Two-kernel backward: heads outer,
 // query tiles ascending from the first visible one. Fused dQ: query tiles descending from the last, heads inner:
 // every key tile of a (b, K/V head) walks the same sequence from the same start and stops at its own diagonal, so
@@ -1022,8 +985,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
                                                    int Hkv, float scale, bool causal, int Bsz, Strides sgk,
                                                    RopeTab rope, float* __restrict__ dq_acc = nullptr,
-                                                   int* __restrict__ sem = nullptr, bf16* __restrict__ dq = nullptr,
-                                                   Strides sgq = Strides{0, 0, 0}) {
+                                                   int* __restrict__ sem = nullptr) {
   using SM = SmemDkdv<D, BQ, STAGES, QB, FQ>;
   static_assert(!FQ || (D == 64 && BQ == 64), "the fused dQ is instantiated for D = 64, 64-query tiles");
   constexpr int NP = FQ ? 64 : WG;  // producer threads (FQ: warps 2 and 3 of the producer warpgroup write dQ)
@@ -1077,10 +1039,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
             if ((pc & 1) != wsel) continue;
             int gq, qi;
             dkdv_iter<true>(it, G, qt.n, qt.first, nqb, gq, qi);
-            const int hq = ti.h * G + gq;
-            const long long tile = ((long long)b * H + hq) * nqb + qi;
-            // dq given (the launcher's direct mode): the query tile's last key tile writes dq itself
-            const bool fin = dq != nullptr && j == last_key_tile(qi, off, causal, nkt, BQ);
+            const long long tile = ((long long)b * H + ti.h * G + gq) * nqb + qi;
             int* semp = sem + tile;
             int semv = 0;
             if (lane == 0 && j > 0) semv = ld_relaxed_gpu(semp);  // in flight while the consumers finish
@@ -1111,34 +1070,6 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
             __syncwarp();
             bar_arrive_n(BAR_EMPTY + 2 * pb + 1, HANDOFF_THREADS);  // warpgroup 2's partial is read
             float* dst = dq_acc + tile * (BQ * D);
-            if (fin) {
-              // dq rows qi * BQ.. = (dq_acc (the key tiles before j, published to this thread by the semaphore)
-              // + the sum in p0) x scale, rope backward, bf16: what attn_sm90_bwd_dq_convert does with the whole
-              // dq_acc after the kernel, here while the tile is still in L2 (session 15). Lane (r4 = lane / 8,
-              // cq = lane % 8) takes columns 4 cq.. and 4 cq + D / 2.. of rows 4 i + r4; both buffers keep the
-              // hand-off swizzle (float4 c of row r at c ^ ((r & 7) << 1)).
-              if (j > 0) fence_acq_rel_gpu();  // every lane reads what lane 0's acquire made visible
-              const float* ps = Pb + 2 * pb * (BQ * D);
-              bf16* drow = dq + b * sgq.b + hq * sgq.h;
-              const int cq = lane & 7, qb0 = qi * BQ;
-#pragma unroll 2
-              for (int i = 0; i < BQ / 4; ++i) {
-                const int r = 4 * i + (lane >> 3), t = qb0 + r, sw = (r & 7) << 1;
-                if (t >= Tq) continue;
-                const int o0 = r * D + 4 * (cq ^ sw), o1 = r * D + 4 * ((cq + D / 8) ^ sw);
-                float4 a = *reinterpret_cast<const float4*>(ps + o0), z = *reinterpret_cast<const float4*>(ps + o1);
-                if (j > 0) {
-                  const float4 ga = *reinterpret_cast<const float4*>(dst + o0);
-                  const float4 gz = *reinterpret_cast<const float4*>(dst + o1);
-                  a = make_float4(ga.x + a.x, ga.y + a.y, ga.z + a.z, ga.w + a.w);
-                  z = make_float4(gz.x + z.x, gz.y + z.y, gz.z + z.z, gz.w + z.w);
-                }
-                dq_store4<D>(a, z, scale, rope, t, (long long)b * Tq + t, 4 * cq, drow + t * sgq.t + 4 * cq);
-              }
-              __syncwarp();
-              bar_arrive_n(BAR_EMPTY + 2 * pb, HANDOFF_THREADS);  // the sum is read: buffer free
-              continue;  // the last add of the tile: nobody waits on its semaphore
-            }
             if (lane == 0) {
               if (j == 0)
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(p0),
@@ -1155,9 +1086,6 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
             bar_arrive_n(BAR_EMPTY + 2 * pb, HANDOFF_THREADS);  // the sum is read: buffer free
             if (lane == 0) {
               asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds performed
-              // the async proxy's adds before the generic proxy's release: the last key tile's writer reads
-              // dq_acc with plain loads
-              asm volatile("fence.proxy.async.global;" ::: "memory");
               fence_acq_rel_gpu();
               st_relaxed_gpu(semp, j + 1);
             }
@@ -1405,7 +1333,26 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ acc, co
   float4 a = any ? *reinterpret_cast<const float4*>(src + 4 * ((c >> 2) ^ sw)) : make_float4(0.f, 0.f, 0.f, 0.f);
   float4 z = any ? *reinterpret_cast<const float4*>(src + 4 * (((c + D / 2) >> 2) ^ sw))
                  : make_float4(0.f, 0.f, 0.f, 0.f);
-  dq_store4<D>(a, z, scale, rt, t, (long long)b * Tq + t, c, dq + b * sgq.b + t * sgq.t + h * sgq.h + c);
+  float x0[4] = {a.x * scale, a.y * scale, a.z * scale, a.w * scale};
+  float x1[4] = {z.x * scale, z.y * scale, z.z * scale, z.w * scale};
+  if (rt.mode >= 0) {  // rotate by -angle: (x1 c + x2 s, x2 c - x1 s)
+    long long p = rt.mode == 0 ? t : (long long)rt.pos[rt.mode == 1 ? t : (long long)b * Tq + t];
+    p = p < 0 ? 0 : (p >= rt.L ? rt.L - 1 : p);
+    const float4 cs = *reinterpret_cast<const float4*>(rt.c + p * (D / 2) + c);
+    const float4 sn = *reinterpret_cast<const float4*>(rt.s + p * (D / 2) + c);
+    const float cc[4] = {cs.x, cs.y, cs.z, cs.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float u = x0[e], w = x1[e];
+      x0[e] = u * cc[e] + w * ss[e];
+      x1[e] = w * cc[e] - u * ss[e];
+    }
+  }
+  bf16* d = dq + b * sgq.b + t * sgq.t + h * sgq.h + c;
+  reinterpret_cast<unsigned*>(d)[0] = pack_bf16(x0[0], x0[1]);
+  reinterpret_cast<unsigned*>(d)[1] = pack_bf16(x0[2], x0[3]);
+  reinterpret_cast<unsigned*>(d + D / 2)[0] = pack_bf16(x1[0], x1[1]);
+  reinterpret_cast<unsigned*>(d + D / 2)[1] = pack_bf16(x1[2], x1[3]);
 }
 
 // ================================================================================================ entry points
@@ -1478,10 +1425,8 @@ CK_ATTN90_BWD(64, 64, 4, 64, 4, 2, 2)
 CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)
 
 // The fused (five-product) backward at head_dim 64: attn_sm90_bwd_delta_d64, then attn_sm90_bwd_dkdvq_d64{,_serial}
-// (dkdv's arguments plus dq_acc: fp32 [B, H, ceil(Tq / 64) * 64, 64], rows swizzled by 16-byte chunk, sem:
-// int32 [B, H, ceil(Tq / 64)], zeroed, and dq with its element strides: given, each query tile's last key tile
-// writes its dq rows; NULL, attn_sm90_bwd_dq_convert_d64 turns dq_acc into dq after, which every query tile that
-// no key tile sees needs: Tq - Tk >= 64 under the causal mask). dkdvq: 64-query tiles, 4 stages, 2 K / V
+// (dkdv's arguments plus dq_acc: fp32 [B, H, ceil(Tq / 64) * 64, 64], rows swizzled by 16-byte chunk, and sem:
+// int32 [B, H, ceil(Tq / 64)], zeroed), then attn_sm90_bwd_dq_convert_d64. dkdvq: 64-query tiles, 4 stages, 2 K / V
 // buffers, + 2 x 8 KB dS^T + 2 x 2 x 16 KB hand-off = 211 KB of shared memory. Its grid must be persistent (at
 // most one CTA per SM).
 #define CK_ATTN90_BWD_FQ_1(D, BQ, STK, QBK, PP, SUF)                                                          \
@@ -1490,13 +1435,11 @@ CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,              \
-      const float* rc, const float* rs, const int* rp, int rmode, int rL, float* dq_acc, int* sem, bf16* dq,    \
-      long long qgb, long long qgt, long long qgh) {                                                           \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL, float* dq_acc, int* sem) {          \
     attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP, true>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},       \
                                                   Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, \
                                                   Tq, Tk, H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh},      \
-                                                  RopeTab{rc, rs, rp, rmode, rL}, dq_acc, sem, dq,              \
-                                                  Strides{qgb, qgt, qgh});                                      \
+                                                  RopeTab{rc, rs, rp, rmode, rL}, dq_acc, sem);                 \
   }
 CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, true, )
 CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, false, _serial)

@@ -355,35 +355,6 @@ def test_fused_dq_semaphores_never_deadlock_and_add_in_key_order(case):
                 assert adds.get((b, h, qi), []) == want, (b, h, qi)
 
 
-def last_key_tile(qi, off, causal, nkt, bq=64, bm=128):
-    """Mirror of the kernel's last_key_tile: the last key tile that adds into query tile qi (-1: none)."""
-    if not causal:
-        return nkt - 1
-    x = (qi + 1) * bq + off
-    return min(nkt - 1, (x - 1) // bm) if x > 0 else -1
-
-
-@pytest.mark.parametrize("case", [(1, 1024, 1024, 4, 1, True, 132), (2, 1000, 1000, 8, 2, False, 3),
-                                  (1, 300, 700, 4, 2, True, 5), (1, 700, 300, 4, 4, True, 2),
-                                  (1, 340, 300, 4, 2, True, 3), (3, 257, 257, 2, 1, True, 1)])
-def test_fused_dq_last_key_tile_is_the_last_add(case):
-    """DQ_DIRECT: the writer that sees j == last_key_tile(qi) writes dq, so it must be the tile's last add in the
-    schedule (and -1 exactly for the query tiles no key tile adds into, which the launcher leaves to the convert
-    kernel: only when Tq - Tk >= 64 under the causal mask)."""
-    Bsz, Tq, Tk, H, Hkv, causal, grid = case
-    adds = simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid)
-    off, nkt, nqb = Tk - Tq, -(-Tk // 128), -(-Tq // 64)
-    unseen = 0
-    for qi in range(nqb):
-        jl = last_key_tile(qi, off, causal, nkt)
-        for b in range(Bsz):
-            for h in range(H):
-                got = adds.get((b, h, qi), [])
-                assert (got[-1] if got else -1) == jl, (b, h, qi)
-        unseen += jl < 0
-    assert (unseen > 0) == (causal and Tq - Tk >= 64)
-
-
 def test_fused_dq_shared_layouts_are_bijective_and_conflict_free():
     """dS^T store: (warp, lane, kk, e) -> 4-byte word of the 64 x 64 bf16 [key][query] tile, the 128-byte swizzle
     (the same placement as the producer's V tiles, which wgmma reads MN-major); the hand-off buffer: float2 slot
@@ -755,44 +726,6 @@ def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch,
     monkeypatch.setattr(A90, "BWD_DQ", "bogus")
     with pytest.raises(ValueError, match="BWD_DQ"):
         A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("case", FUSED + [(1, 340, 300, 4, 2, True), (2, 1100, 1100, 8, 2, True)],
-                         ids=lambda c: "B%dTq%dTk%dH%d/%d%s" % (*c[:5], "c" if c[5] else "f"))
-def test_gpu_fused_dq_direct_is_bit_identical_to_the_convert_kernel(rng, variant, monkeypatch, case):
-    """DQ_DIRECT (the last key tile's writer writes dq) against DQ_DIRECT = 0 (dq_acc, then the convert kernel):
-    the same bits in dq, dk and dv, into NaN-poisoned head slices of a packed dqkv, with the fused rope backward
-    (no positions, per-token and per-(b, t) int32 positions) and without it, on full and 1- / 5-CTA grids."""
-    Bsz, Tq, Tk, H, Hkv, causal = case
-    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)
-    w = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)[0]
-    Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
-    o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, return_lse=True)
-    L = max(Tq, Tk) + 3
-    cos, sin = (cp().asarray(a) for a in ck.rope_cache(L, 64, xp=np))
-    ropes = {"none": None}
-    if Tq == Tk:  # the fused rope backward needs q and k at the same positions
-        ropes["arange"] = (cos, sin, None)
-        ropes["1d"] = (cos, sin, cp().asarray(rng.integers(0, L, Tq).astype(np.int32)))
-        ropes["2d"] = (cos, sin, cp().asarray(rng.integers(0, L, (Bsz, Tq)).astype(np.int32)))
-
-    def run(direct, rope, cap=None):
-        monkeypatch.setattr(A90, "DQ_DIRECT", direct)
-        monkeypatch.setattr(A90, "GRID_CAP", cap)
-        dqkv = cp().full((Bsz, max(Tq, Tk), H + 2 * Hkv, 64), np.nan, dtype=BF16)
-        outs = (dqkv[:, :Tq, :H], dqkv[:, :Tk, H:H + Hkv], dqkv[:, :Tk, H + Hkv:])
-        got = A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal, grads_out=outs, rope=rope)
-        return [to_host(x) for x in got]
-
-    for name, rope in ropes.items():
-        ref = run(0, rope)
-        assert not np.isnan(ref[0].astype(np.float32)).any(), f"{name}: dq rows left unwritten"
-        for cap in (None, 1, 5):
-            for x, y, n in zip(run(1, rope, cap), ref, ("dq", "dk", "dv")):
-                np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16),
-                                              err_msg=f"{n}, rope {name}, grid cap {cap}")
 
 
 @pytest.mark.gpu

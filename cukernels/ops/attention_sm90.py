@@ -67,12 +67,6 @@ BWD_DQ = "fused"
 BWD_DQ_MODES = ("fused", "kernel")
 FUSED_DQ_DIMS = (64,)
 FUSED_BQ = 64  # query tile of dkdvq = the row block of dq_acc and of its semaphores
-# The fused backward's dq (DQ_DIRECT): 1 = the dQ writer of each query tile's last key tile adds the earlier key
-# tiles' dq_acc rows to its own sum and writes dq (scale, rope backward, bf16) while the tile is in L2; 0 = every
-# key tile adds into dq_acc and attn_sm90_bwd_dq_convert reads all of it back after the kernel (67 MB at
-# B8 x T1024 x H32 x D64: ~24 us and a launch). The same bits either way. Query tiles that no key sees (causal,
-# Tq - Tk >= 64) need the convert kernel's zeros: those calls take 0.
-DQ_DIRECT = 1
 
 
 def bwd_smem_bytes(kind: str, D: int) -> int:
@@ -309,18 +303,14 @@ def _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, 
     get_function(FAMILY, f"attn_sm90_bwd_delta_d{D}")((-(-rows * (D // 8) // threads),), (threads, 1, 1),
                                                      (out, dout, delta, *sd, np.int32(Tq), np.int32(H),
                                                       np.int32(Bsz)))
-    causal = bool(tail[5])
-    direct = bool(DQ_DIRECT) and Tk > 0 and not (causal and Tq - Tk >= FUSED_BQ)
     if Tk:
         kd, smd = _kernel(D, BWD_VARIANT, "dkdvq")
         kd((grid(-(-Tk // BM) * Hkv * Bsz, persistent_only=True),), (THREADS, 1, 1),
-           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt, acc, sem,
-            dq if direct else B.NULL, *(_strides("dq", dq) if direct else (np.int64(0),) * 3)),
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt, acc, sem),
            shared_mem=smd)
-    if not direct:
-        get_function(FAMILY, f"attn_sm90_bwd_dq_convert_d{D}")((-(-rows * (D // 8) // threads),), (threads, 1, 1),
-                                                              (acc, sem, dq, *_strides("dq", dq), np.int32(Tq),
-                                                               np.int32(H), np.int32(Bsz), scale, *rt))
+    get_function(FAMILY, f"attn_sm90_bwd_dq_convert_d{D}")((-(-rows * (D // 8) // threads),), (threads, 1, 1),
+                                                          (acc, sem, dq, *_strides("dq", dq), np.int32(Tq),
+                                                           np.int32(H), np.int32(Bsz), scale, *rt))
 
 
 def _rope_args(rope, Bsz, Tq, Tk, D):
