@@ -409,13 +409,17 @@ __device__ __forceinline__ void ln_bwd_pipe(const T* __restrict__ dy, const T* _
 // common/vec.cuh's write_block_partial for ln_bwd_warp (blockDim = (32, warps), lane owns packs lane + 32 k, E
 // elements each, E a multiple of 4): the warps' accumulators are summed in warp order through shared memory `comb`
 // (one float per column, 16-byte aligned), then the block writes its partial row with 16-byte stores (C % E == 0
-// on that path, so `part` is 16-byte aligned). blockDim.y barriers, once a kernel. Every thread of the block calls
-// it. Deterministic.
+// on that path, so `part` is 16-byte aligned). blockDim.y + 1 barriers, once a kernel. Every thread of the block
+// calls it. Deterministic.
+// The barrier on entry: ln_bwd_warp calls this twice in a row (dgamma, then dbeta) through the same `comb`, and
+// without it warp 0 of the second call overwrote columns the other warps were still copying out for the first
+// (session 15: dgamma wrong in 102 of 1024 columns at 8195 rows, once in a whole-suite run; timing-dependent).
 template <int VPT, int E>
 __device__ __forceinline__ void write_warps_partial(const float (&acc)[VPT][E], float* __restrict__ part, int units,
                                                     float* comb) {
   static_assert(E % 4 == 0, "16-byte path only");
   const int lane = threadIdx.x, warp = threadIdx.y;
+  __syncthreads();  // comb's previous readers (the last call's copy loop) are done
   for (int j = 0; j < (int)blockDim.y; ++j) {
     if (warp == j) {
 #pragma unroll
