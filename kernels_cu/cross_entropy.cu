@@ -31,8 +31,8 @@
 //   thread reads a pack before it writes the same pack, and x_t is read before the block reduction's barrier.
 //   HBM traffic ~ 2 N V s = 2.1 GB -> ~0.5 ms at 4.2 TB/s (target 0.9 ms). Pass 2 loads and stores evict-first
 //   (`hint`): the dx lines written back would otherwise push waiting rows out of L2 (session 15: 0.810 ->
-//   0.727 ms at 4096 x 128256; what remains is ~10 us of exp2 a row beside ~16 us of memory, in series within a
-//   block). For mean, the divisor is needed
+//   0.727 ms at 4096 x 128256; by estimate, not measured, what remains is ~10 us of exp2 a row beside ~16 us of
+//   memory, in series within a block). For mean, the divisor is needed
 //   before writing: ce_count (a one-block kernel) counts the valid targets into a device int first.
 // - Reductions are deterministic: the per-row loss goes to a fp32 buffer and ce_reduce (one block) sums it in
 //   a fixed order; no float atomics anywhere.
