@@ -156,7 +156,7 @@ __device__ __forceinline__ void store16_hint(T* p, const Pack<T, E>& o, bool hin
   if (hint)
     __stcs(reinterpret_cast<uint4*>(p), pack_words(o));
   else
-    __stwb(reinterpret_cast<uint4*>(p), pack_words(o));
+    store16<T, E>(p, o);
 }
 
 // Row layout: [0, head) scalar, [head, head + units * E) packs of E, [tail0, V) scalar.
