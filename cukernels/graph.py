@@ -64,6 +64,133 @@ class _PriorityGraph:
             self._lib.cuGraphExecDestroy(self._exec)
 
 
+# Small memset nodes become kernel nodes before instantiation (kernels_cu/graph_fill.cu says why, with the
+# numbers): "kernel" (default) or "keep" (the captured graph as it is, for A/B rows and for a driver where the
+# rewrite fails). Only fills of at most MEMSET_KERNEL_MAX_BYTES are rewritten; larger ones stay memset nodes.
+MEMSET_NODES = "kernel"
+MEMSET_KERNEL_MAX_BYTES = 1 << 20
+_NODE_TYPE_MEMSET = 2  # CU_GRAPH_NODE_TYPE_MEMSET
+
+
+class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("elementSize", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS (_v2: + kern, ctx, both NULL here)
+    _fields_ = [("func", ctypes.c_void_p), ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint),
+                ("blockDimZ", ctypes.c_uint), ("sharedMemBytes", ctypes.c_uint), ("kernelParams", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+def fill_plan(dst, pitch, value, elsize, width, height):
+    """A memset node's fill as ``graph_fill`` arguments ``(pitch, value, elsize, width, height)``: 1- and 2-byte
+    fills whose address, pitch (when there are several rows) and row length are 4-byte aligned become 4-byte
+    fills of the replicated value (same bytes, a quarter / half of the stores)."""
+    if elsize not in (1, 2, 4):
+        raise ValueError(f"elsize: expected 1, 2 or 4; got {elsize!r}")
+    value &= (1 << (8 * elsize)) - 1
+    row = width * elsize
+    if elsize < 4 and dst % 4 == 0 and row % 4 == 0 and (height == 1 or pitch % 4 == 0):
+        value *= 0x01010101 if elsize == 1 else 0x00010001
+        width, elsize = row // 4, 4
+    return pitch, value, elsize, width, height
+
+
+def fill_reference(buf, offset, pitch, value, elsize, width, height):
+    """NumPy reference of a memset node on the bytes ``buf`` (uint8): what ``graph_fill`` must leave."""
+    import numpy as np
+
+    pattern = np.frombuffer(int(value & ((1 << (8 * elsize)) - 1)).to_bytes(elsize, "little"), np.uint8)
+    out = buf.copy()
+    for r in range(height):
+        a = offset + r * pitch
+        out[a:a + width * elsize] = np.tile(pattern, width)
+    return out
+
+
+def _driver_fn(lib, *names):
+    for n in names:
+        f = getattr(lib, n, None)
+        if f is not None:
+            return n, f
+    raise AttributeError(f"libcuda has none of {names}")
+
+
+def _node_list(fn, v2, *head):
+    """Call a cuGraph* getter that fills (nodes, count), twice: size, then contents."""
+    n = ctypes.c_size_t(0)
+    args = (*head, None, None, ctypes.byref(n)) if v2 else (*head, None, ctypes.byref(n))
+    r = fn(*args)
+    if r != 0:
+        return None
+    arr = (ctypes.c_void_p * max(1, n.value))()
+    args = (*head, arr, None, ctypes.byref(n)) if v2 else (*head, arr, ctypes.byref(n))
+    r = fn(*args)
+    return None if r != 0 else list(arr[:n.value])
+
+
+def memsets_to_kernels(graph, lib) -> int:
+    """Rewrite each memset node of the (not yet instantiated) ``graph`` that fills at most
+    MEMSET_KERNEL_MAX_BYTES as a ``graph_fill`` kernel node with the same dependencies and dependents; returns
+    how many were rewritten. A node whose edges carry data (a programmatic edge) or any driver call that fails
+    leaves that node as it was: the graph stays correct either way."""
+    from ._loader import get_function
+
+    _, get_nodes = _driver_fn(lib, "cuGraphGetNodes")
+    dn, get_deps = _driver_fn(lib, "cuGraphNodeGetDependencies_v2", "cuGraphNodeGetDependencies")
+    on, get_outs = _driver_fn(lib, "cuGraphNodeGetDependentNodes_v2", "cuGraphNodeGetDependentNodes")
+    an, add_deps = _driver_fn(lib, "cuGraphAddDependencies_v2", "cuGraphAddDependencies")
+    _, add_kernel = _driver_fn(lib, "cuGraphAddKernelNode_v2")
+    nodes = _node_list(get_nodes, False, graph)
+    if not nodes:
+        return 0
+    func = get_function("graph_fill", "graph_fill")
+    sms = B.sm_count()
+    done = 0
+    for node in nodes:
+        t = ctypes.c_int(-1)
+        if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t)) != 0 or t.value != _NODE_TYPE_MEMSET:
+            continue
+        p = _MemsetParams()
+        if lib.cuGraphMemsetNodeGetParams(ctypes.c_void_p(node), ctypes.byref(p)) != 0:
+            continue
+        if p.elementSize not in (1, 2, 4) or p.width * p.elementSize * p.height > MEMSET_KERNEL_MAX_BYTES:
+            continue
+        deps = _node_list(get_deps, dn.endswith("_v2"), ctypes.c_void_p(node))
+        outs = _node_list(get_outs, on.endswith("_v2"), ctypes.c_void_p(node))
+        if deps is None or outs is None:  # e.g. CUDA_ERROR_LOSSY_QUERY: an edge with data
+            continue
+        pitch, value, elsize, width, height = fill_plan(p.dst, p.pitch, p.value, p.elementSize, p.width, p.height)
+        n = width * height
+        if n == 0:
+            continue
+        args = [ctypes.c_uint64(p.dst), ctypes.c_uint64(pitch), ctypes.c_uint(value), ctypes.c_uint(elsize),
+                ctypes.c_uint64(width), ctypes.c_uint64(height)]
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        kp = _KernelParams(func=ctypes.c_void_p(func.ptr), gridDimX=int(min(-(-n // 256), 4 * sms)), gridDimY=1,
+                           gridDimZ=1, blockDimX=256, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
+                           kernelParams=ctypes.cast(ptrs, ctypes.c_void_p))
+        dep_arr = (ctypes.c_void_p * max(1, len(deps)))(*deps)
+        new = ctypes.c_void_p()
+        if add_kernel(ctypes.byref(new), graph, dep_arr if deps else None, ctypes.c_size_t(len(deps)),
+                      ctypes.byref(kp)) != 0:
+            continue
+        if outs:
+            src = (ctypes.c_void_p * len(outs))(*([new.value] * len(outs)))
+            dst = (ctypes.c_void_p * len(outs))(*outs)
+            r = (add_deps(graph, src, dst, None, ctypes.c_size_t(len(outs))) if an.endswith("_v2")
+                 else add_deps(graph, src, dst, ctypes.c_size_t(len(outs))))
+            if r != 0:
+                lib.cuGraphDestroyNode(new)
+                continue
+        # The memset goes last: had this failed, both fills would run, and the dependents wait for both.
+        lib.cuGraphDestroyNode(ctypes.c_void_p(node))
+        done += 1
+    return done
+
+
 def end_capture(stream):
     """End ``stream``'s capture; the graph instantiated with per-node stream priorities (driver API), or CuPy's
     own ``Graph`` where libcuda cannot be loaded (then every node runs at the launch stream's priority: correct,
@@ -75,7 +202,18 @@ def end_capture(stream):
     r = lib.cuStreamEndCapture(ctypes.c_void_p(stream.ptr), ctypes.byref(g))
     if r != 0:
         raise RuntimeError(f"cuStreamEndCapture failed (CUresult {r})")
-    return _PriorityGraph(g, lib)
+    converted = 0
+    if MEMSET_NODES == "kernel":
+        try:
+            converted = memsets_to_kernels(g, lib)
+        except Exception:  # an optimisation only: whatever was rewritten is complete, the rest stays as captured
+            pass
+    elif MEMSET_NODES != "keep":
+        lib.cuGraphDestroy(g)
+        raise ValueError(f"graph.MEMSET_NODES: expected 'kernel' or 'keep'; got {MEMSET_NODES!r}")
+    out = _PriorityGraph(g, lib)
+    out.memsets_converted = converted
+    return out
 
 
 class CapturedStep:

@@ -1218,6 +1218,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
           // dS^T to shared memory as dQ's A operand, [key][query] with the queries contiguous (128-byte rows,
           // the 128-byte swizzle: chunk nt of key row r at (nt ^ (r & 7)); r & 7 = g). A warp's 32 lanes write
           // 8 rows x 4 words of one chunk column: 32 distinct banks.
+          // The previous iteration's dQ wgmma reads every row of this tile (warp w's queries across all keys),
+          // and a warp's wgmma_wait covers its own part: without the ping-pong turns (whose first turn of the
+          // iteration is a barrier of the whole warpgroup) nothing else holds a fast warp here until the slowest
+          // has passed that wait in the first hand-offs (the writer's EMPTY barrier does from hand-off 3 on).
+          if constexpr (!PP) bar_sync_n(BAR_DS + cw, WG);
           const int g = lane >> 2;
 #pragma unroll
           for (int kk = 0; kk < BQ / 16; ++kk)

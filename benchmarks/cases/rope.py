@@ -55,4 +55,21 @@ def cases(ctx):
             out.append(Case("rope fwd in place", shape, dn, nbytes, "2*N*s + 2*S*D/2*4",
                             lambda i, xs=xs, cos=cos, sin=sin: ck.rope(xs[i], cos, sin, out=xs[i]),
                             None, None, extra=dict(nsets=k)))
+    out += _packed_cases(ctx)
     return out
+
+
+def _packed_cases(ctx):
+    """The model's call: q and k heads of a packed qkv projection rotated in place by one launch (LLaMA-3.2-1B,
+    B8 x T1024, heads 32 / 8 x 64 of 48 a token; session 15's profile: 0.53 ms a step at ~60 % of copy)."""
+    cp = ctx.cp
+    Bsz, S, H, Hkv, D = 8, 1024, 32, 8, 64
+    n = Bsz * S * (H + Hkv) * D
+    k = ctx.nsets(2 * n * 2)
+    qkvs = [cp.random.standard_normal((Bsz, S, H + 2 * Hkv, D), dtype=cp.float32).astype(ck.bfloat16) for _ in range(k)]
+    cos, sin = ck.rope_cache(S, D, 500000.0, LLAMA3, xp=cp)
+    nbytes = 2 * n * 2 + 2 * S * (D // 2) * 4
+    return [Case("rope fwd packed qk in place", f"{Bsz}x{S}x({H}+{Hkv})/{H + 2 * Hkv}x{D}", "bf16", nbytes,
+                 "2*N*s + 2*S*D/2*4",
+                 lambda i: ck.rope(qkvs[i][:, :, :H + Hkv], cos, sin, out=qkvs[i][:, :, :H + Hkv]),
+                 None, None, extra=dict(nsets=k))]
