@@ -125,7 +125,9 @@ def _node_list(fn, v2, *head):
     r = fn(*args)
     if r != 0:
         return None
-    arr = (ctypes.c_void_p * max(1, n.value))()
+    if n.value == 0:  # (a second call with an array and a count of 0 is refused)
+        return []
+    arr = (ctypes.c_void_p * n.value)()
     args = (*head, arr, None, ctypes.byref(n)) if v2 else (*head, arr, ctypes.byref(n))
     r = fn(*args)
     return None if r != 0 else list(arr[:n.value])
