@@ -171,7 +171,8 @@ def memsets_to_kernels(graph, lib) -> int:
         args = [ctypes.c_uint64(p.dst), ctypes.c_uint64(pitch), ctypes.c_uint(value), ctypes.c_uint(elsize),
                 ctypes.c_uint64(width), ctypes.c_uint64(height)]
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        kp = _KernelParams(func=ctypes.c_void_p(func.ptr), gridDimX=int(min(-(-n // 256), 4 * sms)), gridDimY=1,
+        kp = _KernelParams(func=ctypes.c_void_p(func.kernel.ptr),  # RawKernel .kernel: the CUfunction
+                           gridDimX=int(min(-(-n // 256), 4 * sms)), gridDimY=1,
                            gridDimZ=1, blockDimX=256, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
                            kernelParams=ctypes.cast(ptrs, ctypes.c_void_p))
         dep_arr = (ctypes.c_void_p * max(1, len(deps)))(*deps)
@@ -208,8 +209,11 @@ def end_capture(stream):
     if MEMSET_NODES == "kernel":
         try:
             converted = memsets_to_kernels(g, lib)
-        except Exception:  # an optimisation only: whatever was rewritten is complete, the rest stays as captured
-            pass
+        except Exception as e:  # an optimisation only: whatever was rewritten is complete, the rest as captured
+            import warnings
+
+            warnings.warn(f"cukernels.graph: memset nodes left as captured ({type(e).__name__}: {e}); set "
+                          f"cukernels.graph.MEMSET_NODES = 'keep' to silence this", RuntimeWarning, stacklevel=2)
     elif MEMSET_NODES != "keep":
         lib.cuGraphDestroy(g)
         raise ValueError(f"graph.MEMSET_NODES: expected 'kernel' or 'keep'; got {MEMSET_NODES!r}")
