@@ -140,20 +140,8 @@ def _function(family: str, name: str, dev: int):
         raise KernelCompileError(f"kernels_cu/{family}.cu has no kernel {name!r}: {e}") from None
 
 
-# Preferred shared-memory carveout (percent of the L1 / shared array) set on every kernel when not None; an A/B
-# knob for the question whether the SM's L1 / shared reconfiguration between our kernels and cuBLAS' (which take
-# the maximum) costs the gaps measured before each GEMM (NOTES.md, session 16). None: the driver's default.
-CARVEOUT = None
-_carveout_set: dict = {}
-
-
 def get_function(family: str, name: str):
     """The compiled kernel ``name`` of ``kernels_cu/<family>.cu`` on the current device."""
     import cupy
 
-    dev = cupy.cuda.Device().id
-    k = _function(family, name, dev)
-    if CARVEOUT is not None and _carveout_set.get((family, name, dev)) != CARVEOUT:
-        k.preferred_shared_memory_carveout = int(CARVEOUT)
-        _carveout_set[(family, name, dev)] = CARVEOUT
-    return k
+    return _function(family, name, cupy.cuda.Device().id)
