@@ -16,6 +16,10 @@ What ``fn`` must respect (the graph-capturable contract of every cukernels op, D
 - keep values that change every step on the device (the optimizer's step and learning rate are device
   scalars updated by a kernel inside the step, so a replay advances them);
 - GEMMs through ``ck.matmul`` (our own cuBLAS handle; ``cupy.matmul`` refuses capture).
+
+Before instantiation the captured graph's small memset nodes (cuBLAS' workspace memsets: 168 in a LLaMA-1B step)
+become kernel nodes writing the same bytes (``MEMSET_NODES``, ``kernels_cu/graph_fill.cu``): the gaps around
+them shrink to kernel-to-kernel size (B4xT64: -0.11 ms a step, session 16).
 """
 from __future__ import annotations
 
