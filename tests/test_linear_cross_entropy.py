@@ -540,13 +540,40 @@ def test_gpu_extra_memory_is_the_workspace_not_the_logits(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_captured_call_replays(rng, reduction):
-    """A CUDA graph of the call (ck.graph.CapturedStep) replays to the eager result, and follows new contents of
-    its input buffers (new x and new targets: the mean's divisor is recounted on the device each replay)."""
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("N, H, V, chunk", [(3, 40, 50257, None), (1000, 64, 50257, 256), (37, 33, 4099, 5)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_staged_weight_matches_reference(rng, N, H, V, chunk, dtype, stage, monkeypatch):
+    """A weight with an unaligned row count is staged into zero-padded rows (STAGE_WEIGHT = 1, the default) or
+    used as it is (0): both agree with the reference; the caller's weight is never written."""
     import cupy as cp
 
-    N, H, V = 600, 64, 3000
+    from cukernels.ops import linear_cross_entropy as lce
+
+    monkeypatch.setattr(lce, "STAGE_WEIGHT", stage)
+    misalign = N == 37
+    x, w, t = _case(rng, N, H, V, dtype)
+    xd, wd, td = device_copy(x, misalign), device_copy(w, misalign), device_copy(t, misalign)
+    before = cp.asnumpy(wd).tobytes()
+    for reduction in ("mean", "none"):
+        ref = linear_cross_entropy(x, w, t, reduction=reduction, label_smoothing=0.1, chunk_rows=chunk)
+        got = linear_cross_entropy(xd, wd, td, reduction=reduction, label_smoothing=0.1, chunk_rows=chunk,
+                                   grad_weight=poisoned((V, H), np.float32),
+                                   grad_input=poisoned((N, H), dtype, misalign))
+        _check(got, ref, dtype, reduction, f"stage={stage} {N}x{H}x{V} {reduction}")
+    assert cp.asnumpy(wd).tobytes() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [3000, 3001], ids=["aligned", "staged"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_captured_call_replays(rng, reduction, V):
+    """A CUDA graph of the call (ck.graph.CapturedStep) replays to the eager result, and follows new contents of
+    its input buffers (new x and new targets: the mean's divisor is recounted on the device each replay); with
+    V = 3001 the weight's staging copy is part of the graph."""
+    import cupy as cp
+
+    N, H = 600, 64
     x, w, t = _case(rng, N, H, V, ck.bfloat16)
     xd, wd, td = device_copy(x), device_copy(w), device_copy(t)
     gw = cp.zeros((V, H), cp.float32)
