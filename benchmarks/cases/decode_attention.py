@@ -21,7 +21,7 @@ them): bytes are the K/V rows read + qkv + o; "x cupy" is the composition it rep
 decode_attention: two launches). The "pdl" rows run both back to back under _launch.pdl_scope(), where the
 fused kernel loads the length, mask, cos / sin and the cached K/V before pdl_wait (overlapping the previous
 call; safe here: no call writes what the next reads before its wait, the appended row is never read from the
-cache). The decode step's own number (after the qkv GEMV) comes from bench_generate / gemv_chain.
+cache). The decode step's own number (after the qkv GEMV) comes from bench_generate / dev/gemv_chain.py.
 """
 import math
 

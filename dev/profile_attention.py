@@ -1,20 +1,27 @@
-"""Kernel times of ck.flash_attention fwd + bwd beside PyTorch's scaled_dot_product_attention (cuDNN / flash
-backend), from CUPTI through torch.profiler: the numbers behind benchmarks/NOTES.md's attention section.
-The "pad25%L" configuration adds the benchmark's left-padding key mask (ck: the *_km kernels; torch: what
-transformers' sdpa path runs, repeated K/V heads and a [B, 1, T, T] boolean mask).
+"""Question: how do ck.flash_attention's kernels (the mma.sync family) time beside PyTorch's
+scaled_dot_product_attention (cuDNN / flash backend), kernel by kernel? From CUPTI through torch.profiler. The
+"pad25%L" configuration adds the benchmark's left-padding key mask (ck: the *_km kernels; torch: what transformers'
+sdpa path runs, repeated K/V heads and a [B, 1, T, T] boolean mask).
 
-    PYTHONPATH=. python benchmarks/profile_attention.py
+Answer (2026-11-29, one H200, ``python dev/profile_attention.py``): at B8xT1024 H32/8 D64 causal the mma.sync kernels
+took fwd ~191 us and bwd ~618 us, cuDNN's sm90 wgmma kernels ~1.7x less (fwd+bwd 0.60x SDPA): what led to the wgmma
+family (ck.flash_attention_sm90, now dispatched on Hopper: 1.09x SDPA, ``python benchmarks/bench_ops.py --only
+attention_sm90``). benchmarks/NOTES.md, "flash_attention".
+
+    PYTHONPATH=. python dev/profile_attention.py
 """
+import os
 import sys
 
 import cupy as cp
 import torch
 
 sys.path.insert(0, '.')
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # cases
 import cukernels as ck
 from torch.profiler import profile, ProfilerActivity
 import torch.nn.functional as Fn
-from cases.attention import left_padding_mask  # benchmarks/ (the script's folder) is on sys.path
+from cases.attention import left_padding_mask
 
 for (B,T,H,Hkv,D,causal,padded) in [(8,1024,32,8,64,True,False),(8,1024,32,8,64,True,True),
                                     (2,4096,32,8,64,True,False),(8,1024,32,8,64,False,False)]:

@@ -1,16 +1,23 @@
-"""Does AdamW hide under the next forward's GEMMs? (issue 17: B8xT1024 <= 112 ms; Adam is 8.9 ms of the step.)
+"""Question: does AdamW hide under the next forward's GEMMs? (issue 17: B8xT1024 <= 112 ms; Adam is 8.9 ms of the
+step.) If it did, a deferred update (layer i's forward waiting only for its own bucket's update) would pay.
 
-A stand-in for LLaMA-3.2-1B's forward at B8xT1024 on one GPU: per layer the four bf16 GEMMs of the packed
+Answer (2026-12-01, one H200, ``python dev/adam_overlap.py``): barely. Forward alone 21.87 ms, Adam alone 7.52, serial
+29.80; the best overlap (forward stream at high priority, occupancy 1) 28.69 ms: -1.1 ms, 15 % of the update hidden,
+against -3 to -6 predicted. cuBLAS' persistent GEMM CTAs hold a whole SM each, so the update only gets SMs between
+GEMMs. Every variant's parameters are bit-identical to serial. Dropped: not worth the deferred update's hazards
+(benchmarks/NOTES.md, "adam").
+
+The stand-in for LLaMA-3.2-1B's forward at B8xT1024 on one GPU: per layer the four bf16 GEMMs of the packed
 projections (8192 tokens; qkv 2048 -> 3072, o 2048 -> 2048, gate/up 2048 -> 16384, down 8192 -> 2048; ~1.0
-TFLOP a layer, ~1.4 ms at 700 TFLOP/s), 16 layers; and ck.adam_step over 16 buckets of the layers' 1.24e9
-fp32 parameters (fp32 gradients, bf16 shadows: 30 B an element, 37 GB, ~8.9 ms at copy speed).
+TFLOP a layer, ~1.4 ms at 700 TFLOP/s), 16 layers; and ck.adam_step over 16 buckets of the layers' parameters
+(fp32 gradients, bf16 shadows: 30 B an element).
 
-Serial: every bucket's update, then the forward (today's step). Overlapped: the updates on a side stream in
-forward order, each layer's GEMMs waiting for its own bucket's event (what a deferred update would do), with
-the side stream's priority and the update's grid depth (occupancy) varied. Prints ms per variant (CUDA events,
-median of 5 after 2 warm-ups) and the check that each variant's parameters equal the serial one's.
+Serial: every bucket's update, then the forward. Overlapped: the updates on a side stream in forward order, each
+layer's GEMMs waiting for its own bucket's event, with the side stream's priority and the update's grid depth
+(occupancy) varied. Prints ms per variant (CUDA events, median of 5 after 2 warm-ups) and the check that each
+variant's parameters equal the serial one's.
 
-    PYTHONPATH=. python benchmarks/adam_overlap.py [--tokens 8192] [--layers 16]
+    PYTHONPATH=. python dev/adam_overlap.py [--tokens 8192] [--layers 16]
 """
 import argparse
 import statistics

@@ -1,13 +1,21 @@
-"""Time the experimental instantiations of kernels_cu/attention.cu (tile width, fragments kept in registers or
-re-read from shared memory, resident blocks per SM) against the production ones, on the training shapes.
+"""Question: which tile width, fragment placement (registers or re-read from shared memory) and resident blocks per SM
+should the mma.sync attention kernels (kernels_cu/attention.cu) use? Times the experimental instantiations against
+the production ones on the training shapes.
 
-    PYTHONPATH=. python benchmarks/tune_attention.py
+Answer (2026-11-29, one H200, ``python dev/tune_attention.py`` with 11 variants instantiated): fwd 64-key tiles at 3
+blocks/SM (205.7 us at B8xT1024 causal, 2 blocks/SM 217.5), dq 32-key tiles with fragments in registers at 3
+blocks/SM (261.9 us, 64-key 282.3), dkdv 64-query tiles with K/V fragments in registers at 2 blocks/SM (379.9 us);
+the production kernels are those (benchmarks/NOTES.md, "flash_attention", the tuning table). The *_km (key-mask)
+variants run with an all-ones mask (the mask machinery alone) and with 25 % left padding.
 
 Each variant is launched with the production launcher's arguments and checked against the production
 kernel's output (max |difference|; the variants only reorder fp32 work). Key-masked variants (``*_km*``) run
 twice: with a mask of all ones (the cost of the mask machinery alone; output bit-identical to the unmasked
 kernel) and with the benchmark's 25 % left-padding mask (checked against ck.flash_attention with that mask).
+
+    PYTHONPATH=. python dev/tune_attention.py
 """
+import os
 import statistics
 import sys
 
@@ -15,16 +23,17 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # cases
 import cukernels as ck  # noqa: E402
 from cukernels._loader import get_function  # noqa: E402
 from cukernels.ops import attention as A  # noqa: E402
-from cases.attention import left_padding_mask  # noqa: E402  (benchmarks/, the script's folder, is on sys.path)
+from cases.attention import left_padding_mask  # noqa: E402
 
 D = 64
 # name -> (kind, tile): tile = key tile (fwd, dq) or query tile (dkdv); same shared layouts as production. To try
 # a variant, instantiate it at the end of attention.cu (e.g. ``CK_ATTN_DQ(64, 64, false, 2, _x1)`` defines
 # attn_bwd_dq_d64_x1 and its key-masked twin attn_bwd_dq_d64_km_x1) and list it here. Session 2 compared 11
-# variants this way (benchmarks/NOTES.md, attention).
+# variants this way (benchmarks/NOTES.md, "flash_attention").
 VARIANTS = {"attn_fwd_d64": ("fwd", A.TILES[D][0]), "attn_bwd_dq_d64": ("dq", A.TILES[D][1]),
             "attn_bwd_dkdv_d64": ("dkdv", A.TILES[D][2]),
             "attn_fwd_d64_km": ("fwd", A.TILES[D][0]), "attn_bwd_dq_d64_km": ("dq", A.TILES[D][1]),

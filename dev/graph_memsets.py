@@ -1,7 +1,13 @@
-"""Which memset nodes cuBLAS puts into a captured graph, and what a replay of the step's GEMMs costs with them as
-memset nodes or as kernel nodes (graph.MEMSET_NODES; NOTES.md, session 16).
+"""Question: which memset nodes does cuBLAS put into a captured graph, and what does a replay of the step's GEMMs
+cost with them as memset nodes or rewritten as kernel nodes (cukernels.graph.MEMSET_NODES)?
 
-    PYTHONPATH=. python benchmarks/graph_memsets.py
+Answer (2026-12-01, one H200, ``python dev/graph_memsets.py``): 9 memset nodes for the 11 GEMMs, all 4-byte fills of 0
+(elementSize 1, width 4). In this replay of GEMMs alone the kernel nodes were not faster (3.978 / 4.268 ms kept
+against 4.233 / 4.447 rewritten, alternating rows); in the whole step they gave -0.11 ms at B4xT64 and nothing at
+B8xT1024 (``python benchmarks/bench_train.py --configs b4t64 --steps 30 --ab "graph.MEMSET_NODES=keep"``).
+MEMSET_NODES = "kernel" stays the default (benchmarks/NOTES.md, "CUDA graphs").
+
+    PYTHONPATH=. python dev/graph_memsets.py
 """
 import collections
 import ctypes

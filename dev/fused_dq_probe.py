@@ -1,6 +1,15 @@
-"""Session 13 probe: where the fused (five-product) sm_90 backward's time goes. Times each kernel of the fused
-backward (delta, dkdvq, convert) and of the two-kernel one (dq, dkdv) alone, with CUDA events over repeated
-launches, at the issue-17 shapes. (Run C timed dkdvq with its parts compiled out one by one: NOTES, session 13.)"""
+"""Question: where does the fused (five-product) sm_90 backward's time go? Times each kernel of the fused backward
+(delta, dkdvq, convert) and of the two-kernel one (dq, dkdv) alone, with CUDA events over repeated launches, at the
+issue-17 shapes (B8xT1024 and B2xT4096, H32/8, D64, causal).
+
+Answer (2026-12-01, one H200, ``python dev/fused_dq_probe.py``): at B8xT1024 delta 20 us, dkdvq ~275 us, convert
+24 us (the whole fused backward 0.329 ms against the two-kernel 0.375). An earlier version, with dkdvq's parts
+compiled out one at a time, placed its cost: the fifth product +6 us, the warpgroup hand-off +32, the
+``red.global.add`` adds +64, the semaphore turn +105, which is why the adds moved to writer warps with one bulk
+reduce-add a hand-off (benchmarks/NOTES.md, "flash_attention_sm90").
+
+    PYTHONPATH=. python dev/fused_dq_probe.py
+"""
 import cupy as cp
 import numpy as np
 

@@ -1,7 +1,14 @@
-"""Per-GEMV time inside a captured chain under PDL (what a decode step sees), for the LLaMA-3.2-1B B = 1
-shapes, with and without the fused norm prologue: the A/B that places the GEMV's fixed cost.
+"""Question: where does the B = 1 decode GEMV's ~5 us fixed cost go? Per-GEMV time inside a captured chain under
+PDL (what a decode step sees), for the LLaMA-3.2-1B B = 1 shapes, with and without the fused norm prologue.
+``GEMV_DEPTH=n`` overrides gemv.DEPTH (the per-lane cp.async ring's stages).
 
-    PYTHONPATH=. python benchmarks/gemv_chain.py [--reps 64] [--B 1]
+Answer (2026-11-30, one H200, ``python dev/gemv_chain.py``): with the register-tile kernel the norm prologue cost
+2.0-2.2 us of every GEMV that had one (qkv 6.11 us with it, 4.10 without, floor 3.00) and a K = 8192 row had one chunk
+in flight (down 11.93 us, floor 7.99). After the one-pass prologue and the per-lane cp.async ring: qkv + rms 5.21-5.75
+us, gate_up 18.21 (depth 3) / 17.51 (depth 4), down 10.48 (depth 4); the four GEMVs of a layer chained 41.93 ->
+38.75 us. Kept: depth 3, 4 for K >= 4096 (benchmarks/NOTES.md, "gemv").
+
+    PYTHONPATH=. python dev/gemv_chain.py [--reps 64] [--B 1]
 """
 from __future__ import annotations
 

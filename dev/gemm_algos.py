@@ -1,5 +1,12 @@
-"""Would choosing cuBLASLt's algorithm per shape speed up the LLaMA-3.2-1B step's GEMMs? (issue 17: B8xT1024
+"""Question: would choosing cuBLASLt's algorithm per shape speed up the LLaMA-3.2-1B step's GEMMs? (issue 17: B8xT1024
 <= 112 ms; the GEMMs are ~87 ms of the 116 ms step.)
+
+Answer (2026-12-01, one H200 each, ``python dev/gemm_algos.py``): no. Over the 15 GEMM shapes of the step,
+8 candidates each: eager loop GemmEx 83.59 ms against the best candidate per shape 81.55 (-2.5 %); graph-replayed on
+a fresh machine 89.12 against 88.23 (-1.0 %); the per-shape winners disagree between the two runs, so the gain is
+the size of the noise. In the graph-replayed run every candidate of four large shapes returned results far from
+GemmEx's (max relative error ~1) while the eager checks were exact: not understood, the raw ctypes Lt path below is
+the suspect. Dropped (benchmarks/NOTES.md, "GEMMs").
 
 ``ck.matmul`` calls ``cublasGemmEx`` with CUBLAS_GEMM_DEFAULT: cuBLAS' own heuristic picks one kernel. cuBLASLt's
 ``cublasLtMatmulAlgoGetHeuristic`` returns a ranked list of candidates for the same problem. For each GEMM shape
@@ -7,7 +14,7 @@ of the step (forward, input gradient, weight gradient; per layer x 16, the LM he
 GemmEx and each Lt candidate (CUDA events, same inputs), checks each candidate's result against GemmEx's, and
 prints the per-shape best and the step-weighted total that a per-shape choice would save. GPU only.
 
-    PYTHONPATH=. python benchmarks/gemm_algos.py [--tokens 8192] [--algos 12] [--reps 20]
+    PYTHONPATH=. python dev/gemm_algos.py [--tokens 8192] [--algos 12] [--reps 20]
 """
 import argparse
 import ctypes

@@ -1,13 +1,18 @@
-"""Where the sm_90 attention kernels' time goes: each kernel (fwd, bwd dq, bwd dkdv) timed alone over a sweep of
-sequence lengths at a fixed token count, causal and full, then fitted per kernel to
+"""Question: where does the sm_90 attention kernels' time go: a fixed cost per CTA (prologue, epilogue, wave tail)
+or the per-tile work? Each kernel (fwd, bwd dq, bwd dkdv) is timed alone over a sweep of sequence lengths at a fixed
+token count, causal and full, with one CTA per work tile and with the persistent grid, then fitted per kernel to
 
-    time x SMs = fixed x CTAs + per_tile x tiles        (least squares over the sweep)
+    time x SMs = fixed x CTAs + per_tile x tiles        (least squares over the sweep, one CTA per tile)
 
-so ``fixed`` is what a CTA costs beyond its key (or query) tiles: the prologue (barrier init, the Q / K-V
-pipeline filling from HBM), the epilogue (O / dQ / dK-dV stores) and the wave tail. PyTorch's SDPA (cuDNN /
-flash) forward and forward+backward are timed beside for reference. GPU only (sm_90).
+PyTorch's SDPA (cuDNN / flash) forward and forward+backward are timed beside for reference. GPU only (sm_90).
 
-    PYTHONPATH=. python benchmarks/attention_sweep.py [--tokens 8192] [--reps 20]
+Answer (2026-12-01, one H200, ``python dev/attention_sweep.py``; H32/8, D64, 8192 tokens a call), before the
+kernels were persistent: fwd 3.93 us a CTA + 1.26 us a tile, dq 4.03 + 0.98, dkdv 11.3 + 1.31 (fit error 3 / 6 /
+20 %); the fixed part was 41 / 32 / 18 % of B8xT1024 causal and 15 / 11 / 6 % of B2xT4096. That led to the persistent
+kernels (fwd B8xT1024 causal 151 -> 136 us) and, from the same sweep over the forward variants, the ``VARIANT =
+"auto"`` policy of cukernels/ops/attention_sm90.py (benchmarks/NOTES.md, "flash_attention_sm90").
+
+    PYTHONPATH=. python dev/attention_sweep.py [--tokens 8192] [--reps 20] [--dim 128 --heads 16/16 --seqs 1024,4096]
 """
 from __future__ import annotations
 
