@@ -2,8 +2,11 @@
 
 A public op takes CuPy arrays (CUDA kernel on the current stream) or NumPy arrays (NumPy reference, same
 semantics); mixing them is a TypeError. Validation runs before anything is launched and names the argument,
-what was expected and what came: arrays (``check_dtype``, ``check_shape``, ``check_out`` ...) and plain
-numbers (``check_real``, ``check_int``, ``check_bool``).
+what was expected and what came: arrays (``check_array``, ``check_dtype``, ``check_shape``, ``check_out`` ...),
+plain values (``check_real``, ``check_int``, ``check_bool``, ``check_choice``, ``check_callable``), sizes checked
+before anything is allocated (``check_alloc``) and token ids checked against a vocabulary before any cast
+(``check_token_ids``, ``token_ids_int32``). The policy is docs/errors.md: TypeError for the wrong kind of value,
+ValueError for a value of the right kind outside what is allowed, one line starting with the argument's name.
 
 ``@interop`` (applied to every public op) lets the ops take other libraries' arrays without a copy: a GPU
 array exposing ``__dlpack__`` (PyTorch, JAX, CuPy-compatible libraries) or ``__cuda_array_interface__`` (Numba)
@@ -87,11 +90,35 @@ def tensor_message(name, op=None) -> str:
     return f"{name}: got a cukernels autograd Tensor; {what} arrays: {hint}"
 
 
-def array_module(**arrays):
-    """numpy or cupy, from the arrays given by name (None values are skipped).
+def _not_array(name, a) -> TypeError:
+    """The TypeError for a value that is not a NumPy / CuPy array where one is required."""
+    if is_autograd_tensor(a):
+        return TypeError(tensor_message(name))
+    hint = ""
+    if _foreign_kind(a) is not None:
+        hint = " (another library's array: the public ck.* ops take it without a copy; or convert it " \
+               "with cupy.from_dlpack / numpy.from_dlpack)"
+    elif isinstance(a, (list, tuple)) or isinstance(a, numbers.Number):
+        hint = f" (make it an array first: numpy.asarray({name}, dtype=numpy.float32) or the dtype the op takes)"
+    return TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got {_got(a) if a is None else type(a).__name__}"
+                     f"{hint}")
 
-    Raises TypeError naming the argument when one is not an array, or when NumPy and CuPy arrays are mixed.
-    CuPy arrays must live on the current device (ValueError otherwise).
+
+def check_array(name, a):
+    """``a`` itself after checking it is a NumPy or CuPy array (TypeError naming ``name`` otherwise: None, a list,
+    a number, an autograd Tensor ...). Every ``check_*`` of an array calls it first, so a required array given as
+    None is a TypeError naming it, never an AttributeError from ``.dtype``."""
+    if type(a) is np.ndarray or _kind(a) is not None:
+        return a
+    raise _not_array(name, a)
+
+
+def array_module(**arrays):
+    """numpy or cupy, from the arrays given by name (None values are skipped: optional arguments).
+
+    Raises TypeError naming the argument when one is not an array, or when NumPy and CuPy arrays are mixed, or
+    (naming the first argument) when every one is None. CuPy arrays must live on the current device (ValueError
+    otherwise).
     """
     xp = None
     first = None
@@ -100,13 +127,7 @@ def array_module(**arrays):
             continue
         k = _kind(a)
         if k is None:
-            if is_autograd_tensor(a):
-                raise TypeError(tensor_message(name))
-            hint = ""
-            if _foreign_kind(a) is not None:
-                hint = " (another library's array: the public ck.* ops take it without a copy; or convert it " \
-                       "with cupy.from_dlpack / numpy.from_dlpack)"
-            raise TypeError(f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__name__}{hint}")
+            raise _not_array(name, a)
         if xp is None:
             xp, first = k, name
         elif k is not xp:
@@ -115,6 +136,8 @@ def array_module(**arrays):
                 "pass all arrays from one module (CuPy for the kernels, NumPy for the reference)"
             )
     if xp is None:
+        if arrays:
+            raise TypeError(f"{next(iter(arrays))}: expected a numpy.ndarray or cupy.ndarray, got None")
         raise TypeError("no array arguments given")
     if xp is not np:
         dev = xp.cuda.Device().id
@@ -125,6 +148,7 @@ def array_module(**arrays):
 
 
 def check_dtype(name, a, allowed):
+    check_array(name, a)
     allowed = tuple(np.dtype(d) for d in allowed)
     if a.dtype not in allowed:
         names = ", ".join(str(d) for d in allowed)
@@ -137,16 +161,19 @@ def check_dtype(name, a, allowed):
 
 
 def check_shape(name, a, shape, what=""):
+    check_array(name, a)
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}{what}; got {tuple(a.shape)}")
 
 
 def check_ndim(name, a, min_ndim):
+    check_array(name, a)
     if a.ndim < min_ndim:
         raise ValueError(f"{name}: expected at least {min_ndim} dimension(s); got shape {tuple(a.shape)}")
 
 
 def check_contiguous(name, a):
+    check_array(name, a)
     if not a.flags.c_contiguous:
         raise ValueError(
             f"{name}: expected a C-contiguous array; got strides {a.strides} for shape {tuple(a.shape)} "
@@ -353,6 +380,18 @@ def check_int(name, v, *, min=None, max=None) -> int:  # noqa: A002
     return i
 
 
+def check_size(name, v, *, min=1, max=2**31 - 1) -> int:  # noqa: A002
+    """A size or count argument (layer widths, head counts, sequence lengths, vocabulary sizes): ``check_int``,
+    with the message naming the one bound that was broken (``>= 1`` for 0 and negatives; ``<= 2147483647``, the
+    int32 sizes the kernels index with, for a size typed wrong such as ``2**40``)."""
+    i = check_int(name, v)
+    if i < min:
+        raise ValueError(f"{name}: expected an integer >= {min}; got {_short(v)}")
+    if max is not None and i > max:
+        raise ValueError(f"{name}: expected an integer <= {max} (sizes are indexed in int32); got {_short(v)}")
+    return i
+
+
 def check_bool(name, v) -> bool:
     """``v`` as a Python bool, after checking it is one (``True``/``False`` or a NumPy bool: a string such as
     "False" would otherwise read as true)."""
@@ -371,6 +410,149 @@ def check_dtype_arg(name, dtype, allowed=FLOATS) -> np.dtype:
     if dtype is None or d not in allowed:  # np.dtype(None) is float64
         raise TypeError(f"{name}: expected {names}; got {dtype if dtype is None else d}")
     return d
+
+
+def check_choice(name, v, choices):
+    """``v`` after checking it is one of ``choices`` (strings, or other hashable values): ValueError naming them
+    (TypeError when it is not even of the choices' type, e.g. a number where a mode name is expected)."""
+    kinds = tuple({type(c) for c in choices})
+    if not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds:
+        raise TypeError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}; got {_got(v)}")
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}; got {_short(v)}")
+    return v
+
+
+def check_callable(name, v, what="a callable"):
+    if not callable(v):
+        raise TypeError(f"{name}: expected {what}; got {_got(v)}")
+    return v
+
+
+def check_str(name, v):
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected a string; got {_got(v)}")
+    return v
+
+
+def check_finite_host(name, a):
+    """A NumPy array's values all finite (ValueError naming the argument and the first bad value). CuPy arrays are
+    not looked at: reading device values back is a host sync, which the ops never add (their kernels flag or
+    propagate instead)."""
+    if isinstance(a, np.ndarray) and a.size and (a.dtype.kind == "f" or a.dtype == bfloat16):
+        f = a.astype(np.float32, copy=False)
+        bad = ~np.isfinite(f)
+        if bad.any():
+            raise ValueError(f"{name}: expected finite values; got {f.reshape(-1)[np.argmax(bad.reshape(-1))]} at "
+                             f"flat index {int(np.argmax(bad.reshape(-1)))}")
+    return a
+
+
+# ---------------------------------------------------------------- sizes: refused before anything is allocated
+def _fmt_bytes(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@functools.lru_cache(maxsize=1)
+def host_memory_bytes() -> int:
+    """Physical host memory in bytes (2**48 where the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 48
+
+
+def device_memory_bytes() -> int:
+    """Total memory of the current CUDA device in bytes (cudaMemGetInfo: no stream sync)."""
+    import cupy
+
+    return int(cupy.cuda.Device().mem_info[1])
+
+
+def check_alloc(name, shape, dtype, xp=np, what="the array"):
+    """Refuse (ValueError naming ``name``) an allocation of ``shape`` x ``dtype`` on ``xp`` that exceeds the memory
+    of the host (NumPy) or of the current device (CuPy), before anything is allocated: a size typed wrong
+    (``2**40``) is an error naming the argument, not a MemoryError (or an out-of-memory error) from inside."""
+    dt = np.dtype(dtype)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    nbytes = n * dt.itemsize
+    cap = host_memory_bytes() if xp is np else device_memory_bytes()
+    if nbytes > cap:
+        where = "host memory" if xp is np else "memory of the GPU"
+        raise ValueError(f"{name}: {what} of shape {tuple(int(s) for s in shape)} {dt} would take "
+                         f"{_fmt_bytes(nbytes)}, more than the {_fmt_bytes(cap)} of {where}")
+    return nbytes
+
+
+# ---------------------------------------------------------------- token ids
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+class IdsOutOfRange(ValueError, IndexError):
+    """Integer ids outside the range a table or a vocabulary allows (the NumPy path). A ValueError, as the error
+    policy says; also an IndexError, which is what the embedding raised before."""
+
+
+def check_token_ids(name, ids, vocab_size=None, *, low=0, high=None, what=None):
+    """Integer ``ids`` (NumPy: every value checked on the host, in its own dtype, before any cast) within
+    ``[low, high)`` -- ``high`` defaulting to ``vocab_size`` and then to the int32 range. TypeError for a
+    non-integer dtype (floats are not truncated), ValueError naming the bound, e.g. ``ids: token ids must be <
+    vocab_size=256; got max 4294967299``. CuPy arrays get the dtype check only (a range check would be a host
+    sync; see :func:`token_ids_int32` for what the device path does instead)."""
+    check_array(name, ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer token ids; got dtype {ids.dtype}"
+                        + (" (float ids are not truncated: cast them yourself)" if ids.dtype.kind == "f" else ""))
+    if high is None:
+        high = vocab_size if vocab_size is not None else INT32_MAX + 1
+    what = what or ("vocab_size" if vocab_size is not None and high == vocab_size else None)
+    if isinstance(ids, np.ndarray) and ids.size:
+        lo, hi = int(ids.min()), int(ids.max())  # (Python ints: no wrap-around for uint64 / int64)
+        if hi >= high:
+            bound = f"{what}={high}" if what else f"{high}"
+            raise IdsOutOfRange(f"{name}: token ids must be < {bound}; got max {hi}")
+        if lo < low:
+            raise IdsOutOfRange(f"{name}: token ids must be >= {low}; got min {lo}")
+    return ids
+
+
+def token_ids_int32(name, a, xp, *, vocab_size=None, low=0, high=None, sentinel=None, what=None):
+    """Integer ids as the contiguous int32 array on ``xp`` the kernels take, never wrapped around.
+
+    NumPy input: :func:`check_token_ids` on the original values first (a host check; int64 / uint64 ids >= 2**31
+    are errors, not their low 32 bits). CuPy input of a dtype wider than int32 (int64, uint32, uint64): checking
+    the values would need a device->host read, which a capturable path must not do, so values outside ``[low,
+    high)`` are replaced on the device by ``sentinel`` (default ``high``: out of range for the consumer, whose
+    kernel then clamps the id and sets its device error word, as for any other bad id) before the cast: an id of
+    2**32 + 3 can no longer alias id 3. int32 / int16 / int8 / uint8 / uint16 CuPy input is cast as is (no
+    value can wrap)."""
+    check_array(name, a)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer ids; got dtype {a.dtype}"
+                        + (" (float ids are not truncated: cast them yourself)" if a.dtype.kind == "f" else ""))
+    if high is None:
+        high = vocab_size if vocab_size is not None else INT32_MAX + 1
+    if isinstance(a, np.ndarray):
+        check_token_ids(name, a, vocab_size, low=low, high=high, what=what)
+        a = a.astype(np.int32, copy=False)
+        return a if xp is np else xp.asarray(a)
+    if _kind(a) is not xp:  # a CuPy array for a NumPy model: one host read, then checked there
+        return token_ids_int32(name, a.get(), xp, vocab_size=vocab_size, low=low, high=high, what=what)
+    if np.can_cast(a.dtype, np.int32):
+        return xp.ascontiguousarray(a.astype(np.int32, copy=False))
+    s = int(high if sentinel is None else sentinel)
+    s = min(max(s, INT32_MIN), INT32_MAX)
+    lo_ok = a >= low if a.dtype.kind == "i" or low > 0 else True
+    ok = (a < high) & lo_ok
+    return xp.ascontiguousarray(xp.where(ok, a, s).astype(np.int32))
 
 
 _err_words: dict[tuple[str, int], object] = {}

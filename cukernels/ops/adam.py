@@ -370,6 +370,28 @@ def _host_rows(rows, row_count, V):
     return idx[(idx >= 0) & (idx < V)]
 
 
+def _host_rows_strict(rows, row_count, V):
+    """NumPy path of :func:`adam_step_rows`: the listed rows, refused (ValueError naming the argument) when the
+    count is outside ``[0, capacity]``, a listed row is outside ``[0, V)`` or a row is listed twice. The kernel
+    cannot report these without a host sync: it clamps the count into ``[0, capacity]`` and skips rows outside
+    ``[0, V)`` (it never writes outside the buffers), and a row listed twice is updated by two threads at once
+    (undefined). :class:`cukernels.SparseRowGrad` lists each row once, within range, so it never meets them."""
+    count = int(row_count)
+    if not 0 <= count <= rows.size:
+        raise ValueError(f"row_count: expected a count in [0, {rows.size}] (the capacity of rows); got {count}")
+    idx = rows[:count].astype(np.int64)
+    if idx.size:
+        bad = (idx < 0) | (idx >= V)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"rows: rows[{i}] = {int(idx[i])} is outside [0, {V}) (param has {V} rows)")
+        u, c = np.unique(idx, return_counts=True)
+        if (c > 1).any():
+            raise ValueError(f"rows: row {int(u[np.argmax(c > 1)])} is listed {int(c.max())} times in rows[:row_count];"
+                             " each row must be listed once (an update applied twice)")
+    return idx
+
+
 def _rows_plan(units):
     """Block (TX, RY) for rows of ``units`` accesses: TX threads across a row (the power of two >= units, at
     most THREADS), RY = THREADS / TX rows per block."""
@@ -398,8 +420,10 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
 
     ``rows`` and ``row_count`` live on the device (written by the embedding backward): the kernel reads the
     count itself, on a fixed grid sized from ``rows.size`` (the capacity), so there is no host sync. Entries
-    past the count are ignored; listed rows outside ``[0, V)`` are skipped; the listed rows must be unique
-    (a duplicate row would be updated twice, concurrently).
+    past the count are ignored. The count must lie in ``[0, capacity]`` and the listed rows in ``[0, V)``, each
+    listed once: the NumPy path raises ValueError otherwise; the kernel, which cannot check without a host sync,
+    clamps the count into ``[0, capacity]``, skips rows outside ``[0, V)`` (nothing outside the buffers is ever
+    written) and updates a duplicated row twice concurrently (undefined values in that row).
 
     Args:
         param, exp_avg, exp_avg_sq: ``(V, D)`` float32, updated in place (touched rows only).
@@ -424,7 +448,7 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
     if xp is np:
         _check_host_arrays(scal)
     err = _error_word(xp, error)
-    if param.ndim != 2:
+    if B.check_array("param", param).ndim != 2:
         raise ValueError(f"param: expected a 2-D (V, D) array; got shape {tuple(param.shape)}")
 
     def same_shape(name, a):
@@ -434,7 +458,7 @@ def adam_step_rows(param, grad, exp_avg, exp_avg_sq, rows, row_count, *, lr, ste
     _check_rows(rows, row_count)
     V, D = param.shape
     if xp is np:
-        idx = _host_rows(rows, row_count, V)
+        idx = _host_rows_strict(rows, row_count, V)
         if idx.size == 0 or D == 0:
             return None
         p, m, v = _adam_math(param[idx], grad[idx], exp_avg[idx], exp_avg_sq[idx], lr=_host(lr),

@@ -43,11 +43,15 @@ def _check_ids(ids):
 
 
 def _host_check_range(ids, V):
+    """NumPy path: every id in [0, V), compared in the ids' own dtype (no cast first, so an int64 id of 2**32 + 3
+    is out of range, never row 3). An IdsOutOfRange: a ValueError (the policy), and an IndexError (what this
+    raised before)."""
     if ids.size:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= V:
             bad = lo if lo < 0 else hi
-            raise IndexError(f"ids: value {bad} is out of range for a table of {V} rows (valid ids are 0..{V - 1})")
+            raise B.IdsOutOfRange(f"ids: value {bad} is out of range for a table of {V} rows (valid ids are "
+                                  f"0..{V - 1})")
 
 
 def _row_plan(units: int):
@@ -68,7 +72,7 @@ def embedding(ids, table, *, out=None, error=None):
         out: optional output, shape ``ids.shape + (D,)``, dtype of ``table``.
         error: optional 0-d int32 device array; the GPU kernel ORs 1 into it when an id was out of range
             (clamped to the table). Default: the module word :func:`embedding_error`. Ignored by the NumPy
-            path, which raises IndexError instead.
+            path, which raises ``IdsOutOfRange`` (a ValueError and an IndexError) instead.
 
     Returns:
         ``out``, shape ``ids.shape + (D,)``.
@@ -205,8 +209,10 @@ def embedding_backward(ids, dout, vocab_size, *, out=None, accumulate=False, err
     """
     xp = B.array_module(ids=ids, dout=dout, out=out, error=error)
     D = _check_bwd(ids, dout)
-    V = B.check_int("vocab_size", vocab_size, min=1)
+    V = B.check_size("vocab_size", vocab_size)  # (ids are compared as int64, rows int32)
     accumulate = B.check_bool("accumulate", accumulate)
+    if out is None:
+        B.check_alloc("vocab_size", (V, D), np.float32, xp, "dtable")
     if accumulate and out is None:
         raise ValueError("out: accumulate=True needs the buffer to add into")
     if out is not None:
@@ -276,9 +282,11 @@ class SparseRowGrad:
             xp = B._cupy() if B.gpu_available() else np
         if xp is not np and (B._cupy() is None or xp is not B._cupy()):
             raise TypeError(f"xp: expected numpy or cupy; got {xp!r}")
-        V = B.check_int("vocab_size", vocab_size, min=1)
-        D = B.check_int("dim", dim, min=1)
+        V = B.check_size("vocab_size", vocab_size)  # (rows are int32 on the device)
+        D = B.check_size("dim", dim)
         dt = B.check_dtype_arg("dtype", dtype)
+        if grad is None:  # (grad, rows, stamps: checked before anything is allocated)
+            B.check_alloc("vocab_size", (V, D), dt, xp, "the (vocab_size, dim) gradient buffer")
         self.xp, self.vocab_size, self.dim, self.dtype = xp, V, D, dt
         if grad is not None:
             B.check_out("grad", grad, (V, D), dt)

@@ -99,13 +99,17 @@ def rope_cache(seq_len, head_dim, theta=500000.0, scaling=None, *, xp=None):
         >>> cos, sin = ck.rope_cache(8192, 64, 500000.0, {"rope_type": "llama3", "factor": 32.0,
         ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     """
-    seq_len = B.check_int("seq_len", seq_len, min=1)
-    head_dim = B.check_int("head_dim", head_dim)
+    seq_len = B.check_size("seq_len", seq_len)  # (the kernels take int32 positions)
+    head_dim = B.check_size("head_dim", head_dim, min=-2**63)
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: expected an even integer >= 2; got {head_dim!r}")
     theta = B.check_real("theta", theta, min=0, min_open=True)
     if xp is not None and xp is not np and (B._cupy() is None or xp is not B._cupy()):
         raise TypeError(f"xp: expected numpy, cupy or None; got {xp!r}")
+    # The tables are computed in float64 on the host (angles, cos, sin: 3 x 8 bytes an entry, then the two
+    # float32 tables): a size typed wrong is refused here, before NumPy is asked for it.
+    B.check_alloc("seq_len" if seq_len >= head_dim else "head_dim", (seq_len, head_dim // 2, 4), np.float64, np,
+                  "the rope tables' float64 work")
     inv = _inv_freq(head_dim, theta, scaling)
     ang = np.arange(seq_len, dtype=np.float64)[:, None] * inv[None, :]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
