@@ -413,11 +413,11 @@ def check_dtype_arg(name, dtype, allowed=FLOATS) -> np.dtype:
 
 
 def check_choice(name, v, choices):
-    """``v`` after checking it is one of ``choices`` (strings, or other hashable values): ValueError naming them
-    (TypeError when it is not even of the choices' type, e.g. a number where a mode name is expected)."""
+    """``v`` after checking it is one of ``choices`` (mode names; None may be one): ValueError naming them, also for
+    a value of another type (``reduction=None``: a choice is a value from a list, as PyTorch reports it)."""
     kinds = tuple({type(c) for c in choices})
-    if not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds:
-        raise TypeError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}; got {_got(v)}")
+    if not isinstance(v, kinds) or (isinstance(v, (bool, np.bool_)) and bool not in kinds):
+        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}; got {_got(v)}")
     if v not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}; got {_short(v)}")
     return v

@@ -96,7 +96,7 @@ class Tensor:
             raise TypeError(f"Tensor: only floating-point tensors can require a gradient; got dtype {dt} "
                             f"(make it float32: ck.tensor(x.astype('float32'), requires_grad=True))")
         self.data = data
-        self.requires_grad = bool(requires_grad)
+        self.requires_grad = B.check_bool("requires_grad", requires_grad)
         self.grad = None
         self.name = name
         self.shadow = None
@@ -342,7 +342,8 @@ def _contributed(t, pending):
 def backward(root: Tensor, grad=None, retain_graph=False):
     """Accumulate d(root)/d(leaf) into every leaf that requires a gradient.
 
-    ``grad`` defaults to ones (root is usually a 0-d loss); no device->host read happens. Gradient-ready hooks of
+    ``grad`` defaults to ones for a root of one element (a 0-d loss; any other shape needs an explicit ``grad`` of
+    its shape, RuntimeError otherwise, as PyTorch); no device->host read happens. Gradient-ready hooks of
     the leaves (:meth:`Tensor.register_grad_ready_hook`) run as each leaf's last contribution lands.
     """
     if not root.requires_grad:
@@ -352,9 +353,20 @@ def backward(root: Tensor, grad=None, retain_graph=False):
                            "backward(retain_graph=True) the first time to go through it twice")
     seeded = grad is None
     if seeded:
+        if root.size != 1:  # PyTorch's rule: an implicit ones seed only for a scalar (it was silently all ones)
+            raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs; this tensor has "
+                               f"shape {root.shape}: reduce it first (.sum(), .mean()) or pass grad= of that shape")
         grad = root.xp.ones(root.shape, dtype=root.dtype)
-    elif isinstance(grad, Tensor):
-        grad = grad.data
+    else:
+        if isinstance(grad, Tensor):
+            grad = grad.data
+        if B._kind(grad) is None:
+            raise TypeError(f"grad: expected an array or a Tensor of shape {root.shape}; got {B._got(grad)}")
+        if B._kind(grad) is not root.xp:
+            raise TypeError(f"grad: is a {B._kind(grad).__name__} array but the tensor holds a {root.xp.__name__} "
+                            "array")
+        if tuple(grad.shape) != root.shape:
+            raise ValueError(f"grad: expected shape {root.shape} (the tensor's); got {tuple(grad.shape)}")
     grads = {id(root): grad}
     order = _toposort(root)
     # Hook bookkeeping only while some hook is registered: without one this loop is the plain backward.

@@ -10,7 +10,7 @@ import numpy as np
 from ..autograd import Tensor
 from . import array_ops, kernel_ops, loss_ops, norm_ops
 from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
-                        PackedLinear, PickLast, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose,
+                        PackedLinear, PickLast, Pow, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose,
                         add, cast, concat, contiguous, div, erf, exp, gemm, getitem, joined_rows, linear, log,
                         masked_fill, matmul, mean, mul, packed_linear, pow, reshape, rsqrt, sigmoid, silu, sub, sum,
                         tanh, transpose)
@@ -28,10 +28,6 @@ def _shape_args(shape):
     return shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
 
 
-def _rpow(x, o):
-    raise TypeError("a ** Tensor: only Tensor ** number is differentiable here")
-
-
 def _install():
     T = Tensor
     T.__add__ = lambda self, o: add(self, o)
@@ -44,7 +40,7 @@ def _install():
     T.__rtruediv__ = lambda self, o: div(o, self)
     T.__neg__ = lambda self: mul(self, -1.0)
     T.__pow__ = lambda self, p: pow(self, p)
-    T.__rpow__ = _rpow
+    T.__rpow__ = lambda self, o: array_ops.Pow.apply(o, self)  # number ** Tensor: the exponent differentiated
     T.__matmul__ = lambda self, o: matmul(self, o)
     T.__getitem__ = lambda self, idx: getitem(self, idx)
     T.reshape = lambda self, *shape: reshape(self, _shape_args(shape))

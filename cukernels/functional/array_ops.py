@@ -137,6 +137,32 @@ class PowScalar(Function):
         return g * (ctx.p * x ** (ctx.p - 1)), None
 
 
+class Pow(Function):
+    """``x ** p`` with both operands differentiable (a Tensor exponent: ``t ** u``, ``2 ** t``).
+
+    ``dx = g p x^(p-1)``, ``dp = g x^p log(x)`` (0 where ``x^p`` is 0, as PyTorch; NaN for a negative base, as
+    the real logarithm). A plain-number exponent takes :class:`PowScalar`."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        y = x ** p
+        ctx.save_for_backward(x, p, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, p, y = ctx.saved_tensors
+        gx = gp = None
+        if ctx.needs_input_grad[0]:
+            gx = _unbroadcast(g * (p * x ** (p - 1)), _shape(x))
+        if ctx.needs_input_grad[1]:
+            xp = _xp(g)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lg = xp.where(y == 0, 0, y * xp.log(xp.asarray(x, dtype=g.dtype)))
+            gp = _unbroadcast(g * lg, _shape(p))
+        return gx, gp
+
+
 class Exp(Function):
     @staticmethod
     def forward(ctx, x):
@@ -634,7 +660,9 @@ def rsqrt(x): return Rsqrt.apply(x)
 def sigmoid(x): return Sigmoid.apply(x)
 def tanh(x): return Tanh.apply(x)
 def erf(x): return Erf.apply(x)
-def pow(x, p): return PowScalar.apply(x, p)  # noqa: A001
+def pow(x, p):  # noqa: A001
+    """``x ** p``: a Tensor exponent is differentiated too (:class:`Pow`), a number is a constant (PowScalar)."""
+    return Pow.apply(x, p) if isinstance(p, Tensor) else PowScalar.apply(x, p)
 def sum(x, axis=None, keepdims=False): return Sum.apply(x, axis, keepdims)  # noqa: A001
 def reshape(x, shape): return Reshape.apply(x, tuple(shape))
 def transpose(x, axes=None): return Transpose.apply(x, None if axes is None else tuple(axes))

@@ -19,6 +19,8 @@ from ..ops.dropout import dropout as _drop, dropout_add as _drop_add, dropout_ba
 from ..ops.dropout import keep_mask as _keep_mask
 from ..ops.cross_entropy import cross_entropy as _ce, cross_entropy_backward as _ce_bwd
 from ..ops.cross_entropy import cross_entropy_fused as _ce_fused
+from ..ops.cross_entropy import check_options as _ce_options, cross_entropy_error as _ce_error
+from ..ops.cross_entropy import _host_check_targets as _ce_host_check_targets
 from ..ops.embedding import SparseRowGrad, embedding as _emb, embedding_backward as _emb_bwd
 from ..ops.layer_norm import layer_norm as _ln, layer_norm_backward as _ln_bwd
 from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
@@ -407,23 +409,42 @@ def cross_entropy(logits, targets, *, ignore_index=-100, reduction="mean", label
                   inplace=False, fused_backward=True):
     """Token cross-entropy of [N, V] logits against int targets [N]; a 0-d fp32 loss. Targets equal to
     ignore_index count for nothing; "mean" divides by the number of the others."""
-    if fused:
+    if B.check_bool("fused", fused):
         return CrossEntropyF.apply(logits, targets, ignore_index, reduction, label_smoothing, inplace,
                                    fused_backward)
-    t = _data(targets)
-    xp = _xp(t)
-    x = cast(logits, np.float32) if _data(logits).dtype == B.bfloat16 else logits
+    # The composite path validates as the kernels do (ops.cross_entropy.check_options: reduction, ignore_index,
+    # label_smoothing in [0, 1]), and treats a target outside [0, V) that is not ignore_index as they do: an
+    # error on the NumPy path; on CuPy the row counts as ignored and the cross-entropy error word is set
+    # (a device-side flag: no host read).
+    ig, _ = _ce_options(ignore_index, reduction, label_smoothing)
+    x0, t = _data(logits), _data(targets)
+    xp = B.array_module(logits=x0, targets=t)
+    if not (x0.dtype.kind == "f" or x0.dtype == B.bfloat16) or x0.ndim < 1 or x0.shape[-1] < 1:
+        raise TypeError(f"logits: expected a float array [..., V] with V >= 1; got {x0.dtype} {tuple(x0.shape)}")
+    B.check_dtype("targets", t, (np.int32, np.int64))
+    B.check_shape("targets", t, x0.shape[:-1], " (logits.shape[:-1])")
+    V = x0.shape[-1]
+    x = cast(logits, np.float32) if x0.dtype == B.bfloat16 else logits
     m = _data(x).max(axis=-1, keepdims=True)
     z = sub(x, m)
     lse = log(sum(exp(z), axis=-1, keepdims=True))
-    valid = t != ignore_index
+    valid = t != ig
+    if xp is np:
+        _ce_host_check_targets(t, V, ig)
+    else:
+        bad = valid & ((t < 0) | (t >= V))
+        err = _ce_error()
+        xp.bitwise_or(err, bad.any().astype(np.int32), out=err)
+        valid = valid & ~bad
     nll = sub(reshape(lse, t.shape), PickLast.apply(z, xp.where(valid, t, 0)))
     if label_smoothing:
-        V = _data(x).shape[-1]
         smooth = sub(reshape(lse, t.shape), mul(sum(z, axis=-1), 1.0 / V))
         nll = add(mul(nll, 1.0 - label_smoothing), mul(smooth, label_smoothing))
     ft = _data(x).dtype
-    tot = sum(mul(nll, valid.astype(ft)))
+    per_row = mul(nll, valid.astype(ft))
+    if reduction == "none":
+        return per_row
+    tot = sum(per_row)
     if reduction == "sum":
         return tot
     return mul(tot, (1.0 / xp.maximum(valid.sum(), 1)).astype(ft))

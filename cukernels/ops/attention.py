@@ -101,6 +101,14 @@ def _check_saved(dout, q, out, lse, Bsz, H, Tq):
     B.check_dtype("lse", lse, (np.float32,))
     B.check_shape("lse", lse, (Bsz, H, Tq), " ([batch, heads, seq_q])")
     B.check_contiguous("lse", lse)
+    if isinstance(lse, np.ndarray) and lse.size:
+        # The forward's lse is finite, or -inf for a row that sees no key. A NaN (or +inf) one gave finite, wrong
+        # gradients on the NumPy path (its rows were treated as masked). Device values are not read (no sync).
+        bad = np.isnan(lse) | np.isposinf(lse)
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad)), lse.shape)
+            raise ValueError(f"lse: expected the forward's log-sum-exp (finite, or -inf for a row with no key); got "
+                             f"{lse[i]} at {tuple(int(v) for v in i)}")
 
 
 def _check_scale(scale, D):

@@ -101,6 +101,16 @@ def _like_rows(xp, logits, ld):
     return xp.empty((*logits.shape[:-1], ld), dtype=logits.dtype)[..., :V]
 
 
+def check_options(ignore_index, reduction, label_smoothing):
+    """``(ignore_index, label_smoothing as the fp32 value the kernels use)`` after checking the loss options: one
+    check for the kernels, ``linear_cross_entropy`` and the composite ``functional.cross_entropy(fused=False)``."""
+    B.check_choice("reduction", reduction, REDUCTIONS)
+    # int64 targets compare against ignore_index as int64 in the kernels.
+    ig = B.check_int("ignore_index", ignore_index, min=-2**63, max=2**63 - 1)
+    eps = float(np.float32(B.check_real("label_smoothing", label_smoothing, min=0, max=1)))
+    return ig, eps
+
+
 def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
     B.check_dtype("logits", logits, B.FLOATS)
     B.check_ndim("logits", logits, 1)
@@ -113,11 +123,7 @@ def _validate(logits, targets, ignore_index, reduction, label_smoothing, error):
     B.check_dtype("targets", targets, INTS)
     B.check_shape("targets", targets, logits.shape[:-1], " (logits.shape[:-1])")
     B.check_contiguous("targets", targets)
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}; got {reduction!r}")
-    # int64 targets compare against ignore_index as int64 in the kernels.
-    ig = B.check_int("ignore_index", ignore_index, min=-2**63, max=2**63 - 1)
-    eps = float(np.float32(B.check_real("label_smoothing", label_smoothing, min=0, max=1)))
+    ig, eps = check_options(ignore_index, reduction, label_smoothing)
     if error is not None:
         B.check_dtype("error", error, (np.int32,))
         B.check_shape("error", error, ())
@@ -194,6 +200,7 @@ def _check_dloss(xp, dloss, reduction, shape):
     if B._kind(dloss) is not xp:
         raise TypeError(f"dloss: is a {B._kind(dloss).__name__} array but logits is a {xp.__name__} array")
     B.check_dtype("dloss", dloss, (np.float32,))
+    B.check_finite_host("dloss", dloss)  # (NumPy values only: device values are read by the kernels, no sync)
     if dloss.ndim == 0:
         return 0.0, dloss
     if reduction != "none":

@@ -86,8 +86,11 @@ def _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits):
     if not (np.isfinite(scale) and scale > 0):  # the kernel takes the row max of the unscaled scores
         raise ValueError(f"scale: expected a finite number > 0; got {scale}")
     if num_splits is not None:
-        if not _is_int(num_splits) or int(num_splits) < 1:
+        if not _is_int(num_splits):
+            raise TypeError(f"num_splits: expected an int >= 1 or None; got {B._got(num_splits)}")
+        if int(num_splits) < 1:
             raise ValueError(f"num_splits: expected an int >= 1 or None; got {num_splits!r}")
+        B.check_size("num_splits", num_splits)  # (a kernel argument: at most 2**31 - 1)
         if key_mask is not None and -(-Lmax // int(num_splits)) > MASK_CHUNK:
             raise ValueError(f"num_splits: with key_mask a split covers at most {MASK_CHUNK} keys: need "
                              f">= {-(-Lmax // MASK_CHUNK)} splits for max_len {Lmax}; got {int(num_splits)}")
@@ -380,16 +383,21 @@ def kv_cache_write(new, cache, cache_len):
         >>> ck.kv_cache_write(k_new, kc[layer], length)  # k_new [B, 1, Hkv, D] lands at row length - 1
     """
     xp = B.array_module(new=new, cache=cache, cache_len=cache_len if B._kind(cache_len) is not None else None)
+    B.check_array("new", new)
+    if B.check_array("cache", cache).itemsize not in (2, 4) or cache.ndim < 2:
+        raise TypeError(f"cache: expected [batch, max_len, ...] of 2- or 4-byte elements (bf16 keys, int32 ids); "
+                        f"got {cache.dtype} {tuple(cache.shape)}")
     if new.dtype != cache.dtype:
         raise TypeError(f"new: expected the cache's dtype {cache.dtype}; got {new.dtype}")
-    if new.itemsize not in (2, 4):
-        raise TypeError(f"new: expected 2- or 4-byte elements (bf16 keys, int32 ids); got {new.dtype}")
     if new.ndim < 2 or new.shape[0] != cache.shape[0] or new.shape[2:] != cache.shape[2:]:
         raise ValueError(f"new: expected [batch, T, ...] matching cache {tuple(cache.shape)} except the token axis; "
                          f"got {tuple(new.shape)}")
     B.check_writable("cache", cache)
     Bsz, T = int(new.shape[0]), int(new.shape[1])
     Lmax = int(cache.shape[1])
+    # An int length in [0, max_len] (3.7 was truncated before), or a 0-d int32 array (the device length of a
+    # captured step, where rows outside [0, max_len) are skipped by the kernel).
+    _check_cache_len(cache_len, Lmax)
     R = int(np.prod(new.shape[2:], dtype=np.int64))
     if xp is np:
         L = int(cache_len)
@@ -431,15 +439,15 @@ def _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, cos
     if qkv.ndim != 3:
         raise ValueError(f"qkv: expected 3 dimensions [batch, T, (n_heads + 2 n_kv_heads) * head_dim]; got shape "
                          f"{tuple(qkv.shape)}")
-    H = B.check_int("n_heads", n_heads, min=1)
-    Hkv = B.check_int("n_kv_heads", n_kv_heads, min=1)
+    H = B.check_size("n_heads", n_heads)
+    Hkv = B.check_size("n_kv_heads", n_kv_heads)
     Bsz, T, C = (int(s) for s in qkv.shape)
     NH = H + 2 * Hkv
     if C < NH or C % NH:
         raise ValueError(f"qkv: the last axis ({C}) must be (n_heads + 2 n_kv_heads) * head_dim = {NH} * head_dim")
     D = C // NH
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != qkv.dtype:
+        if B.check_array(name, c).dtype != qkv.dtype:
             raise TypeError(f"{name}: expected qkv's dtype {qkv.dtype}; got {c.dtype}")
         if c.ndim != 4 or c.shape[0] != Bsz or c.shape[2:] != (Hkv, D):
             raise ValueError(f"{name}: expected shape ({Bsz}, max_len, {Hkv}, {D}) = [batch, max_len, n_kv_heads, "

@@ -99,7 +99,8 @@ def _flag(name, v):
 def _check_dloss(xp, dloss):
     """dloss: a real number or a 0-d float32 array of the arrays' module -> (scalar, array or None)."""
     if isinstance(dloss, (int, float, np.integer, np.floating)) and not isinstance(dloss, (bool, np.bool_)):
-        return float(dloss), None
+        # finite in float32, as cross_entropy_* take it (a NaN dloss wrote NaN gradients)
+        return float(B.check_f32("dloss", dloss)), None
     k = B._kind(dloss)
     if k is None:
         raise TypeError(f"dloss: expected a float or a 0-d float32 array; got {type(dloss).__name__}")
@@ -109,6 +110,7 @@ def _check_dloss(xp, dloss):
     B.check_shape("dloss", dloss, ())
     if xp is not np and dloss.device.id != xp.cuda.Device().id:
         raise ValueError(f"dloss: is on device {dloss.device.id}, but the current device is {xp.cuda.Device().id}")
+    B.check_finite_host("dloss", dloss)  # (a NumPy value only: a device one is read by the kernel, no sync)
     return 0.0, dloss
 
 
@@ -137,12 +139,9 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
     B.check_dtype("targets", targets, INTS)
     B.check_shape("targets", targets, (N,), " ([N], N = x.shape[0])")
     B.check_contiguous("targets", targets)
-    ig = _int("ignore_index", ignore_index)
-    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}; got {reduction!r}")
-    eps = float(B.scalar_f32("label_smoothing", label_smoothing))
-    if not (0.0 <= eps <= 1.0):
-        raise ValueError(f"label_smoothing: expected a number in [0, 1]; got {label_smoothing}")
+    ig = B.check_int("ignore_index", ignore_index, min=-2**63, max=2**63 - 1)  # (an int64 kernel argument)
+    B.check_choice("reduction", reduction, REDUCTIONS)
+    eps = float(np.float32(B.check_real("label_smoothing", label_smoothing, min=0, max=1)))
     accumulate = _flag("accumulate", accumulate)
     compute_grad = _flag("compute_grad", compute_grad)
     if chunk_rows is not None:
