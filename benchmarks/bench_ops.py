@@ -311,8 +311,10 @@ def main(argv=None):
                       f"{f(rows[-1]['x_torch'], '%7.2fx'):>8}", flush=True)
         del cases
         cp.get_default_memory_pool().free_all_blocks()
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=name, copy_gbs=bw, rows=rows), indent=1))
+    if args.json:  # one run as in benchmarks/results/bench_ops.json: the command, the date, the device
+        cmd = " ".join(["python benchmarks/bench_ops.py", *(sys.argv[1:] if argv is None else argv)])
+        Path(args.json).write_text(json.dumps(dict(command=cmd, date=time.strftime("%Y-%m-%d"), device=name,
+                                                   cupy=cp.__version__, copy_gbs=bw, rows=rows), indent=1))
     return rows
 
 

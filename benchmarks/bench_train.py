@@ -638,7 +638,9 @@ def main(argv=None):
                   f"{losses[0]:.4f}..{losses[-1]:.4f}", flush=True)
             out["ablation"].append(dict(row=ROW_NAMES[f], ms=ms, losses=losses, peak_gib=mem))
             prev = ms
-    if args.json and (DIST["group"] is None or DIST["group"].rank == 0):
+    if args.json and (DIST["group"] is None or DIST["group"].rank == 0):  # as in benchmarks/results/bench_train.json
+        out["command"] = " ".join(["python benchmarks/bench_train.py", *(sys.argv[1:] if argv is None else argv)])
+        out["date"] = time.strftime("%Y-%m-%d")
         Path(args.json).write_text(json.dumps(out, indent=1))
     if DIST["group"] is not None:
         import cukernels.distributed as dist
