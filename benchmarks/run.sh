@@ -13,7 +13,8 @@ summary=()
 n=0
 for cmd in "$@"; do
   n=$((n + 1))
-  slug=$(printf '%s' "$cmd" | sed -E 's#(benchmarks|dev|tests)/##g; s#\.py\b##g; s#\bpython( -m)? ##g; s#[^A-Za-z0-9_.]+#-#g; s#^-+|-+$##g' | cut -c1-48)
+  slug=$(printf '%s' "$cmd" | sed -E 's#(benchmarks|dev|tests)/##g; s#\.py\b##g; s#\bpython( -m)? ##g' \
+    | sed -E 's#[^A-Za-z0-9_.]+#-#g; s#^-+|-+$##g' | cut -c1-48)
   log="$out/$n-${slug:-cmd}.log"
   echo "== [$n] $cmd  -> $log"
   t0=$(date +%s%N)

@@ -1,7 +1,7 @@
-"""Question: which pipeline depth and block size should the pipelined rms_norm / layer_norm backwards use at 8192 x 2048,
-and how much of a call is fixed cost? Knobs first, then a row sweep of the defaults that splits each call into a
-fixed cost and a streaming rate (t = a + bytes / bw, least squares); ``--timeline`` prints the CUPTI kernel and gap
-timeline of back-to-back calls instead. GPU only.
+"""Question: which pipeline depth and block size should the pipelined rms_norm / layer_norm backwards use at
+8192 x 2048, and how much of a call is fixed cost? Knobs first, then a row sweep of the defaults that splits each call
+into a fixed cost and a streaming rate (t = a + bytes / bw, least squares); ``--timeline`` prints the CUPTI kernel and
+gap timeline of back-to-back calls instead. GPU only.
 
 Answer (2026-11-30, one H200, ``python dev/tune_norm_backward.py``): rms bf16 2 stages (3: +8 %), fp32 3 stages;
 layer_norm 2 stages and 256-thread blocks (512: +6 to +20 %). The sweep over 1024..65536 rows of 2048: rms bf16
