@@ -542,7 +542,7 @@ def token_ids_int32(name, a, xp, *, vocab_size=None, low=0, high=None, sentinel=
         high = vocab_size if vocab_size is not None else INT32_MAX + 1
     if isinstance(a, np.ndarray):
         check_token_ids(name, a, vocab_size, low=low, high=high, what=what)
-        a = a.astype(np.int32, copy=False)
+        a = np.ascontiguousarray(a.astype(np.int32, copy=False))
         return a if xp is np else xp.asarray(a)
     if _kind(a) is not xp:  # a CuPy array for a NumPy model: one host read, then checked there
         return token_ids_int32(name, a.get(), xp, vocab_size=vocab_size, low=low, high=high, what=what)

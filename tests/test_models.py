@@ -84,7 +84,11 @@ def test_ids_in_any_layout_and_dtype(rng):
     (np.zeros((1, 65), np.int32), ValueError, "ids: 65 positions exceed max_position_embeddings = 64"),
     (np.zeros((1, 3), np.float32), TypeError, "ids: expected integer ids"),
     (np.zeros((1, 2, 3), np.int32), ValueError, r"ids: expected \[batch, seq\]"),
-    (np.full((1, 3), 53, np.int32), ValueError, r"ids: token ids must lie in \[0, 53\)"),
+    (np.full((1, 3), 53, np.int32), ValueError, r"ids: token ids must be < vocab_size=53; got max 53"),
+    (np.array([[2**32 + 3]], np.int64), ValueError, r"ids: token ids must be < vocab_size=53; got max 4294967299"),
+    (np.array([[2**63 + 3]], np.uint64), ValueError, r"ids: token ids must be < vocab_size=53; got max 9223372036854775811"),
+    (np.array([[-1]], np.int64), ValueError, r"ids: token ids must be >= 0; got min -1"),
+    ([[1.7, 2.0]], TypeError, r"ids: expected integer ids; got dtype float64 \(float ids are not truncated"),
     ("abc", TypeError, "ids: expected integer"),
 ])
 def test_bad_ids_are_one_line_errors(bad, err, match):

@@ -49,16 +49,22 @@ def suggest(key, choices):
 
 
 # ------------------------------------------------------------------------------------------------ config
-def check_int(where, name, v, minimum=1):
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+def check_int(where, name, v, minimum=1, maximum=2**31 - 1):
+    """A config size: an integer in [minimum, maximum] (the kernels index sizes in int32), named
+    ``<where>.<name>`` (the _backend vocabulary's wording)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{where}.{name}: expected an integer; got {type(v).__name__} {v!r}")
     if v < minimum:
         raise ValueError(f"{where}.{name}: expected an integer >= {minimum}; got {v}")
+    if v > maximum:
+        raise ValueError(f"{where}.{name}: expected an integer <= {maximum} (sizes are indexed in int32); got {v}")
 
 
 def check_real(where, name, v, *, positive=True):
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise TypeError(f"{where}.{name}: expected a finite number; got {type(v).__name__} {v!r}")
+    if not np.isfinite(float(v)):
+        raise ValueError(f"{where}.{name}: expected a finite number; got {v!r}")
     if positive and v <= 0:
         raise ValueError(f"{where}.{name}: expected a number > 0; got {v}")
 
@@ -164,26 +170,30 @@ class CausalLM(Module):
         return False
 
     # -- inputs -----------------------------------------------------------------------------------------------
-    def _as_int(self, what, a, xp, floats=False):
+    def _as_int(self, name, a, xp, floats=False, **bounds):
+        """``a`` (a list, a NumPy / CuPy array, a Tensor) as contiguous int32 on ``xp``, checked before the cast
+        (``cukernels._backend.token_ids_int32``: ``bounds`` = vocab_size / low / high / sentinel): int64 or uint64
+        ids of 2**32 + 3 are out of range, never id 3. Floats are refused (not truncated), except for masks
+        (``floats``: nonzero = keep)."""
         a = a.data if isinstance(a, Tensor) else a
         if isinstance(a, (list, tuple)) or np.isscalar(a):
             a = np.asarray(a)
         kind = B._kind(a)
         if kind is None:
-            raise TypeError(f"{what}: expected integer token ids (a list, NumPy or CuPy array); got "
+            raise TypeError(f"{name}: expected integer token ids (a list, NumPy or CuPy array); got "
                             f"{type(a).__name__}")
         if floats and (a.dtype.kind == "f" or a.dtype == B.bfloat16):
             a = a != 0
-        if a.dtype.kind not in "iu" and a.dtype != np.bool_:
-            raise TypeError(f"{what}: expected integer ids; got dtype {a.dtype}")
-        if kind is not xp:
-            a = a.get() if hasattr(a, "get") else xp.asarray(a)
-            a = xp.asarray(a)
-        return xp.ascontiguousarray(a.astype(np.int32, copy=False))
+        if a.dtype == np.bool_:
+            a = a.view(np.uint8)
+        return B.token_ids_int32(name, a, xp, **bounds)
 
-    def _prepare(self, ids, targets, attention_mask, position_ids, kv_cache):
+    def _prepare(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index=-100):
         xp = self.xp
-        ids = self._as_int("ids", ids, xp)
+        V = self.config.vocab_size
+        # ids >= vocab_size are errors on the host; 64-bit CuPy ids out of range become V (the embedding kernel
+        # clamps them and sets ck.embedding_error()), never their low 32 bits.
+        ids = self._as_int("ids", ids, xp, vocab_size=V)
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2:
@@ -202,13 +212,12 @@ class CausalLM(Module):
         if p0 + T > self.max_positions():
             raise ValueError(f"ids: {p0 + T} positions exceed max_position_embeddings = {self.max_positions()} of "
                              f"this model{self._positions_note()}")
-        if xp is np:
-            V = self.config.vocab_size
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= V:
-                raise ValueError(f"ids: token ids must lie in [0, {V}); got [{lo}, {hi}]")
         if targets is not None:
-            targets = self._as_int("targets", targets, xp)
+            # Targets may hold ignore_index (negative); their range is the loss's to check. Only values that
+            # would wrap in int32 are caught here: on the host an error, on the device a target of V (or V + 1
+            # when that is ignore_index), out of range for the loss kernel, which flags it.
+            targets = self._as_int("targets", targets, xp, low=B.INT32_MIN, high=B.INT32_MAX + 1,
+                                   sentinel=V if ignore_index != V else V + 1)
             if targets.ndim == 1 and Bsz == 1:
                 targets = targets[None]
             if tuple(targets.shape) != (Bsz, T):
@@ -222,7 +231,9 @@ class CausalLM(Module):
                                  f"got {tuple(m.shape)}")
             attention_mask = xp.ascontiguousarray(m != 0)
         if position_ids is not None:
-            position_ids = self._as_int("position_ids", position_ids, xp)
+            # Positions index the rope tables: negative ones indexed from the end on the NumPy path (silently)
+            position_ids = self._as_int("position_ids", position_ids, xp, high=self.max_positions(),
+                                        what="max_position_embeddings")
             if tuple(position_ids.shape) not in ((T,), (Bsz, T)):
                 raise ValueError(f"position_ids: expected shape ({T},) or ({Bsz}, {T}); got "
                                  f"{tuple(position_ids.shape)}")
@@ -235,7 +246,7 @@ class CausalLM(Module):
     def forward(self, ids, targets=None, *, attention_mask=None, position_ids=None, kv_cache=None,
                 ignore_index=-100, return_logits=False):
         ids, targets, attention_mask, position_ids = self._prepare(ids, targets, attention_mask, position_ids,
-                                                                    kv_cache)
+                                                                    kv_cache, B.check_int("ignore_index", ignore_index))
         if kv_cache is not None:
             with no_grad():
                 return self._run(ids, None, attention_mask, position_ids, kv_cache, ignore_index)

@@ -54,8 +54,8 @@ class GPT2Config(ModelConfig):
         if self.n_inner is not None:
             check_int(w, "n_inner", self.n_inner)
         if self.n_embd % self.n_head:
-            raise ValueError(f"{w}: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
-        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(f"{w}.n_head: n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if not isinstance(self.activation_function, str) or self.activation_function not in ACTIVATIONS:
             raise ValueError(f"{w}.activation_function: expected one of {sorted(ACTIVATIONS)}; got "
                              f"{self.activation_function!r}")
         for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):

@@ -15,6 +15,7 @@ import numpy as np
 from .._backend import bfloat16
 from ..io.hf_folder import HFFormatError
 from ..nn import Attention, Embedding, Linear, Module, ModuleList, Residual, RMSNorm, SwiGLUMLP, decode
+from ..ops.rope import _check_scaling as check_rope_scaling
 from ..ops.rope import rope_cache
 from .base import CausalLM, ModelConfig, check_int, check_real, register
 
@@ -51,15 +52,15 @@ class LlamaConfig(ModelConfig):
         check_int(w, "num_key_value_heads", self.num_key_value_heads)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"{w}: hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
-                                 f"({self.num_attention_heads}), or give head_dim")
+                raise ValueError(f"{w}.num_attention_heads: hidden_size ({self.hidden_size}) must be a multiple of "
+                                 f"num_attention_heads ({self.num_attention_heads}), or give head_dim")
             self.head_dim = self.hidden_size // self.num_attention_heads
         check_int(w, "head_dim", self.head_dim, minimum=2)
         if self.head_dim % 2:
             raise ValueError(f"{w}: head_dim must be even for rotary embeddings; got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{w}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(f"{w}.num_key_value_heads: num_attention_heads ({self.num_attention_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
         check_real(w, "rms_norm_eps", self.rms_norm_eps)
         check_real(w, "rope_theta", self.rope_theta)
         check_real(w, "initializer_range", self.initializer_range)
@@ -67,6 +68,11 @@ class LlamaConfig(ModelConfig):
             raise TypeError(f"{w}.tie_word_embeddings: expected true or false; got {self.tie_word_embeddings!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise TypeError(f"{w}.rope_scaling: expected a dict or None; got {type(self.rope_scaling).__name__}")
+        try:  # at construction (it was refused only at the first forward, when the rope tables were built)
+            check_rope_scaling(self.rope_scaling)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            raise type(e)(f"{w}.rope_{msg}" if msg.startswith("scaling") else f"{w}.rope_scaling: {msg}") from None
 
     # -- config.json ----------------------------------------------------------------------------------------
     @classmethod

@@ -27,8 +27,8 @@ from ..ops.attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write
 from .dropout import Dropout
-from .layers import Linear, packable, project_packed
-from .module import Module
+from .layers import Linear, check_input, packable, project_packed
+from .module import Module, check_param_args
 
 SEPARATE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
@@ -49,13 +49,28 @@ class Attention(Module):
 
     def __init__(self, hidden, n_heads, n_kv_heads=None, head_dim=None, *, bias=False, rope=True, causal=True,
                  names=None, attn_dropout=None, xp=np, rng=None, std=0.02, out_std=None, dtype=None):
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        hidden, n_heads = check_param_args(hidden=hidden, n_heads=n_heads, std=std, dtype=dtype, xp=xp)
+        n_kv_heads = n_heads if n_kv_heads is None else B.check_size("n_kv_heads", n_kv_heads)
         if n_heads % n_kv_heads:
-            raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
-                             f"({n_kv_heads})")
+            raise ValueError(f"n_kv_heads: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads}) "
+                             "(num_attention_heads, num_key_value_heads)")
+        if head_dim is None and hidden % n_heads:
+            # hidden // n_heads would drop features: Attention(10, 3) had head_dim 3 and o_proj 9 -> 10
+            raise ValueError(f"n_heads: hidden ({hidden}) must be a multiple of n_heads ({n_heads}), or give head_dim")
+        if out_std is not None:
+            B.check_real("out_std", out_std, min=0)
         self.H, self.Hkv = n_heads, n_kv_heads
-        self.D = head_dim or hidden // n_heads
-        self.rope, self.causal = bool(rope), bool(causal)
+        self.D = hidden // n_heads if head_dim is None else B.check_size("head_dim", head_dim)
+        self.rope, self.causal = B.check_bool("rope", rope), B.check_bool("causal", causal)
+        bias = B.check_bool("bias", bias)
+        if attn_dropout is not None and not isinstance(attn_dropout, Dropout):
+            raise TypeError(f"attn_dropout: expected None or a cukernels.nn.Dropout; got {B._got(attn_dropout)}")
+        if names is not None:
+            if not isinstance(names, dict) or set(names) not in ({"q", "k", "v", "o"}, {"qkv", "o"}):
+                raise ValueError(f"names: expected a dict with the keys q, k, v, o (separate projections) or qkv, o "
+                                 f"(one packed projection); got {B._short(names)}")
+            if not all(isinstance(v, str) and v.isidentifier() for v in names.values()):
+                raise TypeError(f"names: expected attribute names (identifiers) as values; got {B._short(names)}")
         self.names = dict(names or SEPARATE)
         self.packed = "qkv" in self.names
         kw = dict(bias=bias, xp=xp, rng=rng, std=std, dtype=dtype)
@@ -128,6 +143,10 @@ class Attention(Module):
         [B, Tk] bool (True = keep; Tk = cached + T keys). ``kv_cache``: a :class:`LayerKVCache` (inference): the
         new tokens' K/V are appended and the queries attend to every cached key; no tape is recorded for the
         cache."""
+        xd = x.data if isinstance(x, Tensor) else x
+        if B._kind(xd) is None or xd.ndim != 3:
+            raise ValueError(f"x: expected [batch, seq, hidden]; got "
+                             f"{('shape ' + str(tuple(xd.shape))) if B._kind(xd) is not None else B._got(x)}")
         Bsz, T, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
         G = H // Hkv

@@ -13,8 +13,9 @@ import contextlib
 
 import numpy as np
 
+from .. import _backend as B
 from .. import functional as F
-from .module import Module
+from .module import Module, check_xp
 
 _current = [None]  # the (rng, offset snapshot) of the forward pass being run
 
@@ -24,7 +25,8 @@ class DropoutRNG:
     the model's module, advanced by one per training forward)."""
 
     def __init__(self, seed, xp=np):
-        self.base = int(seed) & 0xFFFFFFFF
+        self.base = B.check_int("seed", seed, min=0) & 0xFFFFFFFF
+        check_xp(xp)
         self.offset = xp.zeros((), dtype=np.uint64)
         self._sites = 0
 
@@ -56,9 +58,8 @@ class Dropout(Module):
     ``site``: this layer's stream index (``rng.new_site()``)."""
 
     def __init__(self, p, site):
-        if not (isinstance(p, (int, float)) and 0 <= p < 1):
-            raise ValueError(f"p: expected a dropout probability in [0, 1); got {p!r}")
-        self.p, self.site = float(p), int(site)
+        self.p = B.check_real("p", p, min=0, max=1, max_open=True)  # (a string was a ValueError, "a" a site)
+        self.site = B.check_int("site", site, min=0, max=2**32 - 1)  # the low word of the Philox key
 
     def active(self):
         return self.training and self.p > 0 and _current[0] is not None

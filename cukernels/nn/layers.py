@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _backend as B
 from .. import amp
 from .. import functional as F
 from ..autograd import Tensor
-from .module import Module, new_param
+from .module import Module, check_eps, check_param_args, new_param
 
 
 def autocast_input(x):
@@ -69,15 +70,35 @@ def project_packed(module, x, linears):
     return F.packed_linear(x, ws, lows)
 
 
+def check_input(x, weight, width, name="x"):
+    """A layer's input: a float Tensor / array whose last axis is ``width``, of the weight's dtype, or float32 /
+    bfloat16 beside float32 / bfloat16 weights (autocast). A float64 input beside float32 weights was promoted
+    silently (a float64 GEMM and float64 activations): refused, as the kernel ops refuse it."""
+    d = x.data if isinstance(x, Tensor) else x
+    if B._kind(d) is None:
+        raise TypeError(f"{name}: expected a Tensor or an array; got {B._got(x)}")
+    dt, wdt = d.dtype, weight.dtype
+    if dt != wdt and not (dt in B.FLOATS and wdt in B.FLOATS):
+        hint = f" (cast it: {name}.astype(numpy.float32))" if dt.kind == "f" else ""
+        raise TypeError(f"{name}: expected {wdt} (the layer's weight dtype){' or bfloat16' if wdt in B.FLOATS else ''}"
+                        f"; got {dt}{hint}")
+    if d.ndim < 1 or d.shape[-1] != width:
+        raise ValueError(f"{name}: expected a last axis of {width} features; got shape {tuple(d.shape)}")
+
+
 class Linear(Module):
     """``y = x W^T (+ b)``; W is [out_features, in_features] (PyTorch's and Hugging Face's layout)."""
 
     def __init__(self, in_features, out_features, bias=False, *, xp=np, rng=None, std=0.02, dtype=None):
+        in_features, out_features = check_param_args(in_features=in_features, out_features=out_features, std=std,
+                                                     dtype=dtype, xp=xp)
+        bias = B.check_bool("bias", bias)
         self.in_features, self.out_features = in_features, out_features
         self.weight = new_param(xp, (out_features, in_features), std=std, rng=rng, dtype=dtype)
         self.bias = new_param(xp, (out_features,), init="zeros", dtype=dtype) if bias else None
 
     def forward(self, x):
+        check_input(x, self.weight, self.in_features)
         return project(self, x, self.weight, self.bias)
 
     def extra_repr(self):
@@ -89,6 +110,8 @@ class Embedding(Module):
     (a ``ck.SparseRowGrad``; only the rows seen are updated by the optimizer) instead of a dense ``.grad``."""
 
     def __init__(self, num_embeddings, dim, *, sparse=False, xp=np, rng=None, std=0.02, dtype=None):
+        num_embeddings, dim = check_param_args(num_embeddings=num_embeddings, dim=dim, std=std, dtype=dtype, xp=xp)
+        sparse = B.check_bool("sparse", sparse)
         self.num_embeddings, self.dim, self.sparse = num_embeddings, dim, sparse
         self.weight = new_param(xp, (num_embeddings, dim), std=std, rng=rng, dtype=dtype)
 
@@ -126,7 +149,8 @@ class Residual:
 
 class RMSNorm(Module):
     def __init__(self, dim, eps=1e-6, *, xp=np, dtype=None):
-        self.eps = eps
+        (dim,) = check_param_args(dim=dim, dtype=dtype, xp=xp)
+        self.eps = check_eps(eps)  # (refused here, not at the first forward)
         self.weight = new_param(xp, (dim,), init="ones", dtype=dtype)
 
     def forward(self, x):
@@ -141,7 +165,8 @@ class RMSNorm(Module):
 
 class LayerNorm(Module):
     def __init__(self, dim, eps=1e-5, *, xp=np, dtype=None):
-        self.eps = eps
+        (dim,) = check_param_args(dim=dim, dtype=dtype, xp=xp)
+        self.eps = check_eps(eps)
         self.weight = new_param(xp, (dim,), init="ones", dtype=dtype)
         self.bias = new_param(xp, (dim,), init="zeros", dtype=dtype)
 

@@ -27,6 +27,37 @@ def init_context(*, empty=False, dtype=None):
         _init.update(prev)
 
 
+PARAM_DTYPES = (np.dtype(np.float32), B.bfloat16, np.dtype(np.float16), np.dtype(np.float64))
+
+
+def check_xp(xp):
+    """The array module a layer is built on: numpy or cupy (TypeError otherwise)."""
+    if xp is np or (xp is not None and xp is B._cupy()):
+        return xp
+    raise TypeError(f"xp: expected numpy or cupy; got {B._got(xp)}")
+
+
+def check_param_args(*, std=0.02, dtype=None, xp=np, **sizes):
+    """The constructor arguments every layer shares, checked at construction (TypeError / ValueError naming the
+    argument): sizes (integers >= 1, at most 2**31 - 1), ``std`` (a finite number >= 0), ``dtype`` (None or a
+    float dtype: float32, bfloat16, float16, float64 -- the last two for the composite reference path) and
+    ``xp``. Returns the sizes as ints, in the order given."""
+    out = [B.check_size(k, v) for k, v in sizes.items()]
+    B.check_real("std", std, min=0)
+    if dtype is not None:
+        B.check_dtype_arg("dtype", dtype, PARAM_DTYPES)
+    check_xp(xp)
+    return out
+
+
+def check_eps(eps):
+    """A norm's epsilon: a number > 0 that stays finite and > 0 in float32 (the kernels add it as fp32)."""
+    e = B.check_f32("eps", eps, min=0, min_open=True)
+    if e == 0:
+        raise ValueError(f"eps: expected a number > 0 that stays > 0 in float32; got {eps!r}")
+    return float(eps)
+
+
 def new_param(xp, shape, *, init="normal", std=0.02, rng=None, dtype=None, name=None):
     """A :class:`Parameter` of ``shape``: ``init`` "normal" (mean 0, ``std``), "ones" or "zeros"."""
     dt = np.dtype(dtype if dtype is not None else (_init["dtype"] or np.float32))
