@@ -35,6 +35,7 @@
 // grid = SMs x resident blocks (launcher), grid-stride beyond. GELU (forward and backward, both forms) runs
 // the same loop software-pipelined (run_flat_pipe below: 2U slots, the next step's loads in flight during this
 // step's math; ptxas sm_90 bf16: forward 72 registers -> 3 blocks of 256 a SM, backward 119 -> 2).
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -221,54 +222,54 @@ __device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
 // accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
 // gelu_*: tanh form, gelu_erf_*: exact form.
 #define ACT_KERNELS(T, TN, VEC, VS)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-      swiglu_fwd_##TN##_##VS(const T* g, const T* u, T* y, long long n) {                                   \
+  CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
+      swiglu_fwd_##TN##_##VS)(const T* g, const T* u, T* y, long long n) {                                  \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, 0, 0};                                                          \
     SwigluFwd<T, 1, false, 1> tail{g, u, y, 0, 0};                                                          \
     run_flat<E, ACT_U>(op, tail, n);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_fwd_rows_##TN##_##VS(                             \
+  CK_ENTRY(__launch_bounds__(256, 2), swiglu_fwd_rows_##TN##_##VS)(                                             \
       const T* g, const T* u, T* y, unsigned int rows, unsigned int F, long long ld_in) {                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, ld_in, F};                                                      \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-      swiglu_bwd_##TN##_##VS(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {              \
+  CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
+      swiglu_bwd_##TN##_##VS)(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {             \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, 0, 0};                                                 \
     SwigluBwd<T, 1, false, 1> tail{g, u, dy, dg, du, 0, 0};                                                 \
     run_flat<E, ACT_U>(op, tail, n);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2) swiglu_bwd_rows_##TN##_##VS(                             \
+  CK_ENTRY(__launch_bounds__(256, 2), swiglu_bwd_rows_##TN##_##VS)(                                             \
       const T* g, const T* u, const T* dy, T* dg, T* du, unsigned int rows, unsigned int F, long long ld_in) { \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, ld_in, F};                                             \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2) gelu_fwd_##TN##_##VS(const T* x, T* y, long long n) {   \
+  CK_ENTRY(__launch_bounds__(256, 2), gelu_fwd_##TN##_##VS)(const T* x, T* y, long long n) {                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluFwd<T, E, VEC, 2 * ACT_U> op{x, y};                                                                 \
     GeluFwd<T, 1, false, 1> tail{x, y};                                                                     \
     run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-      gelu_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                                   \
+  CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
+      gelu_bwd_##TN##_##VS)(const T* x, const T* dy, T* dx, long long n) {                                  \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluBwd<T, E, VEC, 2 * ACT_U> op{x, dy, dx};                                                            \
     GeluBwd<T, 1, false, 1> tail{x, dy, dx};                                                                \
     run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-      gelu_erf_fwd_##TN##_##VS(const T* x, T* y, long long n) {                                             \
+  CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
+      gelu_erf_fwd_##TN##_##VS)(const T* x, T* y, long long n) {                                            \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluFwd<T, E, VEC, 2 * ACT_U, true> op{x, y};                                                           \
     GeluFwd<T, 1, false, 1, true> tail{x, y};                                                               \
     run_flat_pipe<E, ACT_U>(op, tail, n);                                                                   \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2)                                                         \
-      gelu_erf_bwd_##TN##_##VS(const T* x, const T* dy, T* dx, long long n) {                               \
+  CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
+      gelu_erf_bwd_##TN##_##VS)(const T* x, const T* dy, T* dx, long long n) {                              \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     GeluBwd<T, E, VEC, 2 * ACT_U, true> op{x, dy, dx};                                                      \
     GeluBwd<T, 1, false, 1, true> tail{x, dy, dx};                                                          \

@@ -42,6 +42,7 @@
 // - global_norm is two-stage and deterministic: one partial kernel per array (fixed grid from its size and
 //   the SM count, fp32 per-thread sums, fixed-order block tree) writes its slots of a partials buffer; one
 //   block sums all partials in fixed order in double and takes the sqrt. No atomics.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 
 struct AdamCoef {
@@ -230,14 +231,14 @@ __device__ __forceinline__ int clamp_count(const int* row_count, int capacity) {
 #define ADAM_COEF adam_coef(lr_ptr, lr_val, step_ptr, step_kind, step_val, gs_ptr, gs_val, beta1, beta2, eps, wd)
 
 #define ADAM_ENTRY(G, GN, VEC, VS)                                                                             \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      adam_##GN##_##VS(float* p, const G* g, float* m, float* v, bf16* sh, long long n, ADAM_ARGS) {           \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      adam_##GN##_##VS)(float* p, const G* g, float* m, float* v, bf16* sh, long long n, ADAM_ARGS) {          \
     const AdamCoef c = ADAM_COEF;                                                                              \
     if (c.bad) return adam_report(err, c.bad);                                                                 \
     adam_dense<G, VEC>(p, g, m, v, sh, n, c);                                                                  \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      adam_rows_##GN##_##VS(float* p, const G* g, float* m, float* v, bf16* sh, const int* rows,               \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      adam_rows_##GN##_##VS)(float* p, const G* g, float* m, float* v, bf16* sh, const int* rows,              \
                             const int* row_count, int capacity, long long V, int D, ADAM_ARGS) {               \
     const int count = clamp_count(row_count, capacity);                                                        \
     const bool idle = (long long)blockIdx.x * blockDim.y >= count;                                             \
@@ -272,7 +273,7 @@ __device__ __forceinline__ void zero_rows(T* __restrict__ buf, const int* __rest
 }
 
 #define ZERO_ROWS_ENTRY(T, TN, VEC, VS)                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) zero_rows_##TN##_##VS(                                    \
+  CK_ENTRY(__launch_bounds__(256), zero_rows_##TN##_##VS)(                                                    \
       T* buf, const int* rows, const int* row_count, int capacity, long long V, int D) {                      \
     const int count = clamp_count(row_count, capacity);                                                       \
     if ((long long)blockIdx.x * blockDim.y >= count) return;                                                  \
@@ -314,8 +315,7 @@ __device__ __forceinline__ void sumsq_partial(const T* __restrict__ x, long long
 }
 
 #define SUMSQ_ENTRY(T, TN, VEC, VS)                                                                           \
-  extern "C" __global__ void __launch_bounds__(256) sumsq_partial_##TN##_##VS(const T* x, long long n,        \
-                                                                              float* part) {                  \
+  CK_ENTRY(__launch_bounds__(256), sumsq_partial_##TN##_##VS)(const T* x, long long n, float* part) {         \
     sumsq_partial<T, VEC>(x, n, part);                                                                        \
   }
 SUMSQ_ENTRY(float, f32, true, v)
@@ -353,7 +353,7 @@ __device__ __forceinline__ void sumsq_rows_partial(const T* __restrict__ x, cons
 }
 
 #define SUMSQ_ROWS_ENTRY(T, TN, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) sumsq_rows_partial_##TN##_##VS(                           \
+  CK_ENTRY(__launch_bounds__(256), sumsq_rows_partial_##TN##_##VS)(                                           \
       const T* x, const int* rows, const int* count, int capacity, int V, int D, float* part) {               \
     sumsq_rows_partial<T, VEC>(x, rows, count, capacity, V, D, part);                                         \
   }
@@ -369,7 +369,7 @@ __device__ __forceinline__ double warp_sum_f64(double v) {
 }
 
 // ---- global_norm stage 2: one block of 1024 threads; out = sqrt(sum of part[0:nparts]) (0 when nparts == 0).
-extern "C" __global__ void __launch_bounds__(1024) sumsq_final(const float* part, long long nparts, float* out) {
+CK_ENTRY(__launch_bounds__(1024), sumsq_final)(const float* part, long long nparts, float* out) {
   __shared__ double s[32];
   double acc = 0.0;
   for (long long i = threadIdx.x; i < nparts; i += blockDim.x) acc += (double)part[i];
@@ -385,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(1024) sumsq_final(const float* part
 }
 
 // ---- clip_scale: out = min(1, max_norm / (norm + 1e-6)) in fp32; a NaN norm gives NaN (as torch's clamp).
-extern "C" __global__ void adam_clip_scale(const float* norm, float* out, float max_norm) {
+CK_ENTRY(, adam_clip_scale)(const float* norm, float* out, float max_norm) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const float s = max_norm / (norm[0] + 1e-6f);
   out[0] = s > 1.f ? 1.f : s;
@@ -394,8 +394,8 @@ extern "C" __global__ void adam_clip_scale(const float* norm, float* out, float 
 // ---- the optimizer's device clock: step += increment; with schedule != 0, lr = warmup-cosine(step).
 //   t <= warmup:  lr = max_lr * t / warmup
 //   else:         q = clamp((t - warmup) / (total - warmup), 0, 1); lr = min_lr + (max_lr - min_lr) (1 + cos(pi q)) / 2  (cospi: no big-argument reduction, no local memory)
-extern "C" __global__ void adam_tick(int* step, float* lr, int increment, int schedule, double max_lr,
-                                     double min_lr, long long warmup, long long total) {
+CK_ENTRY(, adam_tick)(int* step, float* lr, int increment, int schedule, double max_lr,
+                      double min_lr, long long warmup, long long total) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const int t = *step + increment;
   *step = t;

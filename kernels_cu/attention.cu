@@ -32,6 +32,7 @@
 //     row that sees no real key gives o = 0, lse = -inf and contributes nothing to the backward.
 //   * q, k, v, dO may be strided views ([B, T, heads, D] with any batch / token / head strides that are multiples
 //     of 8 elements, 16-byte aligned): the projections' outputs are read in place, no transposes.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 
@@ -592,7 +593,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 #define CK_KM_PARAMS const unsigned char *km, long long kmld, int kmesz
 #define CK_KM_ROW KeyMask{km + (long long)blockIdx.z * kmld * kmesz, kmesz}
 #define CK_ATTN_FWD_1(D, BN, MINB, KM, TAG, SUF, EXTRA, MASK)                                             \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_fwd_d##D##TAG##SUF(                            \
+  CK_ENTRY(__launch_bounds__(NT, MINB), attn_fwd_d##D##TAG##SUF)(                                            \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal EXTRA) {                                                \
@@ -600,7 +601,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
                         Tk, H, Hkv, scale, causal, MASK);                                                      \
   }
 #define CK_ATTN_DQ_1(D, BN, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                          \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dq_d##D##TAG##SUF(                         \
+  CK_ENTRY(__launch_bounds__(NT, MINB), attn_bwd_dq_d##D##TAG##SUF)(                                         \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
@@ -609,7 +610,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
                                Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal, MASK); \
   }
 #define CK_ATTN_DKDV_1(D, BQ, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                        \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) attn_bwd_dkdv_d##D##TAG##SUF(                       \
+  CK_ENTRY(__launch_bounds__(NT, MINB), attn_bwd_dkdv_d##D##TAG##SUF)(                                       \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \

@@ -44,6 +44,7 @@
 //     the second Q buffer) and first K / V stages while the consumers finish the current one; a "Q empty"
 //     mbarrier per buffer, arrived on once the tile's last S has read Q, orders its reuse (the backward kernels'
 //     fixed tiles likewise).
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 
@@ -1366,7 +1367,7 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ acc, co
 // ceil(Tq / 128) * H * Bsz persistent CTAs (one per SM), dynamic shared memory Smem<D, BN, STAGES>::BYTES
 // (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
 #define CK_ATTN90_FWD_1(D, BN, STAGES, QB, MODE, NC, SUF)                                                      \
-  extern "C" __global__ void __launch_bounds__((NC + 1) * WG, 1) attn_sm90_fwd_d##D##SUF(                      \
+  CK_ENTRY(__launch_bounds__((NC + 1) * WG, 1), attn_sm90_fwd_d##D##SUF)(                                      \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
@@ -1397,7 +1398,7 @@ CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 // rope tables for the fused rope backward of dq and dk (RopeTab; rmode -1: none). 1-D grids of persistent CTAs
 // over ceil(Tq / 128) * H * Bsz and ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
 #define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                        \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dq_d##D##SUF(                        \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dq_d##D##SUF)(                                        \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
@@ -1407,7 +1408,7 @@ CK_ATTN90_FWD_WG3(64, 128, 4, 2)
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
                                      Hkv, scale, causal, Bsz, Strides{gb, gt, gh}, RopeTab{rc, rs, rp, rmode, rL}); \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdv_d##D##SUF(                      \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdv_d##D##SUF)(                                      \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
@@ -1435,7 +1436,7 @@ CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)
 // buffers, + 2 x 8 KB dS^T + 2 x 2 x 16 KB hand-off = 211 KB of shared memory. Its grid must be persistent (at
 // most one CTA per SM).
 #define CK_ATTN90_BWD_FQ_1(D, BQ, STK, QBK, PP, SUF)                                                          \
-  extern "C" __global__ void __launch_bounds__(NTHREADS, 1) attn_sm90_bwd_dkdvq_d##D##SUF(                     \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdvq_d##D##SUF)(                                     \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
@@ -1450,12 +1451,12 @@ CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, true, )
 CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, false, _serial)
 
 // 256 threads a block, ceil(rows * 8 / 256) blocks (rows = B * Tq * H).
-extern "C" __global__ void __launch_bounds__(256) attn_sm90_bwd_delta_d64(const bf16* o, const bf16* dout,
-                                                                          float* delta, long long db, long long dt,
-                                                                          long long dh, int Tq, int H, int Bsz) {
+CK_ENTRY(__launch_bounds__(256), attn_sm90_bwd_delta_d64)(const bf16* o, const bf16* dout,
+                                                          float* delta, long long db, long long dt,
+                                                          long long dh, int Tq, int H, int Bsz) {
   bwd_delta<64>(o, dout, delta, Strides{db, dt, dh}, Tq, H, Bsz);
 }
-extern "C" __global__ void __launch_bounds__(256) attn_sm90_bwd_dq_convert_d64(
+CK_ENTRY(__launch_bounds__(256), attn_sm90_bwd_dq_convert_d64)(
     const float* acc, const int* sem, bf16* dq, long long gb, long long gt, long long gh, int Tq, int H, int Bsz,
     float scale, const float* rc, const float* rs, const int* rp, int rmode, int rL) {
   bwd_dq_convert<64, 64>(acc, sem, dq, Strides{gb, gt, gh}, Tq, H, Bsz, scale, RopeTab{rc, rs, rp, rmode, rL});

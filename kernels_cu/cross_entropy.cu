@@ -38,6 +38,7 @@
 //   a fixed order; no float atomics anywhere.
 // - Logits of magnitude 1e4: everything is relative to the running max, so exp never overflows; lse and
 //   the losses stay finite.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 
 #define CE_ERR_TARGET 1
@@ -434,19 +435,19 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
 // ---- extern "C" entry points. Names: <kernel>_<logits dtype>_<targets dtype>. ldx / ldo: row strides in
 // elements (V for contiguous rows).
 #define CE_ALL(T, I, TN, IN)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      ce_fwd_##TN##_##IN(const T* x, const I* tg, float* loss_row, float* lse, int* err, long long N, int V,    \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ce_fwd_##TN##_##IN)(const T* x, const I* tg, float* loss_row, float* lse, int* err, long long N, int V,   \
                          long long ldx, long long ignore, float eps) {                                         \
     ce_fwd<T, I>(x, tg, loss_row, lse, err, N, V, ldx, ignore, eps);                                           \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      ce_fused_##TN##_##IN(const T* x, const I* tg, T* dx, float* loss_row, int* err, const int* count,        \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ce_fused_##TN##_##IN)(const T* x, const I* tg, T* dx, float* loss_row, int* err, const int* count,       \
                            const float* dloss, float dloss_scalar, long long N, int V, long long ldx,           \
                            long long ldo, long long ignore, float eps, bool vec, bool hint) {                  \
     ce_fused<T, I>(x, tg, dx, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldo, ignore, eps, vec, hint); \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      ce_bwd_##TN##_##IN(const T* x, const I* tg, const float* lse, T* dx, int* err, const int* count,         \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ce_bwd_##TN##_##IN)(const T* x, const I* tg, const float* lse, T* dx, int* err, const int* count,        \
                          const float* dloss, float dloss_scalar, bool per_row, long long N, int V,             \
                          long long ldx, long long ldo, long long ignore, float eps, bool vec) {                \
     ce_bwd<T, I>(x, tg, lse, dx, err, count, dloss, dloss_scalar, per_row, N, V, ldx, ldo, ignore, eps, vec);  \
@@ -456,15 +457,15 @@ CE_ALL(float, long long, f32, i64)
 CE_ALL(bf16, int, bf16, i32)
 CE_ALL(bf16, long long, bf16, i64)
 
-extern "C" __global__ void __launch_bounds__(1024) ce_count_i32(const int* tg, long long N, long long V,
-                                                                long long ignore, int* count) {
+CK_ENTRY(__launch_bounds__(1024), ce_count_i32)(const int* tg, long long N, long long V,
+                                                long long ignore, int* count) {
   ce_count<int>(tg, N, V, ignore, count);
 }
-extern "C" __global__ void __launch_bounds__(1024) ce_count_i64(const long long* tg, long long N, long long V,
-                                                                long long ignore, int* count) {
+CK_ENTRY(__launch_bounds__(1024), ce_count_i64)(const long long* tg, long long N, long long V,
+                                                long long ignore, int* count) {
   ce_count<long long>(tg, N, V, ignore, count);
 }
-extern "C" __global__ void __launch_bounds__(1024) ce_reduce_loss(const float* loss_row, long long N,
-                                                                  const int* count, float* loss) {
+CK_ENTRY(__launch_bounds__(1024), ce_reduce_loss)(const float* loss_row, long long N,
+                                                  const int* count, float* loss) {
   ce_reduce(loss_row, N, count, loss);
 }

@@ -57,6 +57,7 @@
 // counters int32 [B, Hkv * RG]. The counters must be zero before the first launch (decode_attention_workspace()
 // returns them zeroed; the launcher zeroes a pool temporary) and are zero again after every launch. Two
 // launches in flight at once must not share a workspace.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/mma.cuh"
 #include "common/pointwise.cuh"
@@ -603,7 +604,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
 // min blocks: register cap 65536 / (128 * MINB): D = 128 keeps 64 fp32 accumulators + 32 Q-fragment registers
 // per thread (cap 170).
 #define DATTN_SPLIT(D, MTB, MINB)                                                                               \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) dattn_split_d##D##_m##MTB(                             \
+  CK_ENTRY(__launch_bounds__(NT, MINB), dattn_split_d##D##_m##MTB)(                                             \
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
@@ -621,7 +622,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
     dattn<D, MTB, false>(a);                                                                                    \
   }
 #define DATTN_ROPE(D, MTB, MINB)                                                                                \
-  extern "C" __global__ void __launch_bounds__(NT, MINB) dattn_rope_d##D##_m##MTB(                              \
+  CK_ENTRY(__launch_bounds__(NT, MINB), dattn_rope_d##D##_m##MTB)(                                              \
       const bf16* qkv, long long sb, int qkv_vec, bf16* k, bf16* v, const int* len_ptr, int len_val,            \
       const float* cos_t, const float* sin_t, const void* positions, int pos_esz, int pos_mode, int Lc,          \
       int cs_vec, const unsigned char* mask, long long mask_b, int mask_esz, float* ws, bf16* out,              \
@@ -679,10 +680,10 @@ __device__ void kv_write(const W* __restrict__ src, W* __restrict__ dst, const i
 }
 
 #define KV_WRITE(BYTES, W)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(256) kv_write_w##BYTES(const W* src, W* dst, const int* len_ptr,  \
-                                                         int len_val,                                            \
-                                                         long long sb, long long st, long long db, long long dt, \
-                                                         int Tq, int R, int Lmax, long long n) {                 \
+  CK_ENTRY(__launch_bounds__(256), kv_write_w##BYTES)(const W* src, W* dst, const int* len_ptr,                  \
+                                                      int len_val,                                               \
+                                                      long long sb, long long st, long long db, long long dt,    \
+                                                      int Tq, int R, int Lmax, long long n) {                    \
     kv_write<W>(src, dst, len_ptr, len_val, sb, st, db, dt, Tq, R, Lmax, n);                                    \
   }
 KV_WRITE(2, unsigned short)
@@ -778,7 +779,7 @@ __device__ __forceinline__ void rope_kv(const T* qkv, long long sb, long long st
 }
 
 #define ROPE_KV(T, PT, TN, PN, VEC, VS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) rope_kv_##TN##_##PN##_##VS(                                  \
+  CK_ENTRY(__launch_bounds__(256), rope_kv_##TN##_##PN##_##VS)(                                                  \
       const T* qkv, long long sb, long long st, T* q_out, long long qb, long long qt, T* kc, long long kb,         \
       long long kt, T* vc, long long vb, long long vt, const int* len_ptr, int len_val, const float* cos_t,       \
       const float* sin_t, const PT* positions, int Bsz, int Tn, int H, int Hkv, int D, int Lc, int pos_mode,      \

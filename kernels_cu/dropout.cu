@@ -39,6 +39,7 @@
 // should stay memory-bound, bf16 forward/backward with the least margin (benchmarks/NOTES.md, dropout).
 // Each thread keeps U = 4 units per operand in flight; the Philox work of a unit does not depend on its loads,
 // so it overlaps their latency. __launch_bounds__(256, 2): <= 128 registers.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -190,7 +191,7 @@ __host__ __device__ constexpr int dmin(int a, int b) { return a < b ? a : b; }
 // Entry points: dropout_<x>_<y>_<v|s>, dropout_add_<x>_<r>_<out>_<v|s> (v: 16-byte accesses, every pointer
 // aligned; s: element accesses, any alignment).
 #define DO_UNARY(I, O, IN, ON, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256, 2) dropout_##IN##_##ON##_##VS(const I* x, O* y, DROPOUT_ARGS) { \
+  CK_ENTRY(__launch_bounds__(256, 2), dropout_##IN##_##ON##_##VS)(const I* x, O* y, DROPOUT_ARGS) {                 \
     constexpr int E = VEC ? 16 / dmin(sizeof(I), sizeof(O)) : 4;                                            \
     const DropRng g = DROPOUT_RNG;                                                                          \
     DropoutOp<I, O, E, VEC, DO_U> op{x, y, g};                                                              \
@@ -198,7 +199,7 @@ __host__ __device__ constexpr int dmin(int a, int b) { return a < b ? a : b; }
     run_flat<E, DO_U>(op, tail, n);                                                                         \
   }
 #define DO_ADD(X, R, O, XN, RN, ON, VEC, VS)                                                                 \
-  extern "C" __global__ void __launch_bounds__(256, 2) dropout_add_##XN##_##RN##_##ON##_##VS(                  \
+  CK_ENTRY(__launch_bounds__(256, 2), dropout_add_##XN##_##RN##_##ON##_##VS)(                                  \
       const X* x, const R* r, O* out, DROPOUT_ARGS) {                                                       \
     constexpr int E = VEC ? 16 / dmin(sizeof(X), dmin(sizeof(R), sizeof(O))) : 4;                           \
     const DropRng g = DROPOUT_RNG;                                                                          \

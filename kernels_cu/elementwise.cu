@@ -21,6 +21,7 @@
 // sm_90: <= 102, no spills), so >= 2 blocks of 256 threads per SM keep ~100 KB per SM in flight.
 // In place (out = a, or out = b when b is not broadcast) is safe: each element is read and then written by one
 // thread, and no pointer is __restrict__.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -74,21 +75,21 @@ __host__ __device__ constexpr int min_size(int x, int y) { return x < y ? x : y;
 // Entry points: binary_<a>_<b>_<out>_<v|s> (same shape, flat), bcast_<a>_<b>_<out>_<v|s> (b [C] broadcast
 // over rows of C), cast_<in>_<out>_<v|s>.
 #define EW_BINARY(A, Bt, O, AN, BN, ON, VEC, VS)                                                             \
-  extern "C" __global__ void __launch_bounds__(256, 2) binary_##AN##_##BN##_##ON##_##VS(                       \
+  CK_ENTRY(__launch_bounds__(256, 2), binary_##AN##_##BN##_##ON##_##VS)(                                       \
       const A* a, const Bt* b, O* out, long long n, float alpha, bool is_mul) {                             \
     constexpr int E = VEC ? 16 / min_size(sizeof(A), min_size(sizeof(Bt), sizeof(O))) : 1;                  \
     Binary<A, Bt, O, E, VEC, EW_U> op{a, b, out, 0, 0, alpha, is_mul};                                      \
     Binary<A, Bt, O, 1, false, 1> tail{a, b, out, 0, 0, alpha, is_mul};                                     \
     run_flat<E, EW_U>(op, tail, n);                                                                         \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(256, 2) bcast_##AN##_##BN##_##ON##_##VS(                        \
+  CK_ENTRY(__launch_bounds__(256, 2), bcast_##AN##_##BN##_##ON##_##VS)(                                        \
       const A* a, const Bt* b, O* out, unsigned int rows, unsigned int C, float alpha, bool is_mul) {       \
     constexpr int E = VEC ? 16 / min_size(sizeof(A), min_size(sizeof(Bt), sizeof(O))) : 1;                  \
     Binary<A, Bt, O, E, VEC, EW_U> op{a, b, out, C, 0, alpha, is_mul};                                      \
     run_rows<E, EW_U>(op, rows, C);                                                                         \
   }
 #define EW_CAST(I, O, IN, ON, VEC, VS)                                                                       \
-  extern "C" __global__ void __launch_bounds__(256, 2) cast_##IN##_##ON##_##VS(const I* x, O* y, long long n) { \
+  CK_ENTRY(__launch_bounds__(256, 2), cast_##IN##_##ON##_##VS)(const I* x, O* y, long long n) {                 \
     constexpr int E = VEC ? 16 / min_size(sizeof(I), sizeof(O)) : 1;                                        \
     Cast<I, O, E, VEC, EW_U> op{x, y};                                                                      \
     Cast<I, O, 1, false, 1> tail{x, y};                                                                     \

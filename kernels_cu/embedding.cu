@@ -32,6 +32,7 @@
 //   zero except the rows touched since the last zero(); the owner of a run records its id once per
 //   generation: atomicExch(stamps[id], gen) != gen -> rows[atomicAdd(count, 1)] = id. zero() clears only
 //   rows[0:count] (count read on the device) and bumps the generation on the device.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 
 #define EMB_ERR_ID 1  // error word bit: an id outside [0, V) was clamped
@@ -476,8 +477,8 @@ __device__ __forceinline__ void emb_rows_merge(const int* __restrict__ ids, cons
 
 // ---- extern "C" entry points, one per instantiation. Names: <kernel>_<dtypes>_<v|s>.
 #define EMB_FWD(T, I, TN, IN, VEC, VS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      emb_fwd_##TN##_##IN##_##VS(const I* ids, const T* table, T* out, int* err, long long n, long long V,      \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      emb_fwd_##TN##_##IN##_##VS)(const I* ids, const T* table, T* out, int* err, long long n, long long V,     \
                                  int D) {                                                                      \
     emb_fwd<T, I, VEC>(ids, table, out, err, n, V, D);                                                         \
   }
@@ -489,27 +490,27 @@ __device__ __forceinline__ void emb_rows_merge(const int* __restrict__ ids, cons
 EMB_FWD_ALL(float, f32)
 EMB_FWD_ALL(bf16, bf16)
 
-extern "C" __global__ void __launch_bounds__(256) emb_sort_prep_i32(const int* ids, int n, long long V, int* keys,
-                                                                    int* vals, int* err) {
+CK_ENTRY(__launch_bounds__(256), emb_sort_prep_i32)(const int* ids, int n, long long V, int* keys,
+                                                    int* vals, int* err) {
   emb_sort_prep<int>(ids, n, V, keys, vals, err);
 }
-extern "C" __global__ void __launch_bounds__(256) emb_sort_prep_i64(const long long* ids, int n, long long V,
-                                                                    int* keys, int* vals, int* err) {
+CK_ENTRY(__launch_bounds__(256), emb_sort_prep_i64)(const long long* ids, int n, long long V,
+                                                    int* keys, int* vals, int* err) {
   emb_sort_prep<long long>(ids, n, V, keys, vals, err);
 }
-extern "C" __global__ void __launch_bounds__(RS_THREADS) emb_rs_hist(const int* keys, int n, int shift, int* hist) {
+CK_ENTRY(__launch_bounds__(RS_THREADS), emb_rs_hist)(const int* keys, int n, int shift, int* hist) {
   rs_hist(keys, n, shift, hist);
 }
-extern "C" __global__ void __launch_bounds__(1024) emb_scan_excl(int* a, long long m) { scan_excl_1block(a, m); }
-extern "C" __global__ void __launch_bounds__(RS_THREADS) emb_rs_scatter(const int* kin, const int* vin, int* kout,
-                                                                        int* vout, int n, int shift,
-                                                                        const int* hist) {
+CK_ENTRY(__launch_bounds__(1024), emb_scan_excl)(int* a, long long m) { scan_excl_1block(a, m); }
+CK_ENTRY(__launch_bounds__(RS_THREADS), emb_rs_scatter)(const int* kin, const int* vin, int* kout,
+                                                        int* vout, int n, int shift,
+                                                        const int* hist) {
   rs_scatter(kin, vin, kout, vout, n, shift, hist);
 }
 
 #define EMB_BWD(T, O, TN, ON, VEC, VS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      emb_bwd_##TN##_##ON##_##VS(const int* sk, const int* sv, const T* dout, O* out, int n, int D,             \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      emb_bwd_##TN##_##ON##_##VS)(const int* sk, const int* sv, const T* dout, O* out, int n, int D,            \
                                  bool accumulate, bool o_vec, int* stamps, const int* gen, int* rows,          \
                                  int* count) {                                                                 \
     emb_bwd_reduce<T, O, VEC>(sk, sv, dout, out, n, D, accumulate, o_vec, stamps, gen, rows, count);           \
@@ -522,12 +523,12 @@ EMB_BWD_ALL(float, bf16, f32, bf16)
 EMB_BWD_ALL(bf16, float, bf16, f32)
 EMB_BWD_ALL(bf16, bf16, bf16, bf16)
 
-extern "C" __global__ void __launch_bounds__(256) emb_run_starts(const int* sk, int n, long long V, int* start) {
+CK_ENTRY(__launch_bounds__(256), emb_run_starts)(const int* sk, int n, long long V, int* start) {
   run_starts(sk, n, V, start);
 }
 #define EMB_DENSE(T, O, TN, ON, VEC, VS)                                                                        \
-  extern "C" __global__ void __launch_bounds__(256, 3)                                                         \
-      emb_bwd_dense_##TN##_##ON##_##VS(const int* start, const int* sv, const T* dout, O* out, long long V,     \
+  CK_ENTRY(__launch_bounds__(256, 3),                                                                          \
+      emb_bwd_dense_##TN##_##ON##_##VS)(const int* start, const int* sv, const T* dout, O* out, long long V,    \
                                        int D, bool o_vec) {                                                    \
     emb_bwd_dense<T, O, VEC>(start, sv, dout, out, V, D, o_vec);                                               \
   }
@@ -540,8 +541,8 @@ EMB_DENSE_ALL(bf16, float, bf16, f32)
 EMB_DENSE_ALL(bf16, bf16, bf16, bf16)
 
 #define EMB_ZERO(O, ON, VEC, VS)                                                                                \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      emb_rows_zero_##ON##_##VS(const int* rows, const int* count, O* buf, int D) {                             \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      emb_rows_zero_##ON##_##VS)(const int* rows, const int* count, O* buf, int D) {                            \
     emb_rows_zero<O, VEC>(rows, count, buf, D);                                                                \
   }
 EMB_ZERO(float, f32, true, v)
@@ -550,20 +551,20 @@ EMB_ZERO(bf16, bf16, true, v)
 EMB_ZERO(bf16, bf16, false, s)
 
 // count = 0, generation += 1 (kept >= 1: stamps start at 0). One thread; runs after emb_rows_zero on the stream.
-extern "C" __global__ void emb_rows_reset(int* count, int* gen) {
+CK_ENTRY(, emb_rows_reset)(int* count, int* gen) {
   *count = 0;
   const int g = *gen + 1;
   *gen = g > 0 ? g : 1;
 }
 
 #define EMB_XCHG(W, WN, VEC, VS)                                                                                \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      emb_rows_pack_##WN##_##VS(const int* rows, const int* count, const float* grad, int* ids, W* out,         \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      emb_rows_pack_##WN##_##VS)(const int* rows, const int* count, const float* grad, int* ids, W* out,        \
                                 int* err, int cap, int D) {                                                    \
     emb_rows_pack<W, VEC>(rows, count, grad, ids, out, err, cap, D);                                           \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      emb_rows_merge_##WN##_##VS(const int* ids, const W* in, float* grad, int* stamps, const int* gen,         \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      emb_rows_merge_##WN##_##VS)(const int* ids, const W* in, float* grad, int* stamps, const int* gen,        \
                                  int* rows, int* count, int cap, int D, long long V, float scale) {            \
     emb_rows_merge<W, VEC>(ids, in, grad, stamps, gen, rows, count, cap, D, V, scale);                          \
   }

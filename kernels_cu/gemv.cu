@@ -56,6 +56,7 @@
 //   tile -> ring + one-pass prologue): qkv+rms 6.1 -> 5.2, gate_up+rms 21.3 -> 18.2, down 11.9 -> 11.4 (10.5
 //   at depth 4), o 3.3 -> 3.5; the LLaMA-1B step 1.207 -> 1.161 ms.
 // - Deterministic: the order of every sum is fixed by the shape (no atomics), so reruns are bit-identical.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 #include "common/pdl.cuh"
@@ -534,8 +535,8 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
 // (fp32 x with bf16 W hoists 8 rows x 2 LDS.128 of x: 150 registers). Without a min-blocks hint ptxas capped
 // some kernels at 64 registers and spilled (ptxas -v, sm_90; tests/test_compile.py).
 #define GEMV_ONE(T, W, TN, WN, NB, HALVES, G, VEC, VS)                                                         \
-  extern "C" __global__ void __launch_bounds__(256, NB == 1 ? 4 : NB < 8 ? 2 : 1)                              \
-      gemv_##TN##_##WN##_b##NB##_r##HALVES##_g##G##_##VS(                                                       \
+  CK_ENTRY(__launch_bounds__(256, NB == 1 ? 4 : NB < 8 ? 2 : 1),                                               \
+      gemv_##TN##_##WN##_b##NB##_r##HALVES##_g##G##_##VS)(                                                      \
           const T* x, long long ldx, int Bn, int K, const W* w, long long ldw, const void* bias, const void* nw, \
           const void* nb, float eps, float inv_k, const void* res, long long ldr, void* out, long long ldo,      \
           int n_out, int half, int norm, int act, unsigned flags, int depth) {                                  \

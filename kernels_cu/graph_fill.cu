@@ -13,10 +13,12 @@
 // buffer zeroed by cudaMemsetAsync) stays a memset node, where the driver's own fill is at copy speed.
 //
 // One thread an element, grid-stride (the fills converted are at most a few hundred KB).
-extern "C" __global__ void __launch_bounds__(256) graph_fill(unsigned char* dst, unsigned long long pitch,
-                                                             unsigned int value, unsigned int elsize,
-                                                             unsigned long long width,
-                                                             unsigned long long height) {
+#include "common/entry.cuh"
+
+CK_ENTRY(__launch_bounds__(256), graph_fill)(unsigned char* dst, unsigned long long pitch,
+                                             unsigned int value, unsigned int elsize,
+                                             unsigned long long width,
+                                             unsigned long long height) {
   const unsigned long long n = width * height;
   for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {

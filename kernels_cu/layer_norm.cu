@@ -36,6 +36,7 @@
 // - Issue 17: on the 16-byte path with >= 32 threads a row the launcher takes ln_bwd_pipe instead of
 //   ln_bwd_reg (cp.async pipeline, blocks of 256 threads, three per SM: 2 x 396 partial rows), except bf16 rows of
 //   C 520..1024, which take ln_bwd_warp (one warp a row, session 14).
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 #include "common/pipe.cuh"
@@ -668,31 +669,31 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
 // Forward blocks go up to 1024 threads (64 registers: the row is VPT x 4 registers of packs); backward up to
 // 512 (128 registers: packs of x and dy plus the two accumulators).
 #define LN_FWD(T, W, TN, WN, VPT, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      ln_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* gamma, const W* beta, T* y, float* mean, float* rstd, \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ln_fwd_##TN##_##WN##_##VPT##VS)(const T* x, const W* gamma, const W* beta, T* y, float* mean, float* rstd, \
                                      long long rows, int C, float eps, bool w_vec) {                           \
     ln_fwd_reg<T, W, VPT, VEC>(x, gamma, beta, y, mean, rstd, rows, C, eps, w_vec);                            \
   }
 #define LN_BWD(T, W, TN, WN, VPT, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      ln_bwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* gamma, const float* mean,                \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      ln_bwd_##TN##_##WN##_##VPT##VS)(const T* dy, const T* x, const W* gamma, const float* mean,               \
                                      const float* rstd, T* dx, float* part, long long rows, int C,            \
                                      bool w_vec) {                                                             \
     ln_bwd_reg<T, W, VPT, VEC>(dy, x, gamma, mean, rstd, dx, part, rows, C, w_vec);                            \
   }
 #define LN_LOOP(T, W, TN, WN, VEC, VS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(1024)                                                           \
-      ln_fwd_loop_##TN##_##WN##_##VS(const T* x, const W* gamma, const W* beta, T* y, float* mean,              \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ln_fwd_loop_##TN##_##WN##_##VS)(const T* x, const W* gamma, const W* beta, T* y, float* mean,             \
                                      float* rstd, long long rows, int C, float eps, bool w_vec) {              \
     ln_fwd_loop<T, W, VEC>(x, gamma, beta, y, mean, rstd, rows, C, eps, w_vec);                                \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      ln_bwd_rowsums_##TN##_##WN##_##VS(const T* dy, const T* x, const W* gamma, const float* mean,             \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      ln_bwd_rowsums_##TN##_##WN##_##VS)(const T* dy, const T* x, const W* gamma, const float* mean,            \
                                         const float* rstd, float2* sums, long long rows, int C, bool w_vec) {  \
     ln_bwd_rowsums<T, W, VEC>(dy, x, gamma, mean, rstd, sums, rows, C, w_vec);                                 \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      ln_bwd_cols_##TN##_##WN##_##VS(const T* dy, const T* x, const W* gamma, const float* mean,                \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      ln_bwd_cols_##TN##_##WN##_##VS)(const T* dy, const T* x, const W* gamma, const float* mean,               \
                                      const float* rstd, const float2* sums, T* dx, float* part, long long rows, \
                                      int C, int rows_per_group, bool w_vec) {                                  \
     ln_bwd_cols<T, W, VEC>(dy, x, gamma, mean, rstd, sums, dx, part, rows, C, rows_per_group, w_vec);          \
@@ -715,8 +716,8 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
 // registers, they ran 8-10 % slower at 8192 x 2048 bf16, NOTES.md session 8); names
 // ln_bwdp_<x>_<param>_<VPT>_<threads>x<blocks per SM>.
 #define LN_PIPE(T, W, TN, WN, VPT, NTH, MINB)                                                                   \
-  extern "C" __global__ void __launch_bounds__(NTH, MINB)                                                      \
-      ln_bwdp_##TN##_##WN##_##VPT##_##NTH##x##MINB(const T* dy, const T* x, const W* gamma, const float* mean, \
+  CK_ENTRY(__launch_bounds__(NTH, MINB),                                                                       \
+      ln_bwdp_##TN##_##WN##_##VPT##_##NTH##x##MINB)(const T* dy, const T* x, const W* gamma, const float* mean, \
                                                    const float* rstd, T* dx, float* part, long long rows,     \
                                                    int C, int nstages, bool w_vec) {                          \
     ln_bwd_pipe<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C, nstages, w_vec);                       \
@@ -724,8 +725,8 @@ __device__ __forceinline__ void ln_finalize(const float* __restrict__ part, W* _
 // One warp a row (bf16 x, VPT 4): blocks of 4 warps, 4 an SM (<= 128 registers: x and dy packs and 64
 // accumulators, no spills); ops/layer_norm.py's WARP_WARPS mirrors the 128 (tests/test_layer_norm.py checks).
 #define LN_WARP(T, W, TN, WN, VPT, NTH, MINB)                                                                  \
-  extern "C" __global__ void __launch_bounds__(NTH, MINB)                                                      \
-      ln_bwdw_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd, \
+  CK_ENTRY(__launch_bounds__(NTH, MINB),                                                                       \
+      ln_bwdw_##TN##_##WN##_##VPT)(const T* dy, const T* x, const W* gamma, const float* mean, const float* rstd, \
                                   T* dx, float* part, long long rows, int C) {                                 \
     ln_bwd_warp<T, W, VPT>(dy, x, gamma, mean, rstd, dx, part, rows, C);                                       \
   }
@@ -740,11 +741,11 @@ LN_ALL(bf16, bf16, bf16, bf16)
 LN_WARP(bf16, float, bf16, f32, 4, 128, 4)
 LN_WARP(bf16, bf16, bf16, bf16, 4, 128, 4)
 
-extern "C" __global__ void __launch_bounds__(512) ln_finalize_f32(const float* part, float* dgamma, float* dbeta,
-                                                                  int nparts, int C) {
+CK_ENTRY(__launch_bounds__(512), ln_finalize_f32)(const float* part, float* dgamma, float* dbeta,
+                                                  int nparts, int C) {
   ln_finalize<float>(part, dgamma, dbeta, nparts, C);
 }
-extern "C" __global__ void __launch_bounds__(512) ln_finalize_bf16(const float* part, bf16* dgamma, bf16* dbeta,
-                                                                   int nparts, int C) {
+CK_ENTRY(__launch_bounds__(512), ln_finalize_bf16)(const float* part, bf16* dgamma, bf16* dbeta,
+                                                   int nparts, int C) {
   ln_finalize<bf16>(part, dgamma, dbeta, nparts, C);
 }

@@ -31,6 +31,7 @@
 //   partials in a fixed order. The launcher sizes the grid to one wave, ~2 blocks/SM x 132 SMs, so the
 //   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048. (Summing them in
 //   the same kernel through sm_90 clusters was measured slower than this finalize launch: NOTES.md, session 8.)
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 
 #include "common/pipe.cuh"
@@ -468,44 +469,44 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 // reported not to be kept, cupy/cupy#9667). Names: <kernel>_<x dtype>_<w dtype>_<VPT><v|s>; "add" kernels are
 // add_rms_norm's (forward: res in, h out; backward: dh in).
 #define RMS_REG(T, W, TN, WN, VPT, VEC, VS)                                                                      \
-  extern "C" __global__ void __launch_bounds__(512, 1)                                                          \
-      rms_fwd_##TN##_##WN##_##VPT##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
+  CK_ENTRY(__launch_bounds__(512, 1),                                                                           \
+      rms_fwd_##TN##_##WN##_##VPT##VS)(const T* x, const W* w, T* y, float* rstd, long long rows, int C,        \
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_reg<T, W, VPT, VEC, false>(x, nullptr, w, y, nullptr, rstd, rows, C, eps, w_vec);                  \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(512, 1)                                                          \
-      rms_addfwd_##TN##_##WN##_##VPT##VS(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,         \
+  CK_ENTRY(__launch_bounds__(512, 1),                                                                           \
+      rms_addfwd_##TN##_##WN##_##VPT##VS)(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,        \
                                          long long rows, int C, float eps, bool w_vec) {                       \
     rms_fwd_reg<T, W, VPT, VEC, true>(x, res, w, y, h, rstd, rows, C, eps, w_vec);                             \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      rms_bwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* w, const float* rstd, T* dx,            \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      rms_bwd_##TN##_##WN##_##VPT##VS)(const T* dy, const T* x, const W* w, const float* rstd, T* dx,           \
                                       float* dw_part, long long rows, int C, bool w_vec) {                     \
     rms_bwd_reg<T, W, VPT, VEC, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec);                  \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      rms_addbwd_##TN##_##WN##_##VPT##VS(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,   \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      rms_addbwd_##TN##_##WN##_##VPT##VS)(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,  \
                                          T* dx, float* dw_part, long long rows, int C, bool w_vec) {           \
     rms_bwd_reg<T, W, VPT, VEC, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec);                        \
   }
 #define RMS_LOOP(T, W, TN, WN, VEC, VS)                                                                         \
-  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
-      rms_fwd_loop_##TN##_##WN##_##VS(const T* x, const W* w, T* y, float* rstd, long long rows, int C,         \
+  CK_ENTRY(__launch_bounds__(1024, 1),                                                                          \
+      rms_fwd_loop_##TN##_##WN##_##VS)(const T* x, const W* w, T* y, float* rstd, long long rows, int C,        \
                                       float eps, bool w_vec) {                                                 \
     rms_fwd_loop<T, W, VEC, false>(x, nullptr, w, y, nullptr, rstd, rows, C, eps, w_vec);                      \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(1024, 1)                                                         \
-      rms_addfwd_loop_##TN##_##WN##_##VS(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,         \
+  CK_ENTRY(__launch_bounds__(1024, 1),                                                                          \
+      rms_addfwd_loop_##TN##_##WN##_##VS)(const T* x, const T* res, const W* w, T* y, T* h, float* rstd,        \
                                          long long rows, int C, float eps, bool w_vec) {                       \
     rms_fwd_loop<T, W, VEC, true>(x, res, w, y, h, rstd, rows, C, eps, w_vec);                                 \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      rms_bwd_rowsums_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd, float* coef,   \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      rms_bwd_rowsums_##TN##_##WN##_##VS)(const T* dy, const T* x, const W* w, const float* rstd, float* coef,  \
                                          long long rows, int C, bool w_vec) {                                  \
     rms_bwd_rowsums<T, W, VEC>(dy, x, w, rstd, coef, rows, C, w_vec);                                          \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256)                                                            \
-      rms_bwd_cols_##TN##_##WN##_##VS(const T* dy, const T* x, const W* w, const float* rstd,                   \
+  CK_ENTRY(__launch_bounds__(256),                                                                             \
+      rms_bwd_cols_##TN##_##WN##_##VS)(const T* dy, const T* x, const W* w, const float* rstd,                  \
                                       const float* coef, const T* dh, T* dx, float* dw_part, long long rows,   \
                                       int C, int rows_per_group, bool w_vec) {                                 \
     rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dh, dx, dw_part, rows, C, rows_per_group, w_vec);            \
@@ -513,13 +514,13 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
 // Pipelined backward (16-byte path only). Bounds: VPT <= 2 runs 512-thread blocks, 2 per SM (64 registers);
 // VPT 4 runs 256-thread blocks (its 32 bf16 accumulators need more than 64 registers).
 #define RMS_PIPE(T, W, TN, WN, VPT, NTH)                                                                        \
-  extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
-      rms_bwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, T* dx,               \
+  CK_ENTRY(__launch_bounds__(NTH, 2),                                                                            \
+      rms_bwdp_##TN##_##WN##_##VPT)(const T* dy, const T* x, const W* w, const float* rstd, T* dx,              \
                                    float* dw_part, long long rows, int C, int nstages, bool w_vec) {           \
     rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, nstages, w_vec);             \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(NTH, 2)                                                           \
-      rms_addbwdp_##TN##_##WN##_##VPT(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,      \
+  CK_ENTRY(__launch_bounds__(NTH, 2),                                                                            \
+      rms_addbwdp_##TN##_##WN##_##VPT)(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,     \
                                       T* dx, float* dw_part, long long rows, int C, int nstages, bool w_vec) { \
     rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, nstages, w_vec);                   \
   }
@@ -539,11 +540,11 @@ RMS_ALL(float, bf16, f32, bf16)
 RMS_ALL(bf16, float, bf16, f32)
 RMS_ALL(bf16, bf16, bf16, bf16)
 
-extern "C" __global__ void __launch_bounds__(1024) rms_dw_finalize_f32(const float* part, float* dw, int nparts,
-                                                                       int C) {
+CK_ENTRY(__launch_bounds__(1024), rms_dw_finalize_f32)(const float* part, float* dw, int nparts,
+                                                       int C) {
   rms_dw_finalize<float>(part, dw, nparts, C);
 }
-extern "C" __global__ void __launch_bounds__(1024) rms_dw_finalize_bf16(const float* part, bf16* dw, int nparts,
-                                                                        int C) {
+CK_ENTRY(__launch_bounds__(1024), rms_dw_finalize_bf16)(const float* part, bf16* dw, int nparts,
+                                                        int C) {
   rms_dw_finalize<bf16>(part, dw, nparts, C);
 }

@@ -25,6 +25,7 @@
 // Token strides: x and y are [tokens, H, D] with the heads of a token contiguous and tokens xs / ys elements
 // apart (H * D for a C-contiguous array; (H + 2 Hkv) * D for the q and k heads of a packed qkv projection, which
 // one launch rotates in place: q and k are the first H + Hkv heads of each token).
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
 
@@ -110,7 +111,7 @@ __device__ __forceinline__ void rope_impl(const T* x, T* y, const float* __restr
 // no positions (positions may be NULL), 1 = positions[seq], 2 = positions[batch, seq]. sgn = +1 forward,
 // -1 backward.
 #define ROPE_ONE(T, PT, TN, PN, IL, HI, VEC, VS)                                                              \
-  extern "C" __global__ void __launch_bounds__(256, 2) rope_##TN##_##PN##_##HI##_##VS(                         \
+  CK_ENTRY(__launch_bounds__(256, 2), rope_##TN##_##PN##_##HI##_##VS)(                                         \
       const T* x, T* y, const float* cos_t, const float* sin_t, const PT* positions, long long ntok, int S,  \
       int H, int D, int L, int pos_mode, float sgn, bool cs_vec, int hsplit, long long xs, long long ys) {  \
     rope_impl<T, PT, IL, VEC>(x, y, cos_t, sin_t, positions, ntok, S, H, D, L, pos_mode, sgn, cs_vec, hsplit,  \

@@ -46,6 +46,7 @@
 // order, so the result is the same whatever order blocks finish in (no float atomics, integer max only).
 // PDL-ready: pdl_wait() before any global access (logits, prev_tokens, prev_len, the workspace), then
 // pdl_trigger(); nothing is read before the wait.
+#include "common/entry.cuh"
 #include "common/pdl.cuh"
 #include "common/vec.cuh"
 
@@ -719,7 +720,7 @@ __device__ __forceinline__ void greedy_slice(const T* __restrict__ logits, long 
 }  // namespace
 
 #define GREEDY_KERNEL(TAG, T)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(GNT) sample_greedy_##TAG(                                     \
+  CK_ENTRY(__launch_bounds__(GNT), sample_greedy_##TAG)(                                                     \
       const T* logits, long long ld, int V, int* out, int* ws, int slots, int S, float pen, float inv_pen,       \
       const int* prev, long long prev_ld, int prev_cols, const int* prev_len_ptr, int prev_len_val) {            \
     greedy_slice<T>(logits, ld, V, out, ws, slots, S, pen, inv_pen, prev, prev_ld, prev_cols, prev_len_ptr,    \
@@ -730,7 +731,7 @@ GREEDY_KERNEL(f32, float)
 GREEDY_KERNEL(bf16, bf16)
 
 #define SAMPLE_KERNEL(TAG, T)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(NT) sample_tokens_##TAG(                                      \
+  CK_ENTRY(__launch_bounds__(NT), sample_tokens_##TAG)(                                                      \
       const T* logits, long long ld, int V, int* out, float inv_temp, bool greedy, int top_k, float top_p,       \
       float pen, float inv_pen, const int* prev, long long prev_ld, int prev_cols, const int* prev_len_ptr,      \
       int prev_len_val, const void* seed_ptr, int seed_kind, unsigned long long seed_val, const void* off_ptr,   \

@@ -45,6 +45,7 @@
 //   is read before it is written, by the thread that writes it.
 // - Rows are visited in groups of RPB with a block-uniform trip count (rows past the end are masked), so
 //   every thread reaches every shuffle and barrier.
+#include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/rows.cuh"
 
@@ -671,14 +672,14 @@ __device__ __forceinline__ void sm_bwd_cluster(const T* __restrict__ yv_, const 
 // Kernels caching 32 floats a thread get 128 registers (blocks of <= 512 threads); the others 64 (<= 1024).
 #define SM_LB(T, VPT, VEC) ((VEC ? VPT * (16 / (int)sizeof(T)) : VPT) >= 32 ? 512 : 1024)
 #define SM_FWD(T, TN, MASK, MN, VPT, VEC, VS)                                                                   \
-  extern "C" __global__ void __launch_bounds__(SM_LB(T, VPT, VEC))                                             \
-      sm_fwd_##TN##_##MN##_##VPT##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+  CK_ENTRY(__launch_bounds__(SM_LB(T, VPT, VEC)),                                                              \
+      sm_fwd_##TN##_##MN##_##VPT##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
                                      long long HQ, float scale, bool causal, bool mvec) {                      \
     sm_fwd_reg<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                            \
   }
 #define SM_FWD_LOOP(T, TN, MASK, MN, VEC, VS)                                                                   \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      sm_fwd_loop_##TN##_##MN##_##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      sm_fwd_loop_##TN##_##MN##_##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
                                      long long HQ, float scale, bool causal, bool mvec) {                      \
     sm_fwd_loop<T, MASK, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                                \
   }
@@ -686,8 +687,8 @@ __device__ __forceinline__ void sm_bwd_cluster(const T* __restrict__ yv_, const 
 // values), <= 64 registers (__launch_bounds__(1024, 1)). With a mask, re-loading it in passes 2 and 3 pushed
 // ptxas past 64 registers (4-150 bytes of spills, sm_80 / sm_90), so masked rows this long keep the loop kernel.
 #define SM_FWD_WIDE(T, TN, MASK, MN, VPT, VEC, VS)                                                              \
-  extern "C" __global__ void __launch_bounds__(1024, 1)                                                        \
-      sm_fwd_wide_##TN##_##MN##_##VS(const T* x, const void* mask, T* y, long long rows, int C, int Q,          \
+  CK_ENTRY(__launch_bounds__(1024, 1),                                                                         \
+      sm_fwd_wide_##TN##_##MN##_##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
                                      long long HQ, float scale, bool causal, bool mvec) {                      \
     sm_fwd_wide<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                           \
   }
@@ -699,20 +700,20 @@ __device__ __forceinline__ void sm_bwd_cluster(const T* __restrict__ yv_, const 
   SM_FWD(T, TN, MASK, MN, 4, false, s) SM_FWD(T, TN, MASK, MN, 8, false, s)                                     \
   SM_FWD_LOOP(T, TN, MASK, MN, true, v) SM_FWD_LOOP(T, TN, MASK, MN, false, s)
 #define SM_BWD(T, TN, VPT, VEC, VS)                                                                             \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      sm_bwd_##TN##_##VPT##VS(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {             \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      sm_bwd_##TN##_##VPT##VS)(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {            \
     sm_bwd_reg<T, VPT, VEC>(y, dy, dx, rows, C, scale);                                                        \
   }
 #define SM_BWD_ALL(T, TN)                                                                                       \
   SM_BWD(T, TN, 1, true, v) SM_BWD(T, TN, 2, true, v) SM_BWD(T, TN, 4, true, v) SM_BWD(T, TN, 8, true, v)       \
   SM_BWD(T, TN, 1, false, s) SM_BWD(T, TN, 2, false, s) SM_BWD(T, TN, 4, false, s)                              \
   SM_BWD(T, TN, 8, false, s)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      sm_bwd_loop_##TN##_v(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {                \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      sm_bwd_loop_##TN##_v)(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {               \
     sm_bwd_loop<T, true>(y, dy, dx, rows, C, scale);                                                           \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(512)                                                            \
-      sm_bwd_loop_##TN##_s(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {                \
+  CK_ENTRY(__launch_bounds__(512),                                                                             \
+      sm_bwd_loop_##TN##_s)(const T* y, const T* dy, T* dx, long long rows, int C, float scale) {               \
     sm_bwd_loop<T, false>(y, dy, dx, rows, C, scale);                                                          \
   }
 
@@ -738,14 +739,14 @@ SM_BWD_ALL(bf16, bf16)
 // of 512 threads a SM.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SM_FWD_CLUSTER(T, TN, NC)                                                                               \
-  extern "C" __global__ __cluster_dims__(NC, 1, 1) void __launch_bounds__(1024, 1)                             \
-      sm_fwd_cluster##NC##_##TN##_none_v(const T* x, T* y, long long rows, int C, int Q, long long HQ,          \
+  CK_ENTRY(__cluster_dims__(NC, 1, 1) __launch_bounds__(1024, 1),                                              \
+      sm_fwd_cluster##NC##_##TN##_none_v)(const T* x, T* y, long long rows, int C, int Q, long long HQ,         \
                                          float scale, bool causal, int upc) {                                  \
     sm_fwd_cluster<T, NC>(x, y, rows, C, Q, HQ, scale, causal, upc);                                           \
   }
 #define SM_BWD_CLUSTER(T, TN, NC)                                                                               \
-  extern "C" __global__ __cluster_dims__(NC, 1, 1) void __launch_bounds__(1024, 1)                             \
-      sm_bwd_cluster##NC##_##TN##_v(const T* y, const T* dy, T* dx, long long rows, int C, float scale,         \
+  CK_ENTRY(__cluster_dims__(NC, 1, 1) __launch_bounds__(1024, 1),                                              \
+      sm_bwd_cluster##NC##_##TN##_v)(const T* y, const T* dy, T* dx, long long rows, int C, float scale,        \
                                     int upc) {                                                                 \
     sm_bwd_cluster<T, NC>(y, dy, dx, rows, C, scale, upc);                                                     \
   }
