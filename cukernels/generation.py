@@ -16,6 +16,7 @@ import numpy as np
 
 import time
 
+from . import _backend as B
 from ._backend import bfloat16
 from .amp import autocast as _autocast
 from .autograd import Tensor, no_grad
@@ -42,9 +43,14 @@ def _model_xp(model):
 def sample(logits, *, temperature=1.0, top_k=None, rng=None):
     """Next token ids [B] (int64) from logits [B, V] (host or device): greedy when ``temperature <= 0``,
     else a draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest logits."""
+    B.check_array("logits", logits)
     lg = _host(logits).astype(np.float64)
     if lg.ndim != 2:
         raise ValueError(f"logits: expected [B, V]; got shape {lg.shape}")
+    temperature = _check_temperature(temperature)
+    top_k = _check_top_k(top_k)
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator or None; got {B._got(rng)}")
     if temperature is None or temperature <= 0:
         return lg.argmax(axis=-1)
     rng = rng if rng is not None else np.random.default_rng()
@@ -58,6 +64,99 @@ def sample(logits, *, temperature=1.0, top_k=None, rng=None):
     u = rng.random(lg.shape[0]) * cdf[:, -1]
     out = np.array([np.searchsorted(cdf[b], u[b], side="right") for b in range(lg.shape[0])])
     return np.minimum(out, lg.shape[-1] - 1)
+
+
+def _check_temperature(t):
+    """None or a finite real number (<= 0: greedy). A NaN temperature sampled garbage tokens."""
+    return None if t is None else B.check_real("temperature", t)
+
+
+def _check_top_k(k):
+    """None or an integer >= 0 (0 and None: no top-k). A negative one was silently treated as off."""
+    return None if k is None else B.check_int("top_k", k, min=0)
+
+
+def _check_eos(eos, V):
+    """``eos_token_id``: None, an int in [0, V), or a non-empty list / tuple of them -> None or a list of ints."""
+    if eos is None:
+        return None
+    items = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not items:
+        raise ValueError("eos_token_id: expected an int or a non-empty list of ints; got an empty list")
+    out = []
+    for i, e in enumerate(items):
+        name = "eos_token_id" if not isinstance(eos, (list, tuple)) else f"eos_token_id[{i}]"
+        if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int token id or a list of them; got {B._got(e)}")
+        out.append(B.check_int(name, e, min=0, max=V - 1))
+    return out
+
+
+def _check_generate_args(model, ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, rng,
+                         use_cache, eos_token_id, autocast, on_token, attention_mask, static, graph, stats):
+    """Every argument of :func:`generate`, checked before anything runs (TypeError / ValueError naming it).
+    Returns ``(prompt int64 [B, T], one_d, mask or None, eos list or None, autocast dtype or None)``."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"model: expected a cukernels model (ck.Llama, ck.GPT2, ...); got {B._got(model)}")
+    V = model.config.vocab_size
+    if isinstance(ids, Tensor):
+        ids = ids.data
+    if isinstance(ids, (list, tuple)) or np.isscalar(ids):
+        ids = np.asarray(ids)
+    if B._kind(ids) is None:
+        raise TypeError(f"ids: expected integer token ids (a list, NumPy or CuPy array); got {B._got(ids)}")
+    host = _host(ids)
+    B.check_token_ids("ids", host, V)  # (every integer dtype, checked before any cast: no wrap-around)
+    prompt = host.astype(np.int64)
+    one_d = prompt.ndim == 1
+    prompt = prompt[None] if one_d else prompt
+    if prompt.ndim != 2 or prompt.shape[1] == 0 or prompt.shape[0] == 0:
+        raise ValueError(f"ids: expected a non-empty [B, T] or [T] prompt; got shape {host.shape}")
+    n = B.check_int("max_new_tokens", max_new_tokens, min=0)
+    P = model.max_positions()
+    if prompt.shape[1] + n > P:
+        raise ValueError(f"max_new_tokens: the prompt's {prompt.shape[1]} tokens + {n} new ones exceed "
+                         f"max_position_embeddings = {P} of this model")
+    _check_temperature(temperature)
+    _check_top_k(top_k)
+    if top_p is not None:
+        B.check_real("top_p", top_p, min=0, min_open=True, max=1)
+    if repetition_penalty is not None:
+        B.check_real("repetition_penalty", repetition_penalty, min=0, min_open=True)
+    if seed is not None:
+        B.check_int("seed", seed, min=0, max=2**64 - 1)
+    if rng is not None and not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng: expected a numpy.random.Generator or None; got {B._got(rng)}")
+    B.check_bool("use_cache", use_cache)
+    B.check_bool("graph", graph)
+    if static is not None:
+        B.check_bool("static", static)
+    eos = _check_eos(eos_token_id, V)
+    ac = None if autocast is None else B.check_dtype_arg("autocast", autocast, (bfloat16,))
+    if on_token is not None:
+        B.check_callable("on_token", on_token, "a callable taking the new ids [B]")
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats: expected a dict (it receives the timings) or None; got {B._got(stats)}")
+    mask = None
+    if attention_mask is not None:
+        if isinstance(attention_mask, (list, tuple)):
+            attention_mask = np.asarray(attention_mask)
+        B.check_array("attention_mask", attention_mask)
+        m = _host(attention_mask)
+        if m.dtype.kind not in "biuf" and m.dtype != bfloat16:
+            raise TypeError(f"attention_mask: expected 0 / 1 values (bool, integer or float); got dtype {m.dtype}")
+        if m.shape != host.shape:
+            raise ValueError(f"attention_mask: expected the shape of ids {tuple(host.shape)}; got {tuple(m.shape)}")
+        mask = m.reshape(prompt.shape) != 0
+        if not mask[:, -1].all() or (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+            raise ValueError("attention_mask: expected left padding (each row's zeros first, then ones)")
+    on_gpu = _model_xp(model) is not np
+    if static and not on_gpu:
+        raise ValueError("static: the static engine runs on the GPU (a model on CuPy); this model is on NumPy: "
+                         "pass static=None or False")
+    if static and not use_cache:
+        raise ValueError("static: the static engine is a KV cache engine; it cannot run with use_cache=False")
+    return prompt, one_d, mask, eos, ac
 
 
 def _static_default(model, use_cache, on_gpu, autocast) -> bool:
@@ -90,10 +189,14 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
     Args:
         model: any registered model (``ck.Llama``, ``ck.GPT2``, ...), on NumPy or CuPy.
-        temperature, top_k, top_p, repetition_penalty: sampling (``temperature <= 0``: greedy; top_p and the
-            repetition penalty on the static engine only).
+        temperature, top_k, top_p, repetition_penalty: sampling (``temperature`` a finite number, ``<= 0`` or
+            None: greedy; ``top_k`` an int >= 0, 0 or None: off; top_p in (0, 1] and the repetition penalty > 0
+            on the static engine only). Every argument is checked before anything runs (TypeError / ValueError
+            naming it).
         seed / rng: the sampling seed (a NumPy ``Generator`` on the dynamic engine).
-        eos_token_id: a row that produced it stops (its later tokens are eos); the run stops when all have.
+        max_new_tokens: an integer >= 0; the prompt and the new tokens must fit max_position_embeddings.
+        eos_token_id: an int or a list of ints: a row that produced one stops (its later tokens are the first
+            eos id); the run stops when all have.
         autocast: None or ``ck.bfloat16`` (bf16 GEMMs).
         on_token: called with the new ids [B] (NumPy) after each token (streaming output).
         attention_mask: [B, T] for a batch of prompts of different lengths, left-padded (0 = padding): each row
@@ -106,19 +209,10 @@ def generate(model, ids, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
         NumPy int64 [B, T + n] (or [T + n] for a 1-D prompt): the prompt followed by the n <= max_new_tokens
         generated tokens.
     """
-    prompt = _host(ids).astype(np.int64)
-    one_d = prompt.ndim == 1
-    prompt = prompt[None] if one_d else prompt
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"ids: expected a non-empty [B, T] or [T] prompt; got shape {_host(ids).shape}")
-    V = model.config.vocab_size
-    if prompt.min() < 0 or prompt.max() >= V:
-        raise ValueError(f"ids: token ids must lie in [0, {V}); got [{prompt.min()}, {prompt.max()}]")
-    mask = None
-    if attention_mask is not None:
-        mask = _host(attention_mask).astype(np.int64).reshape(prompt.shape) != 0
-        if not mask[:, -1].all() or (np.diff(mask.astype(np.int8), axis=1) < 0).any():
-            raise ValueError("attention_mask: expected left padding (each row's zeros first, then ones)")
+    prompt, one_d, mask, eos_token_id, autocast = _check_generate_args(
+        model, ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty, seed, rng, use_cache,
+        eos_token_id, autocast, on_token, attention_mask, static, graph, stats)
+    max_new_tokens = int(max_new_tokens)
     xp = _model_xp(model)
     if static is None:
         static = _static_default(model, use_cache, xp is not np, autocast)
@@ -171,13 +265,13 @@ def _generate_dynamic(model, prompt, mask, max_new_tokens, temperature, top_k, r
             stats["prefill_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
         nxt = sample(last, temperature=temperature, top_k=top_k, rng=rng).astype(np.int64)
-        if eos is not None:
-            nxt = np.where(done, eos, nxt)
+        if eos is not None:  # (a list of ids: a finished row repeats the first)
+            nxt = np.where(done, eos[0], nxt)
         out.append(nxt[:, None])
         if on_token is not None:
             on_token(nxt)
         if eos is not None:
-            done |= nxt == eos
+            done |= np.isin(nxt, eos)
             if done.all():
                 break
         if mask is not None:
@@ -212,7 +306,8 @@ def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, to
     offset = cp.zeros((), dtype=np.uint64)        # the sampler's Philox offset, one per token
     done = cp.zeros((Bsz,), dtype=np.bool_)
     workspace = sample_workspace()                # greedy's per-row partials and counters (left at 0 by each step)
-    eos_arr = None if eos is None else cp.asarray(np.int32(eos))
+    # eos: one id as a 0-d device int (as before), several as a [k] device array compared row by row
+    eos_arr = None if eos is None else cp.asarray(np.int32(eos[0]) if len(eos) == 1 else np.array(eos, np.int32))
     skw = dict(temperature=float(temperature or 0.0), top_k=int(top_k or 0), top_p=1.0 if top_p is None else
                float(top_p), repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
                prev_tokens=tokens if repetition_penalty not in (None, 1.0) else None,
@@ -226,9 +321,12 @@ def _generate_static(model, prompt, mask, max_new_tokens, temperature, top_k, to
         with _launch.pdl_scope():  # (sample_tokens reads nothing before its pdl_wait(): no promise to keep)
             sample_tokens(logits.data.reshape(Bsz, -1), offset=offset, out=ids.reshape(-1), **skw)
         offset[...] += 1
-        if eos_arr is not None:
+        if eos_arr is not None and eos_arr.ndim == 0:
             cp.copyto(ids.reshape(-1), eos_arr, where=done)
             cp.logical_or(done, ids.reshape(-1) == eos_arr, out=done)
+        elif eos_arr is not None:  # several eos ids: elementwise + a row reduction (capturable, no host read)
+            cp.copyto(ids.reshape(-1), eos_arr[0], where=done)
+            cp.logical_or(done, (ids.reshape(-1, 1) == eos_arr[None, :]).any(axis=1), out=done)
 
     def step():
         cache.length[...] += 1  # the position the fed token takes (device)

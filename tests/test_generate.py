@@ -87,7 +87,7 @@ def test_sampling_is_seeded_and_respects_top_k():
     draws = {int(sample(lg, temperature=1.0, top_k=2, rng=rng)[0]) for _ in range(200)}
     assert draws == {1, 2}
     assert int(sample(lg, temperature=0)[0]) == 1
-    with pytest.raises(ValueError, match="token ids must lie in"):
+    with pytest.raises(ValueError, match="ids: token ids must be < vocab_size="):
         generate(m, [300], 2)
 
 
