@@ -43,6 +43,52 @@ from ..ops.embedding import SparseRowGrad
 ALIGN = 64  # elements: every parameter view starts on a 256-byte boundary of its fp32 buffer
 
 
+# ------------------------------------------------------------------------------ argument checks (every optimizer)
+def check_lr(lr, name="lr"):
+    """A learning rate: a finite number >= 0 that stays finite in float32 (the device lr), refused when it is
+    given (at construction, ``set_lr``), not at the first ``step()``."""
+    return float(B.check_f32(name, lr, min=0))
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay):
+    """``(lr, beta1, beta2, eps, weight_decay)`` as floats after torch.optim.AdamW's checks (lr >= 0, betas a pair
+    in [0, 1), eps > 0, weight_decay >= 0, all finite): TypeError / ValueError naming the argument."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise TypeError(f"betas: expected a pair (beta1, beta2) of numbers in [0, 1); got {B._got(betas)}")
+    beta1, beta2 = betas
+    _A._hyper(beta1, beta2, eps, weight_decay)
+    return check_lr(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
+
+
+def check_state(state, names, what="state_dict"):
+    """An optimizer ``state_dict`` to load: a dict with ``step`` (an integer >= 0), ``lr`` (a number >= 0) and
+    ``state`` ({name: {"exp_avg", "exp_avg_sq"}} covering exactly ``names``, arrays): every problem a TypeError /
+    ValueError naming the key (a missing "state" was a bare KeyError). Returns ``(step, lr, state["state"])``."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{what}: expected a dict (an optimizer's state_dict()); got {B._got(state)}")
+    for k in ("state", "step", "lr"):
+        if k not in state:
+            raise ValueError(f"{what}: missing the key {k!r} (the keys of an optimizer's state_dict(): kind, step, "
+                             f"lr, betas, eps, weight_decay, state); got keys {sorted(map(str, state))}")
+    st = state["state"]
+    if not isinstance(st, dict):
+        raise TypeError(f"{what}['state']: expected a dict {{parameter name: moments}}; got {B._got(st)}")
+    missing, unexpected = set(names) - set(st), set(st) - set(names)
+    if missing or unexpected:
+        raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for n in names:
+        e = st[n]
+        if not isinstance(e, dict) or not {"exp_avg", "exp_avg_sq"} <= set(e):
+            raise ValueError(f"{what}['state'][{n!r}]: expected a dict with 'exp_avg' and 'exp_avg_sq'; got "
+                             f"{B._short(e)}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not hasattr(e[key], "shape"):
+                raise TypeError(f"{what}['state'][{n!r}][{key!r}]: expected an array; got {B._got(e[key])}")
+    step = B.check_int(f"{what}['step']", state["step"], min=0, max=2**31 - 1)  # (the device step is int32)
+    lr = check_lr(state["lr"], f"{what}['lr']")
+    return step, lr, st
+
+
 class WarmupCosine:
     """Linear warmup from 0 to ``max_lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at
     ``total_steps`` (held at ``min_lr`` after). Attach with :meth:`AdamW.set_schedule`; each ``step()`` then
@@ -57,10 +103,13 @@ class WarmupCosine:
     """
 
     def __init__(self, max_lr, total_steps, warmup_steps=0, min_lr=0.0):
-        if not (np.isfinite(max_lr) and max_lr >= 0 and np.isfinite(min_lr) and min_lr >= 0):
-            raise ValueError(f"max_lr, min_lr: expected finite numbers >= 0; got {max_lr!r}, {min_lr!r}")
-        if int(warmup_steps) < 0 or int(total_steps) < int(warmup_steps):
-            raise ValueError(f"expected 0 <= warmup_steps <= total_steps; got {warmup_steps}, {total_steps}")
+        # Integers, not "100" or 100.7 (both were accepted: int() truncated or parsed them), within the schedule
+        # kernel's bounds (the step counts of ops.adam.tick's schedule tuple).
+        max_lr, min_lr = check_lr(max_lr, "max_lr"), check_lr(min_lr, "min_lr")
+        warmup_steps = B.check_int("warmup_steps", warmup_steps, min=0, max=2**62)
+        total_steps = B.check_int("total_steps", total_steps, min=1, max=2**62)
+        if total_steps < warmup_steps:
+            raise ValueError(f"total_steps: expected an integer >= warmup_steps ({warmup_steps}); got {total_steps}")
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
 
@@ -102,11 +151,15 @@ def _matcher(spec, what):
         return lambda name, a: bool(spec(name, a))
     if isinstance(spec, str):
         raise TypeError(f"{what}: expected a set of names or a callable(name, array); got the string {spec!r}")
-    names = set(spec)
-    bad = [x for x in names if not isinstance(x, str)]
-    if bad:  # a set of Tensors would silently match nothing
+    try:
+        items = list(spec)
+    except TypeError:
+        raise TypeError(f"{what}: expected a set of names or a callable(name, array); got {B._got(spec)}") from None
+    bad = [x for x in items if not isinstance(x, str)]
+    if bad:  # a set of Tensors would silently match nothing (and a list of arrays is unhashable)
         raise TypeError(f"{what}: expected parameter names (str) or a callable(name, array); got "
                         f"{type(bad[0]).__name__} elements (pass {{p.name for p in ...}})")
+    names = set(items)
     return lambda name, a: name in names
 
 
@@ -142,12 +195,9 @@ class AdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  shadow_dtype=B.bfloat16, no_decay=None, sparse=None, grad_dtype=np.float32):
-        beta1, beta2 = betas
-        _A._hyper(beta1, beta2, eps, weight_decay)
-        if not (_A._is_number(lr) and np.isfinite(lr)):
-            raise ValueError(f"lr: expected a finite number; got {lr!r}")
-        if shadow_dtype is not None and np.dtype(shadow_dtype) != B.bfloat16:
-            raise TypeError(f"shadow_dtype: expected ck.bfloat16 or None; got {np.dtype(shadow_dtype)}")
+        lr, beta1, beta2, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
+        if shadow_dtype is not None:
+            B.check_dtype_arg("shadow_dtype", shadow_dtype, (B.bfloat16,))
         try:
             gdt = np.dtype(grad_dtype)
         except TypeError:
@@ -359,8 +409,7 @@ class AdamW:
     def set_lr(self, lr):
         """Write the device lr (asynchronous; outside a captured graph). A schedule overrides it at the next
         step."""
-        if not (_A._is_number(lr) and np.isfinite(lr)):
-            raise ValueError(f"lr: expected a finite number; got {lr!r}")
+        lr = check_lr(lr)  # (a negative lr was accepted here and refused only by the next step())
         if self.xp is np:
             self._lr[...] = np.float32(lr)
         else:
@@ -520,11 +569,7 @@ class AdamW:
         """Restore moments, step and lr from a :meth:`state_dict` (of this class or ``CompositeAdamW``: the same
         format; matched by parameter name; hyperparameters stay those given to the constructor). Everything is
         checked before anything is written. Shadows are refreshed from the current parameters."""
-        st = state["state"]
-        missing = set(self._by_name) - set(st)
-        unexpected = set(st) - set(self._by_name)
-        if missing or unexpected:
-            raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
+        step, lr, st = check_state(state, list(self._by_name))
         for n, s in self._by_name.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(st[n][key].shape) != s.shape:
@@ -536,12 +581,11 @@ class AdamW:
                 if B._kind(src) is not self.xp:
                     src = np.asarray(src.get() if hasattr(src, "get") else src)
                 dst[...] = self.xp.asarray(src).astype(np.float32, copy=False)
-        step = int(state["step"])
         if self.xp is np:
             self._step[...] = np.int32(step)
         else:
             self._step.fill(np.int32(step))
-        self.set_lr(float(state["lr"]))
+        self.set_lr(lr)
         self.refresh_shadows()
 
     def __repr__(self):

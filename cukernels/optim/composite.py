@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _backend as B
+from .adamw import _matcher, check_hyperparameters, check_lr, check_state
+
 
 class CompositeAdamW:
     """AdamW as a chain of plain array operations: the ``fused: false`` baseline of ``ck.optim.AdamW``.
@@ -17,14 +20,27 @@ class CompositeAdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, no_decay=(),
                  shadow_dtype=None):
+        lr, b1, b2, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
         self.params = list(params)
-        no_decay = list(no_decay)
-        if no_decay and all(isinstance(n, str) for n in no_decay):  # parameter names, as AdamW takes them
-            nd = {id(p) for p in self.params if getattr(p, "name", None) in set(no_decay)}
+        if not self.params:
+            raise ValueError("params: got an empty parameter list")
+        for i, p in enumerate(self.params):
+            if not hasattr(p, "data") or B._kind(getattr(p, "data", None)) is None:
+                raise TypeError(f"params[{i}]: expected a Tensor / Parameter (an object with an array .data); got "
+                                f"{B._got(p)}")
+        if shadow_dtype is not None:
+            shadow_dtype = B.check_dtype_arg("shadow_dtype", shadow_dtype, B.FLOATS)
+        if callable(no_decay) or isinstance(no_decay, str):
+            is_nd = _matcher(no_decay, "no_decay")
+            nd = {id(p) for i, p in enumerate(self.params) if is_nd(getattr(p, "name", None) or f"param{i}", p.data)}
         else:
-            nd = {id(p) for p in no_decay}
+            no_decay = list(no_decay or ())
+            if no_decay and all(isinstance(n, str) for n in no_decay):  # parameter names, as AdamW takes them
+                nd = {id(p) for p in self.params if getattr(p, "name", None) in set(no_decay)}
+            else:
+                nd = {id(p) for p in no_decay}
         self.wd = [0.0 if id(p) in nd else weight_decay for p in self.params]
-        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        self.lr, self.betas, self.eps = lr, (b1, b2), eps
         self.m = [p.xp.zeros_like(p.data) for p in self.params]
         self.v = [p.xp.zeros_like(p.data) for p in self.params]
         self.t = 0
@@ -36,7 +52,7 @@ class CompositeAdamW:
         return self._shadow[id(p)]
 
     def set_lr(self, lr):
-        self.lr = float(lr)
+        self.lr = check_lr(lr)
 
     def zero_grad(self):
         for p in self.params:
@@ -75,10 +91,8 @@ class CompositeAdamW:
 
     def load_state_dict(self, state):
         """Restore from either optimizer's ``state_dict`` (matched by name, all checked before any write)."""
-        st, names = state["state"], self._names()
-        missing, unexpected = set(names) - set(st), set(st) - set(names)
-        if missing or unexpected:
-            raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
+        names = self._names()
+        step, lr, st = check_state(state, names)
         for n, m in zip(names, self.m):
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(st[n][key].shape) != tuple(m.shape):
@@ -90,7 +104,7 @@ class CompositeAdamW:
                 if p.xp is np:
                     src = src.get() if hasattr(src, "get") else np.asarray(src)
                 dst[...] = p.xp.asarray(src).astype(dst.dtype, copy=False)
-        self.t, self.lr = int(state["step"]), float(state["lr"])
+        self.t, self.lr = step, lr
         for p in self.params:
             if id(p) in self._shadow:
                 self._shadow[id(p)][...] = p.data.astype(self._shadow[id(p)].dtype)

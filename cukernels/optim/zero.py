@@ -94,7 +94,7 @@ from ..distributed import ProcessGroup, SingleGroup, get_group, is_initialized
 from ..ops import adam as _A
 from ..ops.elementwise import cast as _cast
 from ..ops.embedding import SparseRowGrad
-from .adamw import ALIGN, AdamW, WarmupCosine, _matcher
+from .adamw import ALIGN, AdamW, WarmupCosine, _matcher, check_hyperparameters, check_lr, check_state
 
 SHARD_KIND = "ZeroAdamW.shard"
 # Waves of blocks in the AdamW update's grid while collectives run beside it (``ck.adam_step(occupancy=)``; used
@@ -442,13 +442,10 @@ class ZeroAdamW:
                  shadow_dtype=B.bfloat16, no_decay=None, sparse=None, gather_fp32=None, wire_dtype=np.float32,
                  average=True, bucket_elems=None, sm_margin=0, overlap_gather=False, grad_dtype=np.float32,
                  sparse_rows=None):
-        beta1, beta2 = betas
-        _A._hyper(beta1, beta2, eps, weight_decay)
-        if not (_A._is_number(lr) and np.isfinite(lr)):
-            raise ValueError(f"lr: expected a finite number; got {lr!r}")
-        if shadow_dtype is not None and np.dtype(shadow_dtype) != B.bfloat16:
-            raise TypeError(f"shadow_dtype: expected ck.bfloat16 or None; got {np.dtype(shadow_dtype)}")
-        wire = np.dtype(wire_dtype)
+        lr, beta1, beta2, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
+        if shadow_dtype is not None:
+            B.check_dtype_arg("shadow_dtype", shadow_dtype, (B.bfloat16,))
+        wire = B.check_dtype_arg("wire_dtype", wire_dtype, (np.dtype(np.float32), B.bfloat16))
         if wire not in (np.dtype(np.float32), B.bfloat16):
             raise TypeError(f"wire_dtype: expected float32 or ck.bfloat16; got {wire}")
         try:
@@ -675,6 +672,7 @@ class ZeroAdamW:
         return float(self._lr)
 
     def set_lr(self, lr):
+        lr = check_lr(lr)
         if not (_A._is_number(lr) and np.isfinite(lr)):
             raise ValueError(f"lr: expected a finite number; got {lr!r}")
         if self.xp is np:
@@ -1176,10 +1174,7 @@ class ZeroAdamW:
             params = own_params if params is None else params
         if params is False:
             params = None
-        st = state["state"]
-        missing, unexpected = set(self._by_name) - set(st), set(st) - set(self._by_name)
-        if missing or unexpected:
-            raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
+        step, lr, st = check_state(state, list(self._by_name))
         host = lambda a: np.asarray(a.get() if hasattr(a, "get") else a)  # noqa: E731
 
         def piece(a, lo, hi):  # elements [lo, hi) of the flattened array, reading no more than that when lazy
@@ -1211,12 +1206,12 @@ class ZeroAdamW:
             for key, buf in (("exp_avg", g.M), ("exp_avg_sq", g.V)):
                 src = piece(st[n][key], lo, hi)
                 buf[so:so + hi - lo] = self.xp.asarray(src.astype(np.float32, copy=False))
-        step = int(state["step"])
+        step = int(step)
         if self.xp is np:
             self._step[...] = np.int32(step)
         else:
             self._step.fill(np.int32(step))
-        self.set_lr(float(state["lr"]))
+        self.set_lr(lr)
         self.refresh_shadows()
 
     def __repr__(self):
