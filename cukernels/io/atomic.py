@@ -20,11 +20,30 @@ def fsync_dir(folder) -> None:
         pass
 
 
+def check_target(path, name="path") -> Path:
+    """``path`` as a Path after checking a file can be written there: a str or os.PathLike (TypeError), not an
+    existing folder, and no part of its folder an existing regular file (ValueError naming it: ``mkdir`` raised a
+    FileExistsError for a path under a file)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise TypeError(f"{name}: expected a str or os.PathLike file path; got {type(path).__name__}")
+    path = Path(path)
+    if not path.name:
+        raise ValueError(f"{name}: expected a file path; got {str(path)!r}")
+    if path.is_dir():
+        raise ValueError(f"{name}: {path} is a folder; expected a file path")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{name}: {path}: {parent} is a file, not a folder")
+            break
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """``with atomic_path(p) as tmp:`` write the file at ``tmp`` (any way you like); on a clean exit it is
     fsynced and renamed onto ``p``; on an exception it is deleted and ``p`` is untouched."""
-    path = Path(path)
+    path = check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:

@@ -55,16 +55,83 @@ def _dtype_name(dt):
     return "bfloat16" if dt == bfloat16 else dt.str
 
 
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_header(doc, data_len):
+    """The whole parsed header of a checkpoint, validated before any array is read: ``(entries, meta)`` with
+    entries ``{name: (offset from the data start, nbytes, dtype, shape)}``; ValueError saying what is wrong.
+
+    The trailing SHA-256 proves the file is intact, not that its header tells the truth (a rewritten header with a
+    recomputed checksum passes it), so every entry is checked: a dict with dtype (one of the numeric dtypes a
+    checkpoint holds), shape (a list of non-negative integers), offset and nbytes (non-negative integers, nbytes =
+    the shape's size x the dtype's); in the order listed the arrays lie one after another without overlapping
+    (each offset >= the previous end) and end inside the data; ``meta`` is a dict."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("arrays"), dict):
+        raise ValueError("the header is not an object with an 'arrays' object")
+    meta = doc.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta: expected an object; got {type(meta).__name__}")
+    entries, end = {}, 0
+    for name, inf in doc["arrays"].items():
+        if not isinstance(inf, dict) or not {"dtype", "shape", "offset", "nbytes"} <= set(inf):
+            raise ValueError(f"array {name!r}: expected an entry with dtype, shape, offset, nbytes; got "
+                             f"{str(inf)[:100]}")
+        dt = _DTYPES.get(inf["dtype"]) if isinstance(inf["dtype"], str) else None
+        if dt is None:
+            raise ValueError(f"array {name!r}: unknown dtype {inf['dtype']!r}")
+        shape, off, nb = inf["shape"], inf["offset"], inf["nbytes"]
+        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise ValueError(f"array {name!r}: shape {shape!r}: expected a list of non-negative integers")
+        if not (_is_int(off) and _is_int(nb)) or off < 0 or nb != math.prod(shape) * dt.itemsize:
+            raise ValueError(f"array {name!r}: {nb!r} bytes at offset {off!r} do not hold {tuple(shape)} {dt}")
+        if off < end:
+            raise ValueError(f"array {name!r}: offset {off} overlaps the array before it (which ends at {end})")
+        if off + nb > data_len:
+            raise ValueError(f"array {name!r}: {nb} bytes at offset {off} end past the {data_len} data bytes")
+        end = off + nb
+        entries[name] = (off, nb, dt, tuple(shape))
+    return entries, meta
+
+
+# The dtypes a checkpoint holds (and a header may name): numeric, fixed-size. An object or string dtype read from a
+# forged header would reinterpret raw bytes as pointers.
+_DTYPES = {_dtype_name(d): np.dtype(d) for d in (np.float64, np.float32, np.float16, bfloat16, np.int64, np.int32,
+                                                  np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8,
+                                                  np.bool_)}
+
+
+def _check_arrays(arrays):
+    if not isinstance(arrays, Mapping):
+        raise TypeError(f"arrays: expected a mapping {{name: array}}; got {type(arrays).__name__}")
+    for name, a in arrays.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"arrays: names must be non-empty strings; got {name!r}")
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")) or isinstance(a, (str, bytes)):
+            raise TypeError(f"arrays[{name!r}]: expected a NumPy or CuPy array; got {type(a).__name__}")
+        if _dtype_name(a.dtype) not in _DTYPES:
+            raise TypeError(f"arrays[{name!r}]: dtype {a.dtype} cannot be stored (numeric dtypes only: "
+                            f"{', '.join(_DTYPES)})")
+
+
 def save(path, arrays: Mapping, meta: dict | None = None) -> Path:
     """Atomically write ``arrays`` (name -> NumPy or CuPy array) and ``meta`` (JSON-serialisable) to ``path``,
-    one array in host memory at a time."""
+    one array in host memory at a time. Non-arrays, dtypes a checkpoint cannot hold and metadata JSON cannot
+    encode are TypeErrors naming them, raised before anything is written."""
     path = Path(path)
+    _check_arrays(arrays)
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta: expected a dict (JSON-serialisable) or None; got {type(meta).__name__}")
     info, off = {}, 0
     for name, a in arrays.items():
         nb = math.prod(a.shape) * np.dtype(a.dtype).itemsize
         info[name] = dict(dtype=_dtype_name(a.dtype), shape=[int(s) for s in a.shape], offset=off, nbytes=nb)
         off += nb
-    header = json.dumps(dict(arrays=info, meta=meta or {})).encode()
+    try:
+        header = json.dumps(dict(arrays=info, meta=meta or {})).encode()
+    except (TypeError, ValueError) as e:  # (a set, an array, a custom object in meta)
+        raise TypeError(f"meta: not JSON-serialisable ({e}); store arrays in arrays=, plain values in meta") from None
     with atomic_open(path, "wb") as f:
         sha = hashlib.sha256()
         for chunk in (MAGIC, struct.pack("<Q", len(header)), header):
@@ -130,20 +197,15 @@ def load(path) -> tuple[Arrays, dict]:
     try:
         (hlen,) = struct.unpack_from("<Q", head, len(MAGIC))
         base = len(MAGIC) + 8
+        if hlen > size - base - 32:  # (checked before reading: a length of 2**40 asked for a terabyte)
+            raise ValueError(f"header length {hlen} exceeds the {size - base - 32} bytes the file has for it")
         with open(path, "rb") as f:
             f.seek(base)
             doc = json.loads(f.read(hlen).decode())
         base += hlen
-        entries = {}
-        for name, inf in doc["arrays"].items():
-            dt = bfloat16 if inf["dtype"] == "bfloat16" else np.dtype(inf["dtype"])
-            shape = tuple(int(s) for s in inf["shape"])
-            nb = int(inf["nbytes"])
-            if nb != math.prod(shape) * dt.itemsize or base + inf["offset"] + nb > size - 32:
-                raise ValueError(f"array {name!r}: {nb} bytes at {inf['offset']} do not hold {shape} {dt}")
-            entries[name] = (base + int(inf["offset"]), nb, dt, shape)
-        meta = doc["meta"]
-    except (ValueError, KeyError, TypeError, struct.error) as e:
+        rel, meta = check_header(doc, size - 32 - base)
+        entries = {name: (base + off, nb, dt, shape) for name, (off, nb, dt, shape) in rel.items()}
+    except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: malformed checkpoint header ({type(e).__name__}: {e})") from None
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     return Arrays(path, entries, mm), meta

@@ -47,7 +47,8 @@ ALIGN = 64  # elements: every parameter view starts on a 256-byte boundary of it
 def check_lr(lr, name="lr"):
     """A learning rate: a finite number >= 0 that stays finite in float32 (the device lr), refused when it is
     given (at construction, ``set_lr``), not at the first ``step()``."""
-    return float(B.check_f32(name, lr, min=0))
+    B.check_f32(name, lr, min=0)
+    return float(lr)  # (the value as given: the host schedule computes in float64)
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay):
@@ -107,7 +108,7 @@ class WarmupCosine:
         # kernel's bounds (the step counts of ops.adam.tick's schedule tuple).
         max_lr, min_lr = check_lr(max_lr, "max_lr"), check_lr(min_lr, "min_lr")
         warmup_steps = B.check_int("warmup_steps", warmup_steps, min=0, max=2**62)
-        total_steps = B.check_int("total_steps", total_steps, min=1, max=2**62)
+        total_steps = B.check_int("total_steps", total_steps, min=0, max=2**62)
         if total_steps < warmup_steps:
             raise ValueError(f"total_steps: expected an integer >= warmup_steps ({warmup_steps}); got {total_steps}")
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
