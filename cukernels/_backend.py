@@ -321,7 +321,7 @@ def scalar_f32(name, v):
 
 # ---------------------------------------------------------------- plain-number arguments
 def _short(v) -> str:
-    r = repr(v)
+    r = " ".join(repr(v).split())  # one line (an array's repr spans several)
     return r[:40] + "..." if len(r) > 43 else r
 
 

@@ -12,6 +12,11 @@ Kinds (what a valid value is; the invalid values drawn for each are in test_fuzz
     prob      a real number in [0, 1]                   p1      a real number in [0, 1) (dropout's p)
     bool      True or False                             choice  one of a few strings
     dtype     a float dtype (float32 / bfloat16)        seed    an integer in [0, 2**64)
+    path      a writable file path                      amap    a {name: array} mapping
+    meta      JSON metadata (a dict)                    smeta   safetensors metadata ({str: str})
+
+``kind!label`` leaves out the invalid values of that label (``pos!None``: None is valid here, the default;
+``pos_int!big``: a huge integer is valid, clamped; ``farr!f64``: float64 is valid on the NumPy path).
 """
 from __future__ import annotations
 
@@ -38,14 +43,14 @@ def i32(*vals):
 
 
 def _attn():
-    q = r(1, 4, 2, 32)
-    return dict(q=q, k=r(1, 4, 2, 32, seed=1), v=r(1, 4, 2, 32, seed=2))
+    q = r(1, 4, 2, 32, dtype=BF16)
+    return dict(q=q, k=r(1, 4, 2, 32, dtype=BF16, seed=1), v=r(1, 4, 2, 32, dtype=BF16, seed=2))
 
 
 def _attn_bwd():
     a = _attn()
     out, lse = ck.flash_attention(a["q"], a["k"], a["v"], return_lse=True)
-    return dict(dout=r(1, 4, 2, 32, seed=3), out=out, lse=lse, **a)
+    return dict(dout=r(1, 4, 2, 32, dtype=BF16, seed=3), out=out, lse=lse, **a)
 
 
 def _dec():
@@ -85,6 +90,12 @@ def _rms_bwd():
     return dict(dy=r(2, 8, seed=1), x=x, weight=w, rstd=rstd)
 
 
+def _add_rms_bwd():
+    x, res, w = r(2, 8), r(2, 8, seed=1), f(8, fill=1.0)
+    _, h, rstd = ck.add_rms_norm(x, res, w, return_rstd=True)
+    return dict(dy=r(2, 8, seed=2), dh=r(2, 8, seed=3), h=h, weight=w, rstd=rstd)
+
+
 def _ce_bwd():
     lg, t = r(3, 5), i32(0, 1, 4)
     _, lse = ck.cross_entropy(lg, t, return_lse=True)
@@ -109,6 +120,24 @@ def _params():
     return [("w", f(4, 4)), ("b", f(4))]
 
 
+_TMP = []
+
+
+def tmpdir():
+    """One temporary folder for the file writers' calls (created on first use)."""
+    import tempfile
+
+    if not _TMP:
+        _TMP.append(tempfile.mkdtemp(prefix="ck-signatures-"))
+    return _TMP[0]
+
+
+def _file(name):
+    import os
+
+    return os.path.join(tmpdir(), name)
+
+
 REDUCTION = ("mean", "sum", "none")
 
 # name -> (callable, valid keyword arguments (a function: fresh arrays every call), {argument: kind})
@@ -121,6 +150,8 @@ TABLE = {
     "add_rms_norm": (ck.add_rms_norm, lambda: dict(x=r(2, 8), residual=r(2, 8, seed=1), weight=f(8)),
                      dict(x="farr", residual="farr", weight="farr", eps="pos", return_rstd="bool", out="oarr",
                           out_sum="oarr")),
+    "add_rms_norm_backward": (ck.add_rms_norm_backward, _add_rms_bwd,
+                              dict(dy="farr", dh="oarr", h="farr", weight="farr", rstd="farr", out="oarr")),
     "layer_norm": (ck.layer_norm, lambda: dict(x=r(2, 8), gamma=f(8), beta=f(8)),
                    dict(x="farr", gamma="farr", beta="farr", eps="pos", return_stats="bool", out="oarr")),
     "layer_norm_backward": (ck.layer_norm_backward, _ln_bwd,
@@ -129,10 +160,10 @@ TABLE = {
     "softmax_backward": (ck.softmax_backward, lambda: dict(y=ck.softmax(r(2, 8)), dy=r(2, 8, seed=1)),
                          dict(y="farr", dy="farr", out="oarr")),
     "attn_softmax": (ck.attn_softmax, lambda: dict(scores=r(1, 2, 4, 4)),
-                     dict(scores="farr", causal="bool", scale="pos", out="oarr")),
+                     dict(scores="farr", causal="bool", scale="real", out="oarr")),
     "attn_softmax_backward": (ck.attn_softmax_backward,
                               lambda: dict(probs=ck.attn_softmax(r(1, 2, 4, 4)), dprobs=r(1, 2, 4, 4, seed=1)),
-                              dict(probs="farr", dprobs="farr", scale="pos", out="oarr")),
+                              dict(probs="farr", dprobs="farr", scale="real", out="oarr")),
     "cross_entropy": (ck.cross_entropy, lambda: dict(logits=r(3, 5), targets=i32(0, 1, 4)),
                       dict(logits="farr", targets="iarr", ignore_index="int", reduction=("choice", REDUCTION),
                            label_smoothing="prob", return_lse="bool", out="oarr")),
@@ -147,8 +178,8 @@ TABLE = {
                              lambda: dict(x=r(3, 4), weight=r(5, 4, seed=1), targets=i32(0, 1, 4)),
                              dict(x="farr", weight="farr", targets="iarr", ignore_index="int",
                                   reduction=("choice", REDUCTION), label_smoothing="prob", accumulate="bool",
-                                  compute_grad="bool", chunk_rows="pos_int", dloss="real", grad_weight="oarr",
-                                  grad_input="oarr", num_classes="pos_int")),
+                                  compute_grad="bool", chunk_rows="pos_int!big!None", dloss="real", grad_weight="oarr",
+                                  grad_input="oarr", num_classes="pos_int!None")),
     "embedding": (ck.embedding, lambda: dict(ids=i32(0, 3), table=r(4, 8)),
                   dict(ids="iarr", table="farr", out="oarr")),
     "embedding_backward": (ck.embedding_backward, lambda: dict(ids=i32(0, 3), dout=r(2, 8), vocab_size=4),
@@ -175,11 +206,11 @@ TABLE = {
     "mul": (ck.mul, lambda: dict(a=r(6), b=r(6, seed=1)), dict(a="farr", b="farr", out="oarr", dtype="dtype")),
     "cast": (ck.cast, lambda: dict(x=r(6), dtype=BF16), dict(x="farr", dtype="dtype", out="oarr")),
     "adam_step": (ck.adam_step, _adam, dict(param="farr", grad="farr", exp_avg="farr", exp_avg_sq="farr", lr="nn",
-                                            step="pos_int", beta1="p1", beta2="p1", eps="pos", weight_decay="nn",
+                                            step="pos_int!intfloat", beta1="p1", beta2="p1", eps="pos", weight_decay="nn",
                                             shadow="oarr")),
     "adam_step_rows": (ck.adam_step_rows, _adam_rows,
                        dict(param="farr", grad="farr", exp_avg="farr", exp_avg_sq="farr", rows="iarr", lr="nn",
-                            step="pos_int", beta1="p1", beta2="p1", eps="pos", weight_decay="nn", shadow="oarr")),
+                            step="pos_int!intfloat", beta1="p1", beta2="p1", eps="pos", weight_decay="nn", shadow="oarr")),
     "zero_rows": (ck.zero_rows, lambda: dict(buf=r(4, 3), rows=i32(0, 2), row_count=np.array(2, np.int32)),
                   dict(buf="farr", rows="iarr")),
     "global_norm": (ck.global_norm, lambda: dict(arrays=[r(6), r(3, seed=1)]), dict(out="oarr")),
@@ -192,48 +223,48 @@ TABLE = {
     "dropout_add": (ck.dropout_add, lambda: dict(x=r(8), residual=r(8, seed=1), p=0.1, seed=1),
                     dict(x="farr", residual="farr", p="p1", seed="seed", offset="seed", out="oarr",
                          dtype="dtype")),
-    "flash_attention": (ck.flash_attention, _attn, dict(q="farr", k="farr", v="farr", causal="bool", scale="pos",
+    "flash_attention": (ck.flash_attention, _attn, dict(q="farr", k="farr", v="farr", causal="bool", scale="pos!None",
                                                         out="oarr", return_lse="bool")),
     "flash_attention_backward": (ck.flash_attention_backward, _attn_bwd,
                                  dict(dout="farr", q="farr", k="farr", v="farr", out="farr", lse="farr",
-                                      causal="bool", scale="pos")),
+                                      causal="bool", scale="pos!None")),
     "decode_attention": (ck.decode_attention, _dec, dict(q="farr", k_cache="farr", v_cache="farr",
-                                                         cache_len="nn_int", scale="pos", out="oarr",
-                                                         num_splits="pos_int")),
+                                                         cache_len="nn_int", scale="pos!None", out="oarr",
+                                                         num_splits="pos_int!None")),
     "kv_cache_write": (ck.kv_cache_write, lambda: dict(new=r(1, 1, 2, 4), cache=f(1, 8, 2, 4), cache_len=1),
-                       dict(new="farr", cache="farr", cache_len="nn_int")),
+                       dict(new="farr", cache="farr!int", cache_len="nn_int")),
     "rope_kv_write": (ck.rope_kv_write, _rope_kv,
                       dict(qkv="farr", n_heads="pos_int", n_kv_heads="pos_int", k_cache="farr", v_cache="farr",
                            cache_len="nn_int", positions="oiarr", q_out="oarr")),
     "decode_attention_rope": (ck.decode_attention_rope, _rope_kv,
                               dict(qkv="farr", n_heads="pos_int", n_kv_heads="pos_int", k_cache="farr",
-                                   v_cache="farr", cache_len="nn_int", scale="pos", positions="oiarr",
-                                   out="oarr", num_splits="pos_int")),
+                                   v_cache="farr", cache_len="nn_int", scale="pos!None", positions="oiarr",
+                                   out="oarr", num_splits="pos_int!None")),
     "gemv": (ck.gemv, lambda: dict(x=r(2, 8), weight=r(4, 8, seed=1)),
              dict(x="farr", weight="farr", bias="oarr", eps="pos", residual="oarr", out="oarr",
                   act=("choice", (None, "gelu", "swiglu")))),
     "sample_tokens": (ck.sample_tokens, lambda: dict(logits=r(2, 10)),
-                      dict(logits="farr", temperature="nn", top_k="nn_int", top_p="prob", seed="seed",
+                      dict(logits="farr", temperature="real", top_k="nn_int!big", top_p="prob", seed="seed",
                            offset="seed", repetition_penalty="pos", prev_tokens="oiarr")),
     "matmul": (ck.matmul, lambda: dict(a=r(2, 3), b=r(3, 4, seed=1)),
-               dict(a="farr", b="farr", trans_a="bool", trans_b="bool", alpha="real", beta="real", out="oarr",
-                    out_dtype="dtype", allow_tf32="bool")),
+               dict(a="farr!f64", b="farr!f64", trans_a="bool", trans_b="bool", alpha="real", beta="real",
+                    out="oarr!f64", out_dtype="dtype!f64", allow_tf32="bool")),
     # ---------------------------------------------------------------------------------------------- autograd
     "tensor": (ck.tensor, lambda: dict(data=[1.0, 2.0]), dict(requires_grad="bool")),
     # ---------------------------------------------------------------------------------------------- layers
     "nn.Linear": (nn.Linear, lambda: dict(in_features=4, out_features=3),
-                  dict(in_features="pos_int", out_features="pos_int", bias="bool", std="nn", dtype="dtype")),
+                  dict(in_features="pos_int", out_features="pos_int", bias="bool", std="nn", dtype="dtype!f64")),
     "nn.Embedding": (nn.Embedding, lambda: dict(num_embeddings=4, dim=3),
-                     dict(num_embeddings="pos_int", dim="pos_int", sparse="bool", std="nn", dtype="dtype")),
-    "nn.RMSNorm": (nn.RMSNorm, lambda: dict(dim=4), dict(dim="pos_int", eps="pos", dtype="dtype")),
-    "nn.LayerNorm": (nn.LayerNorm, lambda: dict(dim=4), dict(dim="pos_int", eps="pos", dtype="dtype")),
+                     dict(num_embeddings="pos_int", dim="pos_int", sparse="bool", std="nn", dtype="dtype!f64")),
+    "nn.RMSNorm": (nn.RMSNorm, lambda: dict(dim=4), dict(dim="pos_int", eps="pos", dtype="dtype!f64")),
+    "nn.LayerNorm": (nn.LayerNorm, lambda: dict(dim=4), dict(dim="pos_int", eps="pos", dtype="dtype!f64")),
     "nn.SwiGLUMLP": (nn.SwiGLUMLP, lambda: dict(hidden=4, ffn=8),
-                     dict(hidden="pos_int", ffn="pos_int", bias="bool", std="nn", dtype="dtype")),
+                     dict(hidden="pos_int", ffn="pos_int", bias="bool", std="nn", dtype="dtype!f64")),
     "nn.Attention": (nn.Attention, lambda: dict(hidden=8, n_heads=2),
-                     dict(hidden="pos_int", n_heads="pos_int", n_kv_heads="pos_int", head_dim="pos_int",
-                          bias="bool", rope="bool", causal="bool", std="nn", dtype="dtype")),
+                     dict(hidden="pos_int", n_heads="pos_int", n_kv_heads="pos_int!None", head_dim="pos_int!None",
+                          bias="bool", rope="bool", causal="bool", std="nn", dtype="dtype!f64")),
     "nn.Dropout": (nn.Dropout, lambda: dict(p=0.1, site=1), dict(p="p1", site="nn_int")),
-    "nn.DropoutRNG": (nn.DropoutRNG, lambda: dict(seed=1), dict(seed="nn_int")),
+    "nn.DropoutRNG": (nn.DropoutRNG, lambda: dict(seed=1), dict(seed="nn_int!big")),
     # ---------------------------------------------------------------------------------------------- optim
     "optim.AdamW": (optim.AdamW, lambda: dict(params=_params()),
                     dict(lr="nn", eps="pos", weight_decay="nn", grad_dtype="dtype")),
@@ -246,16 +277,23 @@ TABLE = {
                                                  num_hidden_layers=1, num_attention_heads=2,
                                                  max_position_embeddings=32),
                     dict(vocab_size="pos_int", hidden_size="pos_int", intermediate_size="pos_int",
-                         num_hidden_layers="pos_int", num_attention_heads="pos_int", num_key_value_heads="pos_int",
-                         head_dim="pos_int", rms_norm_eps="pos", rope_theta="pos", tie_word_embeddings="bool",
+                         num_hidden_layers="pos_int", num_attention_heads="pos_int", num_key_value_heads="pos_int!None",
+                         head_dim="pos_int!None", rms_norm_eps="pos", rope_theta="pos", tie_word_embeddings="bool",
                          max_position_embeddings="pos_int", initializer_range="nn")),
     "GPT2Config": (ck.GPT2Config, lambda: dict(vocab_size=16, n_positions=32, n_embd=16, n_layer=1, n_head=2),
                    dict(vocab_size="pos_int", n_positions="pos_int", n_embd="pos_int", n_layer="pos_int",
-                        n_head="pos_int", n_inner="pos_int", resid_pdrop="p1", embd_pdrop="p1", attn_pdrop="p1",
+                        n_head="pos_int", n_inner="pos_int!None", resid_pdrop="p1", embd_pdrop="p1", attn_pdrop="p1",
                         layer_norm_epsilon="pos", initializer_range="nn", tie_word_embeddings="bool",
                         activation_function=("choice", ("gelu_new", "gelu")))),
+    # ---------------------------------------------------------------------------------------------- io
+    "checkpoint.save": (C.save, lambda: dict(path=_file("a.ckpt"), arrays={"w": f(2, 3)}, meta={"step": 1}),
+                        dict(path="path", arrays="amap", meta="meta")),
+    "safetensors.write": (S.write, lambda: dict(path=_file("a.safetensors"), arrays={"w": f(2, 3)},
+                                                metadata={"format": "pt"}),
+                          dict(path="path", arrays="amap", metadata="smeta")),
     # ---------------------------------------------------------------------------------------------- generation
     "generate": (ck.generate, lambda: dict(model=model(), ids=[1, 2, 3], max_new_tokens=2, temperature=0),
-                 dict(ids="iarr", max_new_tokens="nn_int", temperature="nn", top_k="nn_int", seed="seed",
-                      use_cache="bool", eos_token_id="nn_int", static="bool", graph="bool")),
+                 dict(ids="iarr", max_new_tokens="nn_int", temperature="real!None", top_k="nn_int!big!None",
+                      seed="seed!None", use_cache="bool", eos_token_id="nn_int!None", static="bool!None",
+                      graph="bool", autocast="dtype!None", attention_mask="oiarr")),
 }

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .._backend import bfloat16
-from .atomic import atomic_open, fsync_dir  # noqa: F401  (fsync_dir re-exported for callers of the old module)
+from .atomic import atomic_open, check_target, fsync_dir  # noqa: F401  (fsync_dir re-exported for callers of the old module)
 
 MAGIC = b"CKCKPT01"
 CHUNK = 4 << 20
@@ -119,7 +119,7 @@ def save(path, arrays: Mapping, meta: dict | None = None) -> Path:
     """Atomically write ``arrays`` (name -> NumPy or CuPy array) and ``meta`` (JSON-serialisable) to ``path``,
     one array in host memory at a time. Non-arrays, dtypes a checkpoint cannot hold and metadata JSON cannot
     encode are TypeErrors naming them, raised before anything is written."""
-    path = Path(path)
+    path = check_target(path)
     _check_arrays(arrays)
     if meta is not None and not isinstance(meta, dict):
         raise TypeError(f"meta: expected a dict (JSON-serialisable) or None; got {type(meta).__name__}")

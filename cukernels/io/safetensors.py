@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .._backend import bfloat16
-from .atomic import atomic_open
+from .atomic import atomic_open, check_target
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": bfloat16,
@@ -162,7 +162,7 @@ def _shape_dtype(name, a):
         raise TypeError(f"arrays[{name!r}]: expected a NumPy or CuPy array; got {type(a).__name__}")
     dt = np.dtype(a.dtype)
     if dt not in NAMES:
-        raise TypeError(f"{name}: dtype {dt} has no safetensors name")
+        raise TypeError(f"arrays[{name!r}]: dtype {dt} has no safetensors name (known: {', '.join(DTYPES)})")
     return tuple(int(s) for s in a.shape), dt
 
 
@@ -185,6 +185,7 @@ def write_specs(path, specs: dict, get, metadata: dict | None = None):
     """The streaming writer: ``specs`` {name: (shape, dtype)} fixes the header; ``get(name)`` produces each
     tensor (host or device) when its turn comes. Tensors are laid out in sorted name order, the header padded to
     8 bytes (as the reference implementation does)."""
+    path = check_target(path)
     header, off = {}, 0
     if metadata is not None and (not isinstance(metadata, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):

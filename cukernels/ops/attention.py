@@ -231,6 +231,7 @@ def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None, out=None
     """
     xp = B.array_module(q=q, k=k, v=v, key_mask=key_mask, out=out)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    return_lse = B.check_bool("return_lse", return_lse)  # ("yes" was taken as true)
     km = _check_key_mask(key_mask, xp, Bsz, Tk)
     o = B.empty(xp, q.shape, B.bfloat16, out)
     if xp is np:

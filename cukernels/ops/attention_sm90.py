@@ -176,6 +176,7 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     """
     xp = B.array_module(q=q, k=k, v=v, out=out)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    return_lse = B.check_bool("return_lse", return_lse)
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention takes 32 too)")

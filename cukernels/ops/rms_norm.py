@@ -285,4 +285,7 @@ def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None):
     Returns:
         ``(dx, dweight)``: dx (the gradient of both x and residual) like ``h``, dweight like ``weight``.
     """
+    B.array_module(dy=dy, dh=dh, h=h, weight=weight, rstd=rstd, out=out)
+    B.check_dtype("h", h, B.FLOATS)  # (rms_norm_backward names it x)
+    B.check_ndim("h", h, 1)
     return rms_norm_backward(dy, h, weight, rstd, dh=dh, out=out)
