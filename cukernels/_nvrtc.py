@@ -1,8 +1,10 @@
-"""Compile a kernel family to PTX through NVRTC directly (ctypes), with no GPU and no CUDA toolkit.
+"""NVRTC called directly (ctypes): PTX or cubin of a source string, and ptxas's resource report, with no GPU.
 
-CuPy's own compile path asks the driver for the device's architecture; NVRTC itself does not need a device.
-pip's ``nvidia-cuda-nvrtc-cu12`` provides ``libnvrtc.so.12``; this is what the CPU-only CI uses to prove every
-kernel instantiation compiles for sm_80 and sm_90.
+CuPy's own compile path asks the driver for the device's architecture; NVRTC itself does not need a device. pip's
+``nvidia-cuda-nvrtc-cu12`` provides ``libnvrtc.so.12`` (the 'test' extra); on a GPU machine the NVRTC that CuPy
+uses serves as well. The family-level helpers built on this (``_loader.compile_ptx``, ``compile_cubin``,
+``list_entries``, ``resource_usage``) are what ``python -m cukernels.build`` makes the wheel's binaries with, what
+tests/test_compile.py checks every family with, and how ``_loader.precompile`` lists a family's entry points.
 """
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import glob
 import os
 import re
 import sys
-
-from ._loader import OPTIONS, load_source
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +34,12 @@ def _lib() -> ctypes.CDLL:
             return ctypes.CDLL(c)
         except OSError as e:
             errors.append(f"{c}: {e}")
+    try:  # the NVRTC CuPy 14 finds through cuda-pathfinder (a CUDA toolkit or the nvidia-* wheels)
+        from cuda import pathfinder
+
+        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception as e:  # noqa: BLE001 - any failure here just means: not found
+        errors.append(f"cuda.pathfinder: {e}")
     raise OSError("libnvrtc not found; install nvidia-cuda-nvrtc-cu12 (the 'test' extra). Tried:\n" + "\n".join(errors))
 
 
@@ -52,19 +58,7 @@ def version() -> tuple[int, int]:
     return major.value, minor.value
 
 
-def compile_ptx(family: str, arch: str = "sm_90", extra: tuple[str, ...] = ()) -> str:
-    """PTX of ``kernels_cu/<family>.cu`` for ``arch`` (``sm_80``, ``sm_90``); raises RuntimeError with the log."""
-    return _compile(family, f"--gpu-architecture=compute_{arch.split('_')[1]}", extra)[0]
-
-
-def resource_usage(family: str, arch: str = "sm_90") -> dict[str, dict[str, int]]:
-    """ptxas's report per kernel (machine code for ``arch``): registers, stack frame and spill bytes.
-
-    A stack frame or spill means a register array went to local memory (run-time indexing, or a
-    ``__launch_bounds__`` register cap too tight for the kernel's live values): slow, and caught by
-    tests/test_compile.py.
-    """
-    _, log = _compile(family, f"--gpu-architecture={arch}", ("--ptxas-options=-v",))
+def parse_usage(log: str) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     cur = None
     for line in log.splitlines():
@@ -86,29 +80,34 @@ def resource_usage(family: str, arch: str = "sm_90") -> dict[str, dict[str, int]
     return out
 
 
-def _compile(family: str, arch_opt: str, extra: tuple[str, ...]) -> tuple[str, str]:
+def compile(src: str, family: str, opts: tuple[str, ...], cubin: bool = False):
+    """(PTX text, or cubin bytes with ``cubin``; the log) of ``src``, named ``<family>.cu`` in messages; raises
+    RuntimeError with the NVRTC log when it does not compile."""
     lib = _lib()
-    src = load_source(family).encode()
     prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{family}.cu".encode(), 0, None, None)
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), f"{family}.cu".encode(), 0, None, None)
     if rc != 0:
         raise RuntimeError(f"nvrtcCreateProgram failed ({rc}) for {family}.cu")
     try:
-        # -ftz=true: what CuPy adds to every NVRTC compile (cupy/cuda/compiler.py), so the PTX and ptxas's report
-        # here are those of the kernels that run (flush-to-zero float math: session 5 found a float compare of
-        # a subnormal with 0 true on the device).
-        opts = [o.encode() for o in (*OPTIONS, "-ftz=true", arch_opt, *extra)]
-        arr = (ctypes.c_char_p * len(opts))(*opts)
-        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        enc = [o.encode() for o in opts]
+        arr = (ctypes.c_char_p * len(enc))(*enc)
+        rc = lib.nvrtcCompileProgram(prog, len(enc), arr)
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
         if rc != 0:
-            raise RuntimeError(f"kernels_cu/{family}.cu failed to compile ({arch_opt}):\n{log.value.decode(errors='replace')}")
+            arch = next((o for o in opts if o.startswith("--gpu-architecture")), "")
+            raise RuntimeError(f"kernels_cu/{family}.cu failed to compile ({arch}):\n{text}")
+        if cubin:
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, buf)
+            return buf.raw, text
         lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
         ptx = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetPTX(prog, ptx)
-        return ptx.value.decode(), log.value.decode(errors="replace")
+        return ptx.value.decode(), text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
