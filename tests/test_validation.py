@@ -272,3 +272,24 @@ def test_checkpoint_save_refuses_what_it_cannot_store(tmp_path):
     C.save(tmp_path / "ok.ckpt", {"w": np.zeros(2, F32)}, {"step": 3})
     arrays, meta = C.load(tmp_path / "ok.ckpt")
     assert meta == {"step": 3} and json.dumps(meta)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda T, fused: F.rms_norm(T(2, 4), T(4), -1.0, fused=fused), ValueError, "^eps: expected a finite number > 0"),
+    (lambda T, fused: F.layer_norm(T(2, 4), T(4), T(4), 0.0, fused=fused), ValueError, "^eps: expected"),
+    (lambda T, fused: F.rms_norm(T(2, 4), T(5), 1e-6, fused=fused), ValueError, r"^weight: expected shape \(4,\)"),
+    (lambda T, fused: F.swiglu(T(4), T(5), fused=fused), ValueError, r"^up: expected shape \(4,\)"),
+    (lambda T, fused: F.embedding(T(4, 3), np.array([-1]), fused=fused), ValueError, "^ids: value -1 is out of range"),
+    (lambda T, fused: F.embedding(T(4, 3), np.array([1.5]), fused=fused), TypeError, "^ids: expected"),
+    (lambda T, fused: F.rope(T(1, 2, 1, 8), *ck.rope_cache(4, 8, xp=np), positions=np.array([0, -1]), fused=fused),
+     ValueError, "^positions: .*-1"),
+])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composite"])
+def test_composite_functions_validate_as_the_fused_ones(call, exc, match, fused):
+    """fused=False accepted a negative eps (NaN rows), a negative id / position (NumPy indexes from the end),
+    mismatched shapes (broadcast) -- the fused Functions refuse them, and so does the composite now."""
+    def T(*s):
+        return ck.Tensor(np.random.default_rng(0).standard_normal(s).astype(F32), requires_grad=True)
+
+    with pytest.raises(exc, match=match):
+        call(T, fused)

@@ -22,6 +22,7 @@ from ..ops.cross_entropy import cross_entropy_fused as _ce_fused
 from ..ops.cross_entropy import check_options as _ce_options, cross_entropy_error as _ce_error
 from ..ops.cross_entropy import _host_check_targets as _ce_host_check_targets
 from ..ops.embedding import SparseRowGrad, embedding as _emb, embedding_backward as _emb_bwd
+from ..ops.embedding import embedding_error as _emb_error
 from ..ops.layer_norm import layer_norm as _ln, layer_norm_backward as _ln_bwd
 from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
 from ..ops.rope import rope as _rope, rope_backward as _rope_bwd
@@ -333,10 +334,43 @@ class GeluF(Function):
         return _gelu_bwd(x, _contig(g, x.dtype), approximate=ctx.approximate), None
 
 
+# ---- the composite (fused=False) paths check their arguments as the kernel ops do (issue 36); float64 stays
+# allowed there (the gradient-check oracle), everything else matches: eps, weight shapes, ids and positions.
+def _composite_norm_args(x, eps, **weights):
+    xd = _data(x)
+    if B._kind(xd) is None or not (xd.dtype.kind == "f" or xd.dtype == B.bfloat16) or xd.ndim < 1:
+        raise TypeError(f"x: expected a float array or Tensor [..., C]; got {B._got(x)}")
+    C = xd.shape[-1]
+    for name, w in weights.items():
+        wd = _data(w)
+        if B._kind(wd) is None or tuple(wd.shape) != (C,):
+            raise ValueError(f"{name}: expected shape ({C},) to match x's last axis; got "
+                             f"{tuple(wd.shape) if B._kind(wd) is not None else B._got(w)}")
+    B.check_real("eps", eps, min=0, min_open=True)
+
+
+def _composite_rows(name, ids, n, xp, err_word):
+    """Integer ``ids`` indexing ``n`` rows on a composite path: the NumPy path raises for one outside [0, n) (as
+    the kernel ops' reference does; NumPy would wrap a negative one silently); on CuPy they are clamped into
+    range and ``err_word`` is set, as the kernels do (device-side: no host read)."""
+    if B._kind(ids) is None or ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array; got {B._got(ids) if B._kind(ids) is None else ids.dtype}")
+    if xp is np:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise B.IdsOutOfRange(f"{name}: value {bad} is out of range for {n} rows (valid: 0..{n - 1})")
+        return ids
+    if err_word is not None:
+        bad = ((ids < 0) | (ids >= n)).any().astype(np.int32)
+        xp.bitwise_or(err_word, bad, out=err_word)
+    return xp.clip(ids, 0, n - 1)
+
+
 def rms_norm(x, w, eps=1e-6, fused=True):
     """RMSNorm over the last axis. fused -> ck.rms_norm; else pow/mean/rsqrt/mul in fp32."""
     if fused:
         return RMSNormF.apply(x, w, eps)
+    _composite_norm_args(x, eps, weight=w)
     dt = _data(x).dtype
     xf = cast(x, np.float32) if dt == B.bfloat16 else x
     r = rsqrt(add(mean(pow(xf, 2), axis=-1, keepdims=True), eps))
@@ -347,6 +381,7 @@ def rms_norm(x, w, eps=1e-6, fused=True):
 def layer_norm(x, gamma, beta, eps=1e-5, fused=True):
     if fused:
         return LayerNormF.apply(x, gamma, beta, eps)
+    _composite_norm_args(x, eps, gamma=gamma, beta=beta)
     dt = _data(x).dtype
     xf = cast(x, np.float32) if dt == B.bfloat16 else x
     c = sub(xf, mean(xf, axis=-1, keepdims=True))
@@ -455,6 +490,8 @@ def embedding(table, ids, *, fused=True, table_lowp=None, sparse=False):
     (into table.sparse_grad, a ck.SparseRowGrad)."""
     ids = _data(ids)
     if not fused:
+        ids = _composite_rows("ids", ids, _data(table).shape[0], _xp(_data(table)),
+                              None if _xp(_data(table)) is np else _emb_error())
         out = Take.apply(table, ids)
         return cast(out, table_lowp.dtype) if table_lowp is not None else out
     if sparse and isinstance(table, Tensor) and table.requires_grad:
@@ -482,6 +519,10 @@ def rope(x, cos, sin, *, positions=None, fused=True):
         return RopeF.apply(x, cos, sin, positions)
     xd = _data(x)
     xp, T = _xp(xd), xd.shape[1]
+    if positions is not None:  # (the kernel clamps positions into the table; the reference raises)
+        positions = _composite_rows("positions", positions, cos.shape[0], xp, None)
+    elif T > cos.shape[0]:
+        raise ValueError(f"cos: has {cos.shape[0]} positions but x has seq = {T} (pass a longer cache, or positions=)")
     c = cos[positions] if positions is not None else cos[:T]
     s = sin[positions] if positions is not None else sin[:T]
     c = xp.concatenate([c, c], axis=-1)
@@ -498,6 +539,9 @@ def swiglu(gate, up, fused=True):
     """``silu(gate) * up``."""
     if fused:
         return SwiGLUF.apply(gate, up)
+    if tuple(_data(up).shape) != tuple(_data(gate).shape):  # (broadcast silently, or NumPy's message)
+        raise ValueError(f"up: expected shape {tuple(_data(gate).shape)} (the shape of gate); got "
+                         f"{tuple(_data(up).shape)}")
     return mul(silu(gate), up)
 
 
