@@ -468,11 +468,20 @@ def host_memory_bytes() -> int:
         return 1 << 48
 
 
-def device_memory_bytes() -> int:
-    """Total memory of the current CUDA device in bytes (cudaMemGetInfo: no stream sync)."""
+@functools.lru_cache(maxsize=None)
+def _device_memory(dev: int) -> int:
     import cupy
 
-    return int(cupy.cuda.Device().mem_info[1])
+    with cupy.cuda.Device(dev):
+        return int(cupy.cuda.runtime.memGetInfo()[1])
+
+
+def device_memory_bytes() -> int:
+    """Total memory of the current CUDA device in bytes (cudaMemGetInfo once per device, then cached: no stream
+    sync, and no driver call at all after the first). Used by constructors (SparseRowGrad), not by the ops."""
+    import cupy
+
+    return _device_memory(cupy.cuda.Device().id)
 
 
 def check_alloc(name, shape, dtype, xp=np, what="the array"):
