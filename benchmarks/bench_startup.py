@@ -41,10 +41,11 @@ def done(**kw):
     kw.update(total=time.time() - T0, jit=_loader.stats["jit"], prebuilt=_loader.stats["prebuilt"])
     print("BENCH " + json.dumps(kw), flush=True)
 """
+# Uninitialised inputs: filling them would time CuPy's own kernels (compiled by CuPy on first use), not ours.
 RMS = """
 import cupy as cp
 t = time.time(); import cukernels as ck; t_imp = time.time() - t
-x = cp.ones((4096, 2048), dtype=ck.bfloat16); w = cp.ones(2048, dtype=cp.float32)
+x = cp.empty((4096, 2048), dtype=ck.bfloat16); w = cp.empty(2048, dtype=cp.float32)
 t = time.time(); ck.rms_norm(x, w); cp.cuda.Device().synchronize()
 done(import_s=t_imp, call_s=time.time() - t)
 """
@@ -120,33 +121,30 @@ def train_cmd(out_dir: Path) -> list[str]:
 
 def measure(label: str, env: dict, cwd: Path, families, quick: bool, precompile: bool) -> list[dict]:
     rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="ck-startup-"))
 
-    def row(what, code=None, args=None, cache=None, **extra):
-        """A cold and a warm process on one fresh cache folder."""
-        cache = cache or Path(tempfile.mkdtemp(prefix="ck-cache-"))
+    def row(what, metric, code=None, args=None):
+        """A cold and a warm process on one fresh cache folder; ``metric``: the child's figure to print (``wall``:
+        launch to exit)."""
+        cache = Path(tempfile.mkdtemp(prefix="ck-cache-", dir=tmp))
         e = dict(env, CUPY_CACHE_DIR=str(cache))
-        res = {}
-        for kind in ("cold", "warm"):
-            r = child(code, e, cwd, args)
-            res[kind] = r
-        shutil.rmtree(cache, ignore_errors=True)
-        rec = {"install": label, "what": what, "cold_s": res["cold"]["wall"], "warm_s": res["warm"]["wall"],
-               "cold": res["cold"], "warm": res["warm"], **extra}
+        res = {kind: child(code, e, cwd, args(kind) if args else None) for kind in ("cold", "warm")}
+        rec = {"install": label, "what": what, "metric": metric, "cold_s": res["cold"][metric],
+               "warm_s": res["warm"][metric], "cold": res["cold"], "warm": res["warm"]}
         jit = res["cold"].get("jit", "note" if res["cold"]["jit_note"] else 0)
-        print(f"{label:9s} {what:36s} cold {rec['cold_s']:7.2f} s  warm {rec['warm_s']:6.2f} s  "
-              f"JIT entries {jit}", flush=True)
+        print(f"{label:9s} {what:40s} cold {rec['cold_s']:7.2f} s  warm {rec['warm_s']:6.2f} s  "
+              f"({metric}; JIT entries {jit})", flush=True)
         rows.append(rec)
-        return rec
 
-    row("first ck.rms_norm (with the import)", RMS)
+    row("first ck.rms_norm, import included", "total", RMS)
     for fam in families:
-        row(f"family {fam}", FAMILY.format(op=FAMILY_OPS[fam]))
-    with tempfile.TemporaryDirectory() as out_dir:
-        row("small: first training step", args=train_cmd(Path(out_dir) / "run"))
+        row(f"first call: {fam}", "call_s", FAMILY.format(op=FAMILY_OPS[fam]))
+    row("small: launch to the end of step 1", "wall", args=lambda kind: train_cmd(tmp / f"run-{kind}"))
     if not quick:
-        row("1B shape: first tokens (generate 2)", GENERATE)
+        row("1B shape: launch to 2 tokens", "total", GENERATE)
     if precompile:
-        row("precompile() every entry point", PRECOMPILE)
+        row("precompile() of every entry point", "precompile_s", PRECOMPILE)
+    shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

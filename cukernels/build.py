@@ -95,13 +95,13 @@ def build(out: Path | None = None, archs=None, names=None, jobs: int | None = No
         index = {}
     # Longest compiles first (the last build's seconds, else the source length), so that gemv's two minutes
     # overlap the rest instead of ending the build alone.
-    pairs.sort(key=lambda fa: (-index.get(fa[0], {}).get(fa[1], {}).get("seconds", 0),
+    pairs.sort(key=lambda fa: (-(index.get(fa[0], {}).get(fa[1], {}).get("seconds") or 0),
                                -len(_loader.load_source(fa[0]))))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as ex:
-        for (f, a), rec in zip(pairs, ex.map(lambda fa: build_one(*fa, out, force), pairs)):
+        for (f, a), rec in zip(pairs, ex.map(lambda fa: build_one(*fa, out, force, index.get(fa[0], {}).get(fa[1])), pairs)):
             index.setdefault(f, {})[a] = rec
-            note = "kept" if rec.get("cached") else f"{rec.get('seconds', 0):6.1f} s"
+            note = "  kept  " if rec.get("cached") else f"{rec.get('seconds') or 0:6.1f} s"
             log(f"{f:18s} {a:7s} {rec['entries']:4d} entries {note}  {rec.get('bytes', 0) / 1e6:6.2f} MB"
                 + ("  FAILED" if rec["errors"] else ""))
             for old in out.glob(f"{f}.{a}.*.cubin"):
