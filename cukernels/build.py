@@ -44,15 +44,18 @@ def local_bytes(u: dict) -> int:
     return u["stack"] + u["spill_stores"] + u["spill_loads"]
 
 
-def build_one(family: str, arch: str, out: Path, force: bool = False) -> dict:
+def build_one(family: str, arch: str, out: Path, force: bool = False, prev: dict | None = None) -> dict:
     """Compile one family for one architecture into ``out``; returns its index record (``errors`` non-empty when
-    the build must fail)."""
+    the build must fail). A binary already there under the same key is kept (``prev``: its old record, whose
+    compile seconds and registers are carried over)."""
     path = _loader.prebuilt_path(family, arch, out)
     rec = {"file": path.name, "key": _loader.prebuilt_key(family, arch), "errors": []}
     want = _loader.list_entries(family, arch)
     rec["entries"] = len(want)
     if path.is_file() and not force:
-        rec.update(seconds=0.0, bytes=path.stat().st_size, cached=True)
+        old = prev if prev and prev.get("key") == rec["key"] and not prev.get("errors") else {}
+        rec.update(seconds=old.get("seconds"), max_registers=old.get("max_registers"), bytes=path.stat().st_size,
+                   cached=True)
         return rec
     t0 = time.perf_counter()
     try:
