@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,49 +193,20 @@ def copy_bandwidth() -> float:
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
-def startup_times(families, cache_dir=None):
-    """Cold (empty CuPy cache) and warm start: import + compile/load every family, in fresh processes.
-    ``cache_dir`` (emptied first) is left warm for later runs; default: a temporary folder."""
-    code = (
-        "import time; t=time.perf_counter(); import cukernels as ck; from cukernels import _loader;"
-        f"_loader.precompile({families!r}); import cupy; cupy.cuda.Device().synchronize();"
-        "print(time.perf_counter()-t)"
-    )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with tempfile.TemporaryDirectory() as tmp:
-        d = cache_dir or tmp
-        if cache_dir:
-            import shutil
-
-            shutil.rmtree(d, ignore_errors=True)
-            os.makedirs(d, exist_ok=True)
-        env["CUPY_CACHE_DIR"] = d
-        out = []
-        for _ in range(2):
-            r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-            out.append(float(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else float("nan"))
-            if r.returncode:
-                print(r.stderr[-2000:])
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated families (default: all in benchmarks/cases)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     ap.add_argument("--json", default="", help="save the rows to this file")
-    ap.add_argument("--no-startup", action="store_true", help="skip the cold/warm start measurement")
-    ap.add_argument("--startup-only", action="store_true", help="only the cold/warm start measurement")
+    ap.add_argument("--no-startup", action="store_true", help="ignored: start-up is benchmarks/bench_startup.py's")
     ap.add_argument("--ab", default="", help="A/B rows of module settings (benchmarks/ab.py): each case is timed "
                     "again under every row, printed below its default row")
-    ap.add_argument("--startup-cache", default="", help="CuPy cache folder for the start-up measurement "
-                    "(emptied, then left warm); default: a temporary folder")
     args = ap.parse_args(argv)
 
     import ab
     import cupy as cp
 
-    from cukernels import _loader
+
 
     fams = [f.strip() for f in args.only.split(",") if f.strip()] or sorted(
         p.stem for p in (Path(__file__).parent / "cases").glob("*.py") if not p.stem.startswith("_")
@@ -247,13 +215,6 @@ def main(argv=None):
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     print(f"device: {name}, {dev.attributes['MultiProcessorCount']} SMs, L2 {dev.attributes['L2CacheSize'] >> 20} MiB; "
           f"CuPy {cp.__version__}")
-    if not args.no_startup:
-        cold, warm = startup_times(_loader.families(), args.startup_cache or None)
-        print(f"start-up (import + load all {len(_loader.families())} kernel families, ck._loader.precompile): "
-              f"cold {cold:.2f} s (NVRTC compile, families in parallel threads), warm {warm:.2f} s (CuPy disk "
-              f"cache)", flush=True)
-        if args.startup_only:
-            return []
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)")
 
