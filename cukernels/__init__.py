@@ -30,5 +30,6 @@ from .io import checkpoint
 from .models import GPT2, GPT2Config, Llama, LlamaConfig, from_pretrained
 from . import models, generation
 from .generation import generate
+from .tokenizer import ByteTokenizer, TextStream, Tokenizer
 
 __version__ = "0.2.0"
