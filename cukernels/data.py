@@ -1,4 +1,5 @@
-"""Training data: a byte-level tokenizer, the tinyshakespeare split, llm.c token files and a batch loader.
+"""Training data: a byte-level tokenizer, the tinyshakespeare split, llm.c token files, and the samplers (a
+sequential cursor, seeded random windows), each taking its rank's rows of a global batch under data parallelism.
 
 llm.c token files (the format the seed trained on): a header of 256 int32 (1024 bytes) -- ``[0]`` magic,
 ``[1]`` version, ``[2]`` token count, the rest zero -- followed by the tokens:
@@ -88,29 +89,57 @@ def read_token_file(path, mmap=True):
     return np.fromfile(path, dtype=dt, offset=HEADER_BYTES, count=n)
 
 
+def train_val_tokens(kind="text", path=None, val_path=None, val_fraction=0.1, min_val=1):
+    """``(train, val)`` token arrays for a run's ``data`` section: ``kind "text"``: the bytes of a text file
+    (tinyshakespeare by default), the last ``val_fraction`` held out; ``"llmc"``: an llm.c token file (``path``)
+    and its validation file (``val_path``), or else the last ``val_fraction`` of it, at least ``min_val`` tokens.
+    ValueError naming the ``data.*`` key otherwise."""
+    for key, p in (("path", path), ("val_path", val_path)):
+        if p and not os.path.isfile(p):
+            raise ValueError(f"data.{key}: no such file: {p}")
+    if kind != "llmc":
+        return load_text_tokens(path, val_fraction)
+    if not path:
+        raise ValueError("data.path: data.kind llmc needs an llm.c token file")
+    train = read_token_file(path)
+    if val_path:
+        return train, read_token_file(val_path)
+    n = max(min_val, int(len(train) * val_fraction))
+    return train[:-n], train[-n:]
+
+
+def _rows(x, y, rank, batch_size, xp):
+    """Rows ``[rank * batch_size, (rank + 1) * batch_size)`` of a global host batch, on ``xp``'s device."""
+    lo = rank * batch_size
+    x, y = np.ascontiguousarray(x[lo:lo + batch_size]), np.ascontiguousarray(y[lo:lo + batch_size])
+    if xp is not np:
+        x, y = xp.asarray(x), xp.asarray(y)
+    return x, y
+
+
 class TokenLoader:
     """Batches (x, y) of shape [B, T] (int32; y is x shifted by one) from a 1-D token array.
 
-    Sequential, llm.c style: each batch takes the next ``B*T + 1`` tokens and the cursor moves by ``B*T``,
-    wrapping to the start. ``state_dict()`` / ``load_state_dict()`` give the cursor (to resume a run)."""
+    Sequential, llm.c style: each global batch takes the next ``B*T*world_size + 1`` tokens and the cursor moves by
+    ``B*T*world_size``, wrapping to the start; rank r keeps rows ``[r*B, (r+1)*B)`` (data parallelism: N ranks
+    read exactly the tokens one process reading ``B*N`` rows would). ``state_dict()`` / ``load_state_dict()`` give
+    the cursor (to resume a run), the same on every rank."""
 
-    def __init__(self, tokens, batch_size, seq_len, xp=np):
-        if len(tokens) < batch_size * seq_len + 1:
+    def __init__(self, tokens, batch_size, seq_len, xp=np, *, rank=0, world_size=1):
+        if len(tokens) < batch_size * world_size * seq_len + 1:
             raise ValueError(f"tokens: {len(tokens)} tokens are fewer than one batch of "
-                             f"{batch_size}x{seq_len}+1")
+                             f"{batch_size * world_size}x{seq_len}+1")
         self.tokens, self.B, self.T, self.xp = tokens, batch_size, seq_len, xp
+        self.rank, self.world_size = rank, world_size
         self.pos = 0
 
     def next_batch(self):
-        n = self.B * self.T
+        n = self.B * self.world_size * self.T
         if self.pos + n + 1 > len(self.tokens):
             self.pos = 0
         buf = np.asarray(self.tokens[self.pos:self.pos + n + 1]).astype(np.int32)
         self.pos += n
-        x, y = buf[:-1].reshape(self.B, self.T), buf[1:].reshape(self.B, self.T)
-        if self.xp is not np:
-            x, y = self.xp.asarray(x), self.xp.asarray(y)
-        return x, y
+        return _rows(buf[:-1].reshape(-1, self.T), buf[1:].reshape(-1, self.T), self.rank, self.B, self.xp)
 
     def reset(self):
         self.pos = 0
@@ -120,3 +149,27 @@ class TokenLoader:
 
     def load_state_dict(self, s):
         self.pos = int(s["pos"])
+
+
+class RandomWindows:
+    """``data.sampling: random``: each global batch is ``B * world_size`` windows of T+1 tokens at offsets drawn
+    from a seeded PCG64 (nanoGPT style), rank r keeping rows ``[r*B, (r+1)*B)``. ``state_dict()`` carries the
+    generator's state (the same on every rank), so a resumed run draws the same batches."""
+
+    def __init__(self, tokens, batch_size, seq_len, xp=np, seed=0, *, rank=0, world_size=1):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"tokens: {len(tokens)} tokens are fewer than one window of {seq_len}+1")
+        self.tokens, self.B, self.T, self.xp = tokens, batch_size, seq_len, xp
+        self.rank, self.world_size = rank, world_size
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def next_batch(self):
+        ix = self.rng.integers(0, len(self.tokens) - self.T, size=self.B * self.world_size)
+        buf = np.stack([np.asarray(self.tokens[i:i + self.T + 1]) for i in ix]).astype(np.int32)
+        return _rows(buf[:, :-1], buf[:, 1:], self.rank, self.B, self.xp)
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, s):
+        self.rng.bit_generator.state = s["rng"]
