@@ -44,8 +44,7 @@ sys.path.insert(0, str(ROOT))
 import cukernels as ck  # noqa: E402
 from cukernels import distributed as dist  # noqa: E402
 from cukernels.graph import CapturedStep  # noqa: E402
-from cukernels.optim import AdamW  # noqa: E402
-from cukernels.optim.zero import ZeroAdamW  # noqa: E402
+from cukernels.optim import AdamW, ZeroAdamW  # noqa: E402
 
 
 def llama_1b_shapes(layers=16, vocab=128256, hidden=2048, inter=8192, heads=32, kv_heads=8):

@@ -222,6 +222,33 @@ def test_state_dict_round_trip(rng):
         opt2.load_state_dict(bad)
 
 
+def test_one_state_format_for_every_optimizer(rng):
+    """AdamW's state in a world of one is the one shard format with every slice whole (in the parameters' shapes);
+    the full format (consolidate_state's, and AdamW's own before issue 34) and CompositeAdamW's state load into it
+    and back, the same moments bit for bit."""
+    from cukernels.optim import CompositeAdamW, consolidate_state
+    params, host = make_params(rng)
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, no_decay=NO_DECAY, sparse=SPARSE)
+    write_grads(params, grads_for(rng))
+    opt.step()
+    sd = opt.state_dict()
+    assert (sd["kind"], sd["rank"], sd["world_size"], sd["step"]) == ("AdamW.shard", 0, 1, 1)
+    for n, e in sd["state"].items():
+        assert (e["start"], e["stop"], tuple(e["shape"])) == (0, host[n].size, SHAPES[n])
+        assert e["exp_avg"].shape == e["param"].shape == SHAPES[n]
+    full, _ = consolidate_state([sd])
+    assert full["kind"] == "AdamW" and set(full["state"]) == set(SHAPES)
+    comp = CompositeAdamW([ck.nn.Parameter(a.copy(), name=n) for n, a in host.items()], lr=0.5)
+    comp.load_state_dict(sd)
+    assert comp.t == 1 and comp.lr == opt.get_lr()
+    again = AdamW([Param(n, a.copy()) for n, a in host.items()], lr=0.5, sparse=SPARSE)
+    for state in (full, comp.state_dict(), [comp.state_dict()]):
+        again.load_state_dict(state, params=False)
+        for n in SHAPES:
+            assert np.array_equal(again.exp_avg_sq(n), opt.exp_avg_sq(n)), n
+    assert all(np.array_equal(again.param(n), host[n]) for n in SHAPES)  # params=False: the values stay
+
+
 def test_set_lr_and_schedule(rng):
     params, _ = make_params(rng)
     opt = AdamW(params, lr=1e-3)

@@ -21,8 +21,8 @@ if str(ROOT) not in sys.path:
 
 import cukernels as ck  # noqa: E402
 from cukernels.distributed import FakeGroup, SingleGroup  # noqa: E402
-from cukernels.optim import AdamW, WarmupCosine  # noqa: E402
-from cukernels.optim.zero import ShardLayout, ZeroAdamW, consolidate_state, shard_layout  # noqa: E402
+from cukernels.optim import AdamW, WarmupCosine, ZeroAdamW  # noqa: E402
+from cukernels.optim.zero import ShardLayout, consolidate_state, shard_layout  # noqa: E402
 
 F32, BF16 = np.dtype(np.float32), np.dtype(ck.bfloat16)
 THIS = Path(__file__).resolve()
@@ -268,6 +268,35 @@ def test_world_of_one_is_adamw_bit_exact_with_clipping():
     assert opt.memory_bytes()["GS"] == 0  # a world of one reduces in place
 
 
+def test_world_of_one_ignores_the_zero_settings():
+    """In a world of one nothing is sent: the wire dtype, buckets, fp32 gathers, deferred gathers, SM margin and
+    the sparse exchange change nothing (bit-identical to plain AdamW, one bucket per group, no send buffer), and
+    the grad hooks are checked but not registered (a backward pays no hook)."""
+    values, grads = init_values(), rank_grads(1, 3)
+    ids, douts, _ = _sparse_case(1)
+    zkw = dict(wire_dtype=ck.bfloat16, bucket_elems=200, gather_fp32=NO_DECAY, overlap_gather=True, sm_margin=8,
+               sparse_rows=1, average=False)
+    outs = []
+    for kw in ({}, zkw):
+        ps, opt = make(AdamW, values, hook=True, sparse={"emb"}, **KW, **kw)
+        assert opt.attach_grad_hooks() == 0 and not any(p.hooks for p in ps)
+        sg = opt.attach_sparse("emb")
+        for t, step in enumerate(grads):
+            opt.zero_grad(lazy=True)
+            sg.accumulate(ids[t][0], douts[t][0])
+            for p in ps:
+                if p.name != "emb":
+                    p.grad[...] = step[0][0][p.name]
+                    p.grad_stale = False
+            norm, scale = opt.clip_grad_norm(0.5)
+            opt.step(grad_scale=scale)
+        outs.append(({p.name: p.data.copy() for p in ps}, np.float32(norm), opt))
+    (a, na, oa), (b, nb, ob) = outs
+    assert na == nb and all(np.array_equal(a[n], b[n]) for n in SHAPES)
+    assert len(ob._order) == len(ob._groups) == 3 and ob.memory_bytes() == oa.memory_bytes()
+    assert ob.memory_bytes()["W"] == ob.memory_bytes()["GS"] == ob.memory_bytes()["X"] == 0
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_clipping_and_accumulation(world):
     """Clipping active, 2 micro-batches per step (one reduction per step, prescale 1/2). The global norm is
@@ -298,7 +327,7 @@ def test_bf16_wire(world):
         assert mem["W"] > 0 and mem["GS"] * world == mem["W"]  # bf16 send buffer, bf16 shard
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 3])
 def test_bf16_gradient_buffers_equal_the_bf16_wire(world):
     """grad_dtype=bf16: the backward writes bf16 gradients (one micro-batch, rounded once) and each bucket is
     reduce-scattered from them as they are: the same bf16 values the fp32 buffer's wire cast would send, so
@@ -314,7 +343,7 @@ def test_bf16_gradient_buffers_equal_the_bf16_wire(world):
             assert np.array_equal(pa[n], pb[n]), n
             assert np.array_equal(sa[n].view(np.uint16), sb[n].view(np.uint16)), n
         ma, mb = oa.memory_bytes(), ob.memory_bytes()
-        assert ma["W"] == 0 and ma["G"] * 2 == mb["G"] and ma["GS"] == (0 if world == 1 else mb["GS"])
+        assert ma["W"] == 0 and ma["G"] * 2 == mb["G"] and ma["GS"] == mb["GS"]
 
 
 def test_bf16_gradient_buffers_under_a_sparse_embedding():
@@ -552,8 +581,9 @@ def test_sparse_rows_exchange_is_one_process_lazy_adamw(world):
                     p.grad_stale = False
             opt.step()
             assert int(sg.count) == np.unique(np.concatenate([i.reshape(-1) for i in ids[t]])).size
-        r = repr(opt)  # the table's group says what it is: replicated, exchanged by rows, nothing gathered
-        assert r.count("replicated, sparse rows exchanged") == 1 and "fp32 gathered=" in r
+        r = repr(opt)  # the table's group says what it is: rows (across ranks replicated, exchanged), nothing gathered
+        assert r.count("sparse rows") == 1 and r.count("(replicated, exchanged)") == ("fp32 gathered=" in r) == (
+            g.world_size > 1), r
         return ({p.name: p.data.copy() for p in ps}, opt.shadow("emb").copy(), opt.state_dict_shard(),
                 opt.memory_bytes())
 
@@ -619,7 +649,7 @@ def test_sparse_rows_resume_across_world_sizes_and_errors():
             opt.step()
         return True
 
-    assert FakeGroup(1).run(missing) == [True]
+    assert FakeGroup(2).run(missing) == [True, True]
 
 
 @pytest.mark.parametrize("reads", ["forward", "none", "wait_gathers"])
@@ -841,7 +871,7 @@ def test_consolidate_refuses_inconsistent_shards():
     shards = FakeGroup(2).run(body)
     with pytest.raises(ValueError, match=r"one shard per rank.*ranks \[0\]"):
         consolidate_state(shards[:1])
-    with pytest.raises(ValueError, match="not a ZeroAdamW shard"):
+    with pytest.raises(ValueError, match="not an optimizer shard"):
         consolidate_state([{"kind": "AdamW"}])
     bad = [dict(shards[0]), dict(shards[1], step=5)]
     with pytest.raises(ValueError, match="different steps"):
@@ -881,8 +911,12 @@ def test_validation_names_the_argument():
         make(ZeroAdamW, values, bucket_elems=0, **KW)
     with pytest.raises(TypeError, match="grad_dtype: expected float32 or ck.bfloat16"):
         make(ZeroAdamW, values, grad_dtype=np.float16, wire_dtype=ck.bfloat16, **KW)
-    with pytest.raises(ValueError, match="pass wire_dtype=ck.bfloat16 with grad_dtype=ck.bfloat16"):
-        make(ZeroAdamW, values, grad_dtype=ck.bfloat16, **KW)
+    def bf16_grads_fp32_wire(g):  # (across ranks: a world of one sends nothing)
+        with pytest.raises(ValueError, match="pass wire_dtype=ck.bfloat16 with grad_dtype=ck.bfloat16"):
+            make(ZeroAdamW, values, group=g, grad_dtype=ck.bfloat16, **KW)
+        return True
+
+    assert FakeGroup(2).run(bf16_grads_fp32_wire) == [True, True]
     with pytest.raises(TypeError, match="group: expected a cukernels.distributed ProcessGroup"):
         make(ZeroAdamW, values, group="nccl", **KW)
     with pytest.raises(TypeError, match="gather_fp32: expected a set of names"):

@@ -1,46 +1,103 @@
-"""``ck.optim.AdamW``: AdamW over flat buffers, with bf16 shadow weights, sparse-row updates for embeddings, a
-device-side step counter and learning rate, and a warmup + cosine schedule that runs on the device.
+"""``ck.optim.AdamW``: AdamW over flat buffers laid out as the shards of a process group -- in a world of one (the
+default) the plain optimizer, across N ranks ZeRO-1 (the moments sharded, the gradients reduce-scattered, the
+updated pieces all-gathered). bf16 shadow weights, sparse-row updates for embeddings, a device-side step counter
+and learning rate, and a warmup + cosine schedule that runs on the device.
 
-Layout. At construction every dense parameter is copied into a flat fp32 buffer of its group (weight decay /
-no weight decay), next to flat buffers for its gradient, both moments and its bf16 shadow, at the same
-offsets (each parameter starts on a 64-element = 256-byte boundary, so every view is 16-byte aligned for the
-vector paths of the other kernels; the padding is zero and stays zero). The dense update is then one
-:func:`cukernels.adam_step` launch per group, one or two for the whole model. Parameters named in ``sparse``
-(2-D embedding tables) keep their own buffers and are updated with :func:`cukernels.adam_step_rows` on the
-rows the step touched.
+Layout. At construction every dense parameter is copied into a flat fp32 buffer of its group (weight decay / no
+weight decay), next to flat buffers for its gradient, both moments and its bf16 shadow, at the same offsets (each
+parameter starts on a 64-element = 256-byte boundary, so every view is 16-byte aligned for the vector paths of the
+other kernels; the padding is zero and stays zero). :func:`cukernels.optim.zero.shard_layout` cuts each group
+into buckets and each bucket into one piece per rank; rank r keeps the moments of its pieces only. In a world of
+one the piece is the whole buffer, and the dense update is one :func:`cukernels.adam_step` launch per group. Each
+parameter named in ``sparse`` (a 2-D embedding table) is a group of its own, updated with
+:func:`cukernels.adam_step_rows` on the rows the step touched.
 
 What this means for the caller:
 
-* Objects with ``.data`` (e.g. autograd Tensors): the optimizer **replaces** ``p.data`` by a view into its
-  flat buffer (same values, same shape) and sets ``p.grad`` to a zeroed view into the flat gradient buffer.
-  The backward must then accumulate into ``p.grad`` **in place** (``p.grad += g`` on the array, or
-  ``xp.add(p.grad, g, out=p.grad)``), so gradients land in the flat buffer with no copy. Arrays the caller
-  held before construction are no longer the parameters. As a safety net, ``step()`` / ``zero_grad()`` check
-  identity: a ``p.data`` or ``p.grad`` that was rebound to another array is copied into the flat buffer and
-  the view is put back (one extra copy per rebinding; ``p.grad = None`` counts as a zero gradient -- the
-  parameter is still updated, unlike PyTorch which skips it).
+* Objects with ``.data`` (e.g. autograd Tensors): the optimizer **replaces** ``p.data`` by a view into its flat
+  buffer (same values, same shape) and sets ``p.grad`` to a zeroed view into the flat gradient buffer. The backward
+  must then accumulate into ``p.grad`` **in place** (``p.grad += g`` on the array, or ``xp.add(p.grad, g,
+  out=p.grad)``), so gradients land in the flat buffer with no copy. Arrays the caller held before construction are
+  no longer the parameters. As a safety net, ``step()`` / ``zero_grad()`` check identity: a ``p.data`` or
+  ``p.grad`` that was rebound to another array is copied into the flat buffer and the view is put back (one extra
+  copy per rebinding; ``p.grad = None`` counts as a zero gradient -- the parameter is still updated, unlike
+  PyTorch which skips it).
 * ``(name, array)`` pairs: the values are copied; use :meth:`AdamW.param` / :meth:`AdamW.grad` (or
   :meth:`AdamW.named_parameters`) to get the views the model must use from then on.
-* :meth:`AdamW.shadow` gives a parameter's bf16 copy, rewritten by every ``step()`` in the same pass as the
-  update: autocast reads it instead of casting the fp32 weight every forward. After writing parameter values
-  by other means (loading a checkpoint into ``p.data``), call :meth:`AdamW.refresh_shadows`.
+* :meth:`AdamW.shadow` gives a parameter's bf16 copy, rewritten by every ``step()`` in the same pass as the update:
+  autocast reads it instead of casting the fp32 weight every forward. After writing parameter values by other
+  means (loading a checkpoint into ``p.data``), call :meth:`AdamW.refresh_shadows`.
 
 Graph capture. ``lr`` and the step count live in 0-d device arrays (:attr:`AdamW.lr_array`,
-:attr:`AdamW.step_array`); ``step()`` advances the step (and, with a schedule, computes the lr from it) in one
-tiny kernel, then runs the update kernels that read both from device memory, so a captured training step
-stays valid replay after replay. ``set_lr`` writes the device lr outside the graph.
+:attr:`AdamW.step_array`); ``step()`` advances the step (and, with a schedule, computes the lr from it) in one tiny
+kernel, then runs the update kernels that read both from device memory, so a captured training step stays valid
+replay after replay. ``set_lr`` writes the device lr outside the graph. Across ranks every collective goes on the
+current stream or a side stream joined back to it: no host read, no allocation after the first step.
 
-The NumPy path is the same object on NumPy arrays (same math through the reference ops).
+ZeRO-1 (``group`` of N > 1 ranks; bytes per parameter in brackets). Full on every rank: fp32 parameters ``P`` [4],
+fp32 gradients ``G`` [4] (or bf16 [2] with ``grad_dtype=ck.bfloat16``), bf16 shadows ``S`` [2]; the rank's shard:
+moments ``M``, ``V`` [8/N] and the reduced gradient ``GS`` [4/N fp32 or 2/N bf16]; the bf16 wire's send buffer
+``W`` [2] (not with bf16 gradients: ``G`` is sent as it is). For 1.5e9 parameters on 2 GPUs: 18 bytes/param (27 GB)
+in a world of one, 16 (fp32 wire), 17 (bf16 wire) or 13 (bf16 gradients) on each of 2 ranks; on 8: 11.5 / 13.25 /
+9.25. One step:
+
+1. **reduce-scatter** each bucket's gradient (``avg`` over ranks by default: NCCL's pre-multiplied sum; ``sum``
+   with ``average=False``) into ``GS``: fp32 on the wire, or cast to bf16 first (``wire_dtype=ck.bfloat16``: half
+   the bytes; the reduced bf16 gradient is what Adam reads, widened in registers; the cast runs on the current
+   stream, the collective on the side stream: ``zero.CAST_ON_COMPUTE_STREAM``). With :meth:`attach_grad_hooks` a
+   bucket is sent as soon as the backward has finished every parameter in it, on a side stream ordered by CUDA
+   events, so the communication hides behind the rest of the backward; otherwise all buckets go at the first of
+   :meth:`grad_norm` / :meth:`step`. Buckets go in one fixed order (the reverse of the parameter order, the order
+   the backward finishes them), identical on every rank as NCCL needs.
+2. **global gradient norm** (for clipping): ``ck.global_norm`` of the rank's shard, squared in fp64, all-reduced
+   (sum, fp64), square root -- deterministic, no host sync.
+3. **AdamW** (``ck.adam_step``) on the owned piece of every bucket: fp32 master, moments, bf16 shadow piece.
+4. **all-gather** the updated pieces: the bf16 shadow of every group and the fp32 parameters of the
+   ``gather_fp32`` groups, bucket by bucket on the side stream (bucket k's all-gather overlaps bucket k+1's Adam).
+   With ``overlap_gather=True`` only the first ``zero.EAGER_GATHERS`` bucket(s) in forward order (and the fp32
+   groups) are gathered here; the other shadows' all-gathers are queued when the next forward first reads a
+   shadow, and each layer waits only for its own bucket (``param.shadow_wait``, honoured by
+   ``ck.amp.lowp_weight``), so they run under the forward's GEMMs (2 x H200, LLaMA-3.2-1B, B8xT1024: 127.4 ->
+   125.4 ms a step).
+
+The fp32 parameters outside ``gather_fp32`` are then current on each rank only in its own pieces:
+:meth:`gather_params` completes them (before saving the model or an fp32 evaluation). Default ``gather_fp32=None``
+gathers every fp32 parameter; under bf16 autocast with shadows attached the GEMM weights are read only through
+their shadows, so ``gather_fp32=lambda name, a: a.ndim < 2`` is enough. Gradient accumulation: the reduction runs
+once per step; with grad hooks attached, wrap every backward but the last of a step in :meth:`no_sync`.
+
+Sparse rows across ranks. ``sparse_rows=n`` (n = the tokens a rank reads per step, an upper bound on its touched
+rows): each sparse table keeps its full moments on every rank (+8 (N-1)/N bytes a table element), no
+reduce-scatter, no all-gather; after its backward each rank packs its listed rows (``SparseRowGrad.pack``), the
+packs are all-gathered and every rank merges them in rank order (``SparseRowGrad.merge``, times 1/N with
+``average``), so every rank holds the same bits for the union of the rows and runs the same ``adam_step_rows`` on
+them (LLaMA-3.2-1B, B8xT1024: N packs of 34 MB instead of 0.53 GB each way). A pack that overflows n sets an error
+:meth:`check_errors` raises. ``sparse_rows=None``: across ranks a sparse table is reduced and updated densely in
+its dense group (its backward still writes only the touched rows).
+
+In a world of one the ZeRO settings (``gather_fp32``, ``wire_dtype``, ``average``, ``bucket_elems``,
+``sm_margin``, ``overlap_gather``, ``sparse_rows``, the grad hooks) are checked and have no effect: nothing is sent.
+
+Checkpoints: :meth:`state_dict` is this rank's part in the one format of :mod:`cukernels.optim.zero` (a world of
+one's is the whole state, in the parameters' shapes); :meth:`load_state_dict` takes it, the list of every rank's
+from a run on any number of ranks, or the full format, and keeps its own slices.
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from .. import _backend as B
+from .. import blas
+from ..distributed import ProcessGroup, SingleGroup, get_group, is_initialized
 from ..ops import adam as _A
+from ..ops.elementwise import cast as _cast
 from ..ops.embedding import SparseRowGrad
+from . import zero as Z
+from .zero import ALIGN, ShardedArray, check_state, full_state, host, make_shard, shard_layout
 
-ALIGN = 64  # elements: every parameter view starts on a 256-byte boundary of its fp32 buffer
+__all__ = ["AdamW", "ZeroAdamW", "WarmupCosine", "ALIGN"]
 
 
 # ------------------------------------------------------------------------------ argument checks (every optimizer)
@@ -61,33 +118,17 @@ def check_hyperparameters(lr, betas, eps, weight_decay):
     return check_lr(lr), float(beta1), float(beta2), float(eps), float(weight_decay)
 
 
-def check_state(state, names, what="state_dict"):
-    """An optimizer ``state_dict`` to load: a dict with ``step`` (an integer >= 0), ``lr`` (a number >= 0) and
-    ``state`` ({name: {"exp_avg", "exp_avg_sq"}} covering exactly ``names``, arrays): every problem a TypeError /
-    ValueError naming the key (a missing "state" was a bare KeyError). Returns ``(step, lr, state["state"])``."""
-    if not isinstance(state, dict):
-        raise TypeError(f"{what}: expected a dict (an optimizer's state_dict()); got {B._got(state)}")
-    for k in ("state", "step", "lr"):
-        if k not in state:
-            raise ValueError(f"{what}: missing the key {k!r} (the keys of an optimizer's state_dict(): kind, step, "
-                             f"lr, betas, eps, weight_decay, state); got keys {sorted(map(str, state))}")
-    st = state["state"]
-    if not isinstance(st, dict):
-        raise TypeError(f"{what}['state']: expected a dict {{parameter name: moments}}; got {B._got(st)}")
-    missing, unexpected = set(names) - set(st), set(st) - set(names)
-    if missing or unexpected:
-        raise KeyError(f"state_dict: missing parameters {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for n in names:
-        e = st[n]
-        if not isinstance(e, dict) or not {"exp_avg", "exp_avg_sq"} <= set(e):
-            raise ValueError(f"{what}['state'][{n!r}]: expected a dict with 'exp_avg' and 'exp_avg_sq'; got "
-                             f"{B._short(e)}")
-        for key in ("exp_avg", "exp_avg_sq"):
-            if not hasattr(e[key], "shape"):
-                raise TypeError(f"{what}['state'][{n!r}][{key!r}]: expected an array; got {B._got(e[key])}")
-    step = B.check_int(f"{what}['step']", state["step"], min=0, max=2**31 - 1)  # (the device step is int32)
-    lr = check_lr(state["lr"], f"{what}['lr']")
-    return step, lr, st
+def _check_float_dtype(name, dtype, allow_none=False):
+    """float32 or ck.bfloat16 (or None when allowed) as a NumPy dtype; TypeError naming the argument."""
+    if dtype is None and allow_none:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (np.dtype(np.float32), np.dtype(B.bfloat16)):
+        raise TypeError(f"{name}: expected float32 or ck.bfloat16; got {dtype!r}")
+    return dt
 
 
 class WarmupCosine:
@@ -126,24 +167,6 @@ class WarmupCosine:
                 f"warmup_steps={self.warmup_steps}, min_lr={self.min_lr})")
 
 
-class _Slot:
-    """One parameter: its name, the caller's object (or None for a pair) and its views."""
-
-    __slots__ = ("name", "obj", "shape", "group", "data", "grad", "exp_avg", "exp_avg_sq", "shadow")
-
-
-class _Group:
-    """Flat buffers updated by one launch: dense (1-D, several parameters) or sparse (one 2-D parameter)."""
-
-    def __init__(self, wd, sparse):
-        self.wd, self.sparse = wd, sparse
-        self.slots = []
-        self.P = self.G = self.M = self.V = self.S = None
-        self.rows = self.row_count = None  # sparse: device rows / count registered with set_rows
-        self.last_rows = False  # sparse: the last step updated only the listed rows
-        self.sparse_grad = None  # sparse: the ck.SparseRowGrad over G (attach_sparse)
-
-
 def _matcher(spec, what):
     """A predicate (name, array) -> bool from None, a callable, or a collection of names."""
     if spec is None:
@@ -164,86 +187,219 @@ def _matcher(spec, what):
     return lambda name, a: name in names
 
 
+# ---------------------------------------------------------------------------------------------- buffers
+class _Slot:
+    """One parameter: its name, the caller's object (or None for a pair), its place and its views."""
+
+    __slots__ = ("name", "obj", "shape", "group", "index", "order", "bucket", "data", "grad", "shadow")
+
+
+class _Group:
+    """One flat group: its layout, full buffers P / G / S (/ W), shard buffers M / V / GS. ``sparse``: one 2-D
+    table updated on listed rows, its moments whole on every rank (no GS: nothing reduce-scattered)."""
+
+    def __init__(self, wd, full, sparse=False):
+        self.wd, self.full, self.sparse = wd, full, sparse
+        self.slots = []
+        self.layout = None
+        self.P = self.G = self.S = self.W = self.M = self.V = self.GS = None
+        self.sparse_grads = []  # (slot, SparseRowGrad) attached over G
+        self.rows = self.row_count = None  # sparse: the device row list / count each step updates (None: dense)
+        self.last_rows = False  # sparse: the last step updated only the listed rows
+        self.X = None  # sparse, several ranks: the exchange's buffers (send ids, send rows, gathered ids, rows)
+
+    def table(self, buf):
+        """A sparse group's ``(V, D)`` view of one of its flat buffers (the table starts at offset 0)."""
+        s = self.slots[0]
+        return None if buf is None else buf[:s.data.size].reshape(s.shape)
+
+
+class _ShadowWait:
+    """``param.shadow_wait`` while the all-gather of the parameter's bucket is deferred (overlap_gather): calling it
+    queues the deferred gathers if needed and orders the current stream after the bucket's."""
+
+    __slots__ = ("opt", "key")
+
+    def __init__(self, opt, key):
+        self.opt, self.key = opt, key
+
+    def __call__(self):
+        self.opt._shadow_wait(self.key)
+
+
+def _clear_waits(slots):
+    """Drop the pending ``shadow_wait`` of these slots' objects (only ours: another optimizer's is not touched)."""
+    for sl in slots:
+        if isinstance(getattr(sl.obj, "shadow_wait", None), _ShadowWait):
+            sl.obj.shadow_wait = None
+
+
+_KERNELS = {}
+
+
+def _norm_kernels():
+    """fp32 shard norm -> fp64 square, and fp64 sum -> fp32 norm * prescale (tiny CuPy kernels, capturable)."""
+    if not _KERNELS:
+        import cupy as cp
+        _KERNELS["sq"] = cp.ElementwiseKernel("float32 n", "float64 s", "s = (double)n * (double)n",
+                                              "ck_zero_norm_sq")
+        _KERNELS["root"] = cp.ElementwiseKernel("float64 s, float32 pre", "float32 n",
+                                                "n = (float)sqrt(s); n = n * pre", "ck_zero_norm_root")
+    return _KERNELS
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
 class AdamW:
-    """AdamW over flat buffers (see the module docstring for the layout and what it does to ``.data``).
+    """AdamW over flat buffers sharded across ``group`` (see the module docstring for the layout, what it does to
+    ``.data``, and what several ranks add).
 
     Args:
         params: a list of ``(name, array)`` pairs, or of objects with ``.data`` (a float32 array), ``.grad``
             (array or None) and optionally ``.name``; all NumPy or all CuPy.
         lr: initial learning rate (device scalar; change with :meth:`set_lr` or a schedule).
         betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        group: the :class:`cukernels.distributed.ProcessGroup` whose ranks share the state (default: a world of
+            one on the parameters' array module: the plain optimizer).
         shadow_dtype: ``ck.bfloat16`` (default) to keep a bf16 copy of every parameter, or None.
         no_decay: names (set) or ``callable(name, array) -> bool`` of parameters without weight decay
             (e.g. ``lambda n, a: a.ndim < 2`` for norms and biases). Default: every parameter decays.
-        sparse: names or ``callable(name, array) -> bool`` of 2-D parameters updated on listed rows only
-            (lazy Adam, see :func:`cukernels.adam_step_rows`) once rows are registered with :meth:`set_rows`;
-            without registered rows they get the dense update.
+        sparse: names or ``callable(name, array) -> bool`` of 2-D parameters updated on listed rows only (lazy
+            Adam, see :func:`cukernels.adam_step_rows`) once rows are registered (:meth:`attach_sparse`, or
+            :meth:`set_rows` in a world of one); without registered rows they get the dense update.
         grad_dtype: float32 (default) or ``ck.bfloat16``: the dtype of the dense groups' gradient buffers (sparse
             parameters keep fp32 rows). bf16 is what bf16 autocast produces anyway -- a weight-gradient GEMM of
-            bf16 operands rounded once to bf16 (PyTorch's autocast casts that bf16 result up to its fp32 .grad) --
-            written straight into the buffer, and it halves the gradient's bytes: the GEMM's write, the norm's
-            and the update's reads (issue 17: ~7.4 GB a LLaMA-1B step, NOTES.md). Every further write to a
-            parameter's gradient in the same step (gradient accumulation, a tied weight's second use) rounds to
-            bf16 again: use it with one micro-batch.
+            bf16 operands rounded once to bf16 -- written straight into the buffer, and it halves the gradient's
+            bytes (issue 17: ~7.4 GB a LLaMA-1B step). Every further write to a parameter's gradient in the same step
+            (gradient accumulation, a tied weight's second use) rounds to bf16 again: use it with one micro-batch.
+            Across ranks the bf16 buffers go on the wire as they are (``wire_dtype`` bf16).
+        gather_fp32: names or ``callable(name, array) -> bool`` of the parameters whose fp32 values must be
+            complete on every rank after each step (read in fp32 by the forward). Default None: all of them.
+        wire_dtype: float32 or ``ck.bfloat16``: the gradient's dtype on the wire (default None: the gradient
+            buffers' dtype).
+        average: reduce with ``avg`` (True, default: each rank's loss is a mean over its own batch) or ``sum``.
+        bucket_elems: bucket size in elements (None: one bucket per group); with :meth:`attach_grad_hooks`, about
+            2**25 (64 MiB of bf16) overlaps well.
+        sm_margin: multiprocessors left to NCCL while a collective overlaps compute (default 0: none): cuBLAS sizes
+            the GEMMs for ``SMs - sm_margin`` from the first bucket sent under the backward until the reductions
+            are joined (:func:`cukernels.blas.set_sm_count_target`), and the update runs on that fraction of a wave.
+        overlap_gather: defer the shadows' all-gathers to the next forward (module docstring). Needs parameters
+            given as autograd Tensors (others are gathered in the step) and every shadow read through
+            ``amp.lowp_weight``, as the ``nn`` layers do; call :meth:`wait_gathers` before reading shadows any
+            other way (the checkpoint and gather methods do).
+        sparse_rows: None (default) or the most rows of a sparse table one rank touches in a step: across ranks the
+            rows are then exchanged and updated lazily (module docstring); needs :meth:`attach_sparse` for each.
 
     Example::
 
         >>> opt = ck.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
         ...                      no_decay=lambda n, a: a.ndim < 2, sparse={"tok_emb.weight"})
-        >>> opt.set_rows(model.tok_emb.weight, rows, row_count)   # device buffers the embedding backward fills
+        >>> opt.attach_sparse(model.tok_emb.weight)   # the embedding backward lists the rows it touches
         >>> loss.backward(); norm, scale = opt.clip_grad_norm(1.0); opt.step(grad_scale=scale); opt.zero_grad()
+        >>> # on N GPUs: dist.init_process_group(); AdamW(..., group=dist.get_group(), wire_dtype=ck.bfloat16,
+        >>> #            bucket_elems=2**25); opt.attach_grad_hooks()
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 shadow_dtype=B.bfloat16, no_decay=None, sparse=None, grad_dtype=np.float32):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, group=None,
+                 shadow_dtype=B.bfloat16, no_decay=None, sparse=None, grad_dtype=np.float32, gather_fp32=None,
+                 wire_dtype=None, average=True, bucket_elems=None, sm_margin=0, overlap_gather=False,
+                 sparse_rows=None):
         lr, beta1, beta2, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
         if shadow_dtype is not None:
             B.check_dtype_arg("shadow_dtype", shadow_dtype, (B.bfloat16,))
-        try:
-            gdt = np.dtype(grad_dtype)
-        except TypeError:
-            gdt = None
-        if gdt not in (np.dtype(np.float32), np.dtype(B.bfloat16)):
-            raise TypeError(f"grad_dtype: expected float32 or ck.bfloat16; got {grad_dtype!r}")
-        self.grad_dtype = gdt
+        self.grad_dtype = _check_float_dtype("grad_dtype", grad_dtype)
+        wire = _check_float_dtype("wire_dtype", wire_dtype, allow_none=True)
+        self.wire_dtype = self.grad_dtype if wire is None else wire
+        self.sparse_rows = None if sparse_rows is None else B.check_int("sparse_rows", sparse_rows, min=1)
+        self.average = B.check_bool("average", average)
+        if bucket_elems is not None:
+            bucket_elems = B.check_int("bucket_elems", bucket_elems, min=1)
         self.betas = (float(beta1), float(beta2))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self.shadow_dtype = None if shadow_dtype is None else B.bfloat16
+        self.bucket_elems = bucket_elems
+        self.sm_margin = B.check_int("sm_margin", sm_margin, min=0)
+        self.overlap_gather = B.check_bool("overlap_gather", overlap_gather)
+        if self.overlap_gather and shadow_dtype is None:
+            raise ValueError("overlap_gather: defers the all-gather of the bf16 shadows; with shadow_dtype=None there "
+                             "are none (pass overlap_gather=False)")
+        self._sm_prev = None  # the cuBLAS SM target to restore while a margin is in force
 
         entries = self._normalise(params)
         if not entries:
             raise ValueError("params: got an empty parameter list")
         xp = B.array_module(**{f"params[{name!r}]": a for name, _, a in entries})
         self.xp = xp
+        if group is None:
+            group = SingleGroup(xp)
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(f"group: expected a cukernels.distributed ProcessGroup; got {type(group).__name__}")
+        if group.xp is not xp:
+            raise TypeError(f"group: a {group.backend!r} group takes {group.xp.__name__} arrays; the parameters are "
+                            f"{xp.__name__} arrays")
+        self.group = group
+        self.rank, self.world_size = group.rank, group.world_size
+        N = self.world_size
+        if N > 1 and self.grad_dtype == B.bfloat16 and self.wire_dtype != B.bfloat16:
+            raise ValueError("grad_dtype: bf16 gradient buffers go on the wire as they are; pass "
+                             "wire_dtype=ck.bfloat16 with grad_dtype=ck.bfloat16")
         is_nd, is_sparse = _matcher(no_decay, "no_decay"), _matcher(sparse, "sparse")
+        is_full = (lambda name, a: True) if gather_fp32 is None else _matcher(gather_fp32, "gather_fp32")
 
-        dense, sparse_groups = {}, []  # dense: weight decay -> [(name, obj, array)], in the order given
-        self._by_name, self._by_id = {}, {}
-        for name, obj, a in entries:
+        keyed = {}  # (weight decay, gathers fp32) -> [(order, name, obj, array)], in the order given
+        tables = []  # sparse tables updated by rows: a group each
+        self._sparse_names = set()
+        for order, (name, obj, a) in enumerate(entries):
             B.check_dtype(f"params[{name!r}]", a, (np.float32,))
             wd = 0.0 if is_nd(name, a) else self.weight_decay
             if is_sparse(name, a):
                 if a.ndim != 2:
                     raise ValueError(f"params[{name!r}]: sparse parameters must be 2-D (V, D); got shape "
                                      f"{tuple(a.shape)}")
-                sparse_groups.append(self._build([(name, obj, a)], wd, sparse=True))
-            else:
-                dense.setdefault(wd, []).append((name, obj, a))
-        # One launch per distinct weight decay (one in all when weight_decay == 0), then the sparse ones.
-        self._groups = [self._build(dense[wd], wd, sparse=False) for wd in sorted(dense, reverse=True)]
-        self._groups += sparse_groups
+                self._sparse_names.add(name)
+                if N == 1 or self.sparse_rows is not None:
+                    tables.append(((order, name, obj, a), wd))
+                    continue
+            keyed.setdefault((wd, N == 1 or bool(is_full(name, a))), []).append((order, name, obj, a))
+        self._by_name, self._by_id = {}, {}
+        # One launch per distinct weight decay in a world of one (one in all when weight_decay == 0), then the tables.
+        self._groups = [self._build(keyed[k], *k) for k in sorted(keyed, key=lambda k: (-k[0], not k[1]))]
+        self._groups += [self._build([item], wd, True, sparse=True) for item, wd in tables]
         self._by_name = {name: self._by_name[name] for name, _, _ in entries}  # the order given
+
+        # One fixed launch order for every rank: buckets by descending first-parameter position (the backward
+        # finishes the last parameters first; a bucket is complete when its earliest parameter is).
+        order = []
+        for gi, g in enumerate(self._groups):
+            for b in g.layout.buckets:
+                first = min((g.slots[i].order for i in b.params), default=-1)
+                order.append((-first, gi, b.index))
+        self._order = [(gi, bi) for _, gi, bi in sorted(order)]
+        self._fwd_order = self._order[::-1]  # the order the next forward reads the buckets in
+        self._bucket_params = {(gi, b.index): len(b.params) for gi, g in enumerate(self._groups)
+                               for b in g.layout.buckets}
 
         self._step = xp.zeros((), dtype=np.int32)
         self._lr = xp.zeros((), dtype=np.float32)
         self.set_lr(lr)
         self._schedule = None
-        self._norm = self._scale = self._norm_ws = None  # grad_norm outputs, made once
+        self._norm = xp.zeros((), dtype=np.float32)
+        self._norm_sq = xp.zeros((), dtype=np.float64)
+        self._scale = xp.ones((), dtype=np.float32)
+        self._norm_ws = None
         # This optimizer's device error word: the update kernels OR a bit into it (and write nothing) when the lr,
-        # step or grad_scale they read from device memory is invalid (a NaN clip scale after a NaN loss, say).
-        # Read at the next synchronising call (check_errors, step_count, get_lr, state_dict): no sync is added to
-        # the step itself, so a captured step stays capturable.
+        # step or grad_scale they read from device memory is invalid (a NaN clip scale after a NaN loss, say: on
+        # every rank alike, the norm is all-reduced). Read at the next synchronising call (check_errors,
+        # step_count, get_lr, state_dict): no sync is added to the step itself, so a captured step stays capturable.
         self._err = None if xp is np else xp.zeros((), dtype=np.int32)
+        # The sparse exchange's error word: a pack that overflowed sparse_rows (check_errors raises).
+        self._xerr = xp.zeros((), dtype=np.int32) if N > 1 else None
+        self._hooks = []
+        self._sync_grads = True
+        self._comm = None  # side stream (CuPy, world > 1)
+        self._events = []
+        self._deferred = []  # (group, bucket) whose shadow all-gather waits for the next forward (overlap_gather)
+        self._gather_events = {}  # (group, bucket) -> event after its deferred all-gather, until waited for
+        self._new_step()
 
     # ------------------------------------------------------------------------------------------ layout
     @staticmethod
@@ -265,36 +421,40 @@ class AdamW:
             out.append((name, obj, a))
         return out
 
-    def _build(self, items, wd, sparse):
-        xp = self.xp
-        g = _Group(wd, sparse)
-        if sparse:
-            (name, obj, a), = items
-            g.P = xp.array(a, dtype=np.float32, order="C")  # a copy: the optimizer owns its buffers
-            offsets = [0]
-            zeros = lambda dt: xp.zeros(a.shape, dtype=dt)  # noqa: E731
-        else:
-            offsets, total = [], 0
-            for _, _, a in items:
-                offsets.append(total)
-                total += -(-a.size // ALIGN) * ALIGN
-            g.P = xp.zeros((total,), dtype=np.float32)
-            for (_, _, a), off in zip(items, offsets):
-                g.P[off:off + a.size] = a.reshape(-1)
-            zeros = lambda dt: xp.zeros((total,), dtype=dt)  # noqa: E731
-        g.G, g.M, g.V = zeros(np.float32 if sparse else self.grad_dtype), zeros(np.float32), zeros(np.float32)
+    def _build(self, items, wd, full, sparse=False):
+        xp, N = self.xp, self.world_size
+        g = _Group(wd, full, sparse)
+        # (a sparse group's layout only says which rank writes which slice into a checkpoint; buckets exist to
+        # overlap the reduction with the backward: a world of one has one per group)
+        g.layout = L = shard_layout([a.size for _, _, _, a in items], N,
+                                    bucket_elems=None if sparse or N == 1 else self.bucket_elems)
+        g.P = xp.zeros((L.total,), dtype=np.float32)
+        for (_, _, _, a), off in zip(items, L.offsets):
+            g.P[off:off + a.size] = a.reshape(-1)
+        g.G = xp.zeros((L.total,), dtype=np.float32 if sparse else self.grad_dtype)
         g.S = g.P.astype(B.bfloat16) if self.shadow_dtype is not None else None
-        for (name, obj, a), off in zip(items, offsets):
+        n_state = L.total if sparse else L.shard_size
+        g.M = xp.zeros((n_state,), dtype=np.float32)
+        g.V = xp.zeros((n_state,), dtype=np.float32)
+        if sparse:
+            pass  # rows exchanged through the SparseRowGrad packs (attach_sparse), no reduce-scatter
+        elif N == 1:  # a world of one: the gradient is the reduced gradient, nothing goes on a wire
+            g.GS = g.G
+        elif self.grad_dtype == B.bfloat16:  # the backward's bf16 gradient is the wire buffer: no W, no cast
+            g.GS = xp.zeros((L.shard_size,), dtype=B.bfloat16)
+        elif self.wire_dtype == B.bfloat16:
+            g.W = xp.zeros((L.total,), dtype=B.bfloat16)
+            g.GS = xp.zeros((L.shard_size,), dtype=B.bfloat16)
+        else:
+            g.GS = xp.zeros((L.shard_size,), dtype=np.float32)
+        bucket_of = {i: b.index for b in L.buckets for i in b.params}
+        for i, ((order, name, obj, a), off) in enumerate(zip(items, L.offsets)):
             s = _Slot()
-            s.name, s.obj, s.shape, s.group = name, obj, tuple(a.shape), g
-
-            def view(buf, off=off, a=a):
-                if buf is None:
-                    return None
-                return buf if sparse else buf[off:off + a.size].reshape(a.shape)
-
-            s.data, s.grad, s.exp_avg, s.exp_avg_sq, s.shadow = (view(g.P), view(g.G), view(g.M), view(g.V),
-                                                                  view(g.S))
+            s.name, s.obj, s.shape, s.group, s.index, s.order = name, obj, tuple(a.shape), g, i, order
+            s.bucket = bucket_of[i]
+            s.data = g.P[off:off + a.size].reshape(a.shape)
+            s.grad = g.G[off:off + a.size].reshape(a.shape)
+            s.shadow = g.S[off:off + a.size].reshape(a.shape) if g.S is not None else None
             if obj is not None:
                 old_grad = getattr(obj, "grad", None)
                 if old_grad is not None and B._kind(old_grad) is xp and tuple(old_grad.shape) == s.shape:
@@ -317,31 +477,15 @@ class AdamW:
             raise KeyError(f"{p if isinstance(p, str) else type(p).__name__}: not a parameter of this optimizer")
         return s
 
-    def _zero(self, a):
-        if self.xp is np:
-            a.fill(0)
-        else:
-            B.zero_(a)
+    def layout(self, p):
+        """``(ShardLayout of p's group, p's index in it)``."""
+        s = self._slot(p)
+        return s.group.layout, s.index
 
-    def _sync(self):
-        """Put back views the caller's objects lost (rebound .data / .grad): copy their values in first."""
-        for s in self._by_id.values():
-            obj = s.obj
-            d = obj.data
-            if d is not s.data:
-                B.check_shape(f"{s.name}.data", d, s.shape, " (the parameter's shape)")
-                s.data[...] = d
-                if s.shadow is not None:
-                    s.shadow[...] = s.data.astype(B.bfloat16)
-                obj.data = s.data
-            g = getattr(obj, "grad", None)
-            if g is not s.grad:
-                if g is None:
-                    self._zero(s.grad)
-                else:
-                    B.check_shape(f"{s.name}.grad", g, s.shape, " (the parameter's shape)")
-                    s.grad[...] = g
-                obj.grad = s.grad
+    def owners(self, p):
+        """``[(rank, lo, hi)]``: which rank owns which element range of parameter ``p`` (flattened)."""
+        L, i = self.layout(p)
+        return [(r, lo, hi) for r, lo, hi, _ in L.owners(i)]
 
     # ------------------------------------------------------------------------------------------ access
     def named_parameters(self):
@@ -363,17 +507,41 @@ class AdamW:
             raise ValueError("shadow: this optimizer was built with shadow_dtype=None")
         return s.shadow
 
+    def _moment(self, p, buf):
+        s = self._slot(p)
+        g = s.group
+        if not (g.sparse or self.world_size == 1):
+            raise ValueError(f"{s.name}: its moments are sharded across {self.world_size} ranks (state_dict() holds "
+                             f"this rank's slices)")
+        off = g.layout.offsets[s.index]
+        return getattr(g, buf)[off:off + s.data.size].reshape(s.shape)
+
     def exp_avg(self, p):
-        return self._slot(p).exp_avg
+        """The parameter's first moment (a view; where this rank holds it whole: one rank, or a sparse table)."""
+        return self._moment(p, "M")
 
     def exp_avg_sq(self, p):
-        return self._slot(p).exp_avg_sq
+        return self._moment(p, "V")
 
     @property
     def flat_grads(self):
         """The gradient buffers, one per launch group (flat for dense groups, (V, D) for sparse ones)."""
-        return [g.G for g in self._groups]
+        return [g.table(g.G) if g.sparse else g.G for g in self._groups]
 
+    def memory_bytes(self):
+        """``{buffer name: bytes on this rank}`` (P, G, S, W, M, V, GS; GS aliasing G counts 0; X: the sparse
+        exchange's packs)."""
+        out = dict.fromkeys(("P", "G", "S", "W", "M", "V", "GS", "X"), 0)
+        for g in self._groups:
+            for k in out:
+                a = getattr(g, k)
+                if k == "X":
+                    out[k] += sum(x.nbytes for x in a) if a is not None else 0
+                elif a is not None and not (k == "GS" and (a is g.G or a is g.W)):
+                    out[k] += a.nbytes
+        return out
+
+    # ------------------------------------------------------------------------------------------ lr / step
     @property
     def lr_array(self):
         """The 0-d float32 device array the update kernels read the lr from."""
@@ -386,14 +554,21 @@ class AdamW:
 
     def check_errors(self):
         """Raise FloatingPointError if an update since the last check found an invalid device lr, step or
-        grad_scale (that update was skipped: parameters and moments are unchanged). A host sync: call it where
-        you read the loss anyway (the trainer does, on logging steps)."""
+        grad_scale (that update was skipped, on every rank: parameters and moments are unchanged), ValueError if a
+        sparse exchange overflowed ``sparse_rows``. A host sync: call it where you read the loss anyway (the
+        trainer does, on logging steps)."""
+        who = f"rank {self.rank}: " if self.world_size > 1 else ""
+        if self._xerr is not None and int(self._xerr):
+            self._xerr.fill(0)
+            raise ValueError(f"{who}a step touched more rows of a sparse table than sparse_rows={self.sparse_rows} "
+                             f"(the rows past it were not exchanged: this step's update is wrong); pass "
+                             f"sparse_rows >= the tokens a rank reads per step (batch * seq_len * micro-batches)")
         if self._err is None:
             return
         code = int(self._err)
         if code:
             self._err.fill(0)
-            raise FloatingPointError(_A.adam_error_message(code) + " (a NaN/inf loss or gradient gives a NaN "
+            raise FloatingPointError(who + _A.adam_error_message(code) + " (a NaN/inf loss or gradient gives a NaN "
                                      "clip scale; lower the lr, check the data)")
 
     @property
@@ -423,165 +598,574 @@ class AdamW:
             raise TypeError(f"schedule: expected a WarmupCosine or None; got {type(schedule).__name__}")
         self._schedule = schedule
 
+    # ------------------------------------------------------------------------------------------ gradients
+    def _sync(self):
+        """Put back views the caller's objects lost (rebound .data / .grad), copying their values in first."""
+        for s in self._by_id.values():
+            obj = s.obj
+            d = obj.data
+            if d is not s.data:
+                B.check_shape(f"{s.name}.data", d, s.shape, " (the parameter's shape)")
+                s.data[...] = d
+                if s.shadow is not None:
+                    s.shadow[...] = s.data.astype(B.bfloat16)
+                obj.data = s.data
+            gr = getattr(obj, "grad", None)
+            if gr is not s.grad:
+                if gr is None:
+                    self._zero(s.grad)
+                else:
+                    B.check_shape(f"{s.name}.grad", gr, s.shape, " (the parameter's shape)")
+                    s.grad[...] = gr
+                obj.grad = s.grad
+
+    def _zero(self, a):
+        if self.xp is np:
+            a.fill(0)
+        else:
+            B.zero_(a)
+
     def set_rows(self, p, rows, row_count):
-        """Register the device buffers listing the rows of sparse parameter ``p`` that each step touches.
+        """Register the device buffers listing the rows of sparse parameter ``p`` that each step touches (a world
+        of one; across ranks the rows come from :meth:`attach_sparse`).
 
         ``rows`` (1-D int32, capacity >= count) and ``row_count`` (0-d int32) are read by the kernels at every
         ``step()`` and ``zero_grad()``: keep filling the same buffers (the embedding backward's outputs) and a
         captured step stays valid. ``set_rows(p, None, None)`` goes back to dense updates.
         """
         s = self._slot(p)
-        g = s.group
-        if not g.sparse:
+        if self.world_size > 1:
+            raise ValueError(f"{s.name}: across ranks AdamW takes the rows from attach_sparse's SparseRowGrad (with "
+                             f"sparse_rows= they are exchanged and updated lazily; without, every row is updated)")
+        if not s.group.sparse:
             raise ValueError(f"{s.name}: not a sparse parameter (name it in AdamW(..., sparse=...))")
+        if rows is not None or row_count is not None:
+            B.array_module(param=s.data, rows=rows, row_count=row_count)
+            _A._check_rows(rows, row_count)
+        self._set_rows(s.group, rows, row_count)
+
+    def _set_rows(self, g, rows, row_count):
         self._norm_ws = None  # grad_norm's partials layout depends on which groups have rows
-        if rows is None and row_count is None:
-            g.rows = g.row_count = None
-            return
-        B.array_module(param=g.P, rows=rows, row_count=row_count)
-        _A._check_rows(rows, row_count)
         g.rows, g.row_count = rows, row_count
 
     def attach_sparse(self, p):
         """Give sparse parameter ``p`` a ``ck.SparseRowGrad`` over this optimizer's gradient buffer of it
         (``p.sparse_grad``): the embedding backward accumulates the touched rows there and lists them on the
-        device, ``step()`` updates only those rows, and ``zero_grad()`` clears only them (and resets the row
-        list). Returns the SparseRowGrad."""
+        device, ``step()`` updates only those rows (across ranks with ``sparse_rows=None``: every row, reduced
+        densely), and ``zero_grad()`` clears only them (and resets the row list). Only the sparse backward may
+        write this gradient (an untied embedding). Returns the SparseRowGrad."""
         s = self._slot(p)
         g = s.group
-        if not g.sparse or len(s.shape) != 2:
+        if s.name not in self._sparse_names:
             raise ValueError(f"{s.name}: not a 2-D sparse parameter (name it in AdamW(..., sparse=...))")
-        self._zero(g.G)
-        sg = SparseRowGrad(s.shape[0], s.shape[1], xp=self.xp, grad=g.G)
-        self.set_rows(p, sg.rows, sg.count)
-        g.sparse_grad = sg
+        if g.sparse and g.sparse_grads:
+            raise ValueError(f"{s.name}: attach_sparse was called already")
+        self._zero(s.grad)
+        sg = SparseRowGrad(s.shape[0], s.shape[1], xp=self.xp, grad=s.grad)
+        if g.sparse:
+            self._set_rows(g, sg.rows, sg.count)
+            if self.world_size > 1:
+                xp, cap, D, N = self.xp, self.sparse_rows, s.shape[1], self.world_size
+                wire = self.wire_dtype
+                g.X = (xp.zeros((cap,), np.int32), xp.zeros((cap, D), wire), xp.zeros((N * cap,), np.int32),
+                       xp.zeros((N * cap, D), wire))
+        g.sparse_grads.append((s, sg))
         if s.obj is not None:
             s.obj.sparse_grad = sg
         return sg
 
+    def zero_grad(self, lazy=False):
+        """Zero every gradient: one memset of each flat gradient buffer; a sparse table with an attached
+        ``SparseRowGrad`` gets only its listed rows zeroed and its row list reset (the rest is zero already: only
+        the sparse backward writes it), one whose last step was a row update only its listed rows.
+
+        ``lazy=True`` (parameters given as autograd Tensors): dense gradients are not touched, only marked
+        ``grad_stale``; the first backward write of the step then overwrites instead of adding (the weight-gradient
+        GEMM runs with beta = 0), which saves the zeroing pass and one read of every gradient. A gradient nothing
+        wrote is zeroed by :meth:`flush_stale`, which :meth:`grad_norm` and :meth:`step` call (in the reduction)."""
+        self._sync()
+        for g in self._groups:
+            attached = {id(s) for s, _ in g.sparse_grads}
+            if g.sparse:  # (an attached SparseRowGrad clears its listed rows below)
+                if not g.sparse_grads and g.last_rows and g.rows is not None:
+                    _A.zero_rows(g.table(g.G), g.rows, g.row_count)
+                elif not g.sparse_grads:
+                    self._zero(g.G)
+            elif lazy and all(s.obj is not None for s in g.slots):
+                # (session 7: the sparse embedding shares the 2-D group across ranks, and zeroing that whole group
+                # cost a 1.33 ms memset of 5.6 GB a step and turned every weight-gradient GEMM into beta = 1)
+                for s in g.slots:
+                    if id(s) not in attached:
+                        s.obj.grad_stale = True
+            else:
+                self._zero(g.G)
+            for _, sg in g.sparse_grads:
+                sg.zero()  # clears the listed rows, empties the list, new generation
+        self._new_step()
+
+    def flush_stale(self):
+        """Zero the gradients still marked stale by a lazy :meth:`zero_grad` (parameters no backward wrote), so
+        every gradient buffer holds this step's gradient. The reduction (:meth:`grad_norm`, :meth:`step`) calls it;
+        call it before reading gradients any other way."""
+        for g in self._groups:
+            for s in g.slots:
+                self._flush(s)
+
+    def _flush(self, s):
+        if s.obj is not None and getattr(s.obj, "grad_stale", False):
+            self._zero(s.grad)
+            s.obj.grad_stale = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate locally; the grad hooks send nothing (gradient accumulation: wrap every
+        micro-batch's backward but the last of a step)."""
+        prev, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = prev
+
+    def attach_grad_hooks(self):
+        """Register a gradient-ready hook on every parameter given as an autograd Tensor, so each bucket's
+        reduce-scatter starts as soon as the backward has finished all its parameters. Needs
+        ``Tensor.register_grad_ready_hook(fn)`` (``fn(tensor)`` called once per backward when the tensor's
+        ``.grad`` is final). A world of one checks the parameters and registers nothing (nothing to send). Returns
+        the number of hooks."""
+        self.detach_grad_hooks()
+        for s in self._by_name.values():
+            if s.obj is not None and getattr(s.obj, "register_grad_ready_hook", None) is None:
+                raise TypeError(f"params[{s.name!r}]: {type(s.obj).__name__} has no register_grad_ready_hook(fn); "
+                                f"the autograd needs the gradient-ready hook to overlap the reduction with the "
+                                f"backward (without hooks, AdamW reduces everything at step())")
+        if self.world_size == 1:
+            return 0
+        for s in self._by_name.values():
+            if s.obj is not None:
+                self._hooks.append(s.obj.register_grad_ready_hook(lambda t, s=s: self.grad_ready(s.obj)))
+        return len(self._hooks)
+
+    def detach_grad_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def grad_ready(self, p):
+        """Declare parameter ``p``'s gradient final for this step (what the hook calls): when every parameter of
+        the next bucket in the launch order is ready, its reduce-scatter starts. Ignored inside :meth:`no_sync`."""
+        if not self._sync_grads:
+            return
+        s = self._slot(p)
+        key = (self._groups.index(s.group), s.bucket)
+        if key in self._launched:
+            raise RuntimeError(f"{s.name}: its gradient became ready again after its bucket was sent in this step; "
+                               f"with gradient accumulation, run every backward but the last inside "
+                               f"optimizer.no_sync()")
+        if s.name in self._ready_params:
+            return
+        self._ready_params.add(s.name)
+        self._remaining[key] -= 1
+        while self._cursor < len(self._order) and self._remaining[self._order[self._cursor]] == 0:
+            self._launch(*self._order[self._cursor])
+            self._cursor += 1
+
+    def _new_step(self):
+        self._remaining = dict(self._bucket_params)
+        self._ready_params = set()
+        self._launched = set()
+        self._cursor = 0
+        self._reduced = False
+
+    def _side(self):
+        """The side stream (CuPy, world > 1), or None: work goes on the current stream."""
+        if self.xp is np or self.world_size == 1:
+            return None
+        if self._comm is None:
+            # The highest priority the device offers: a block of the NCCL kernel is scheduled as soon as an SM
+            # frees up, instead of after every queued block of the GEMM or Adam kernel running beside it (default
+            # priority: the 2-GPU B8xT1024 step lost ~10 ms, the overlapped collectives ran as if serial).
+            # Captured graphs keep it per node (cukernels.graph instantiates with node priorities).
+            # (CuPy has no cudaDeviceGetStreamPriorityRange; CUDA clamps a priority outside the device's range
+            # to the nearest end, so -100 is the greatest, -5 on Hopper.)
+            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=Z.SIDE_PRIORITY)
+        return self._comm
+
+    def _fork(self):
+        """Order the side stream after the work queued so far on the current stream; returns the side stream."""
+        side = self._side()
+        if side is not None:
+            ev = self.xp.cuda.Event(block=False, disable_timing=True)
+            ev.record(self.xp.cuda.get_current_stream())
+            side.wait_event(ev)
+            self._events.append(ev)
+        return side
+
+    def _join(self):
+        """The current stream waits for everything queued on the side stream."""
+        side = self._comm
+        if side is not None and self._events:
+            ev = self.xp.cuda.Event(block=False, disable_timing=True)
+            ev.record(side)
+            self.xp.cuda.get_current_stream().wait_event(ev)
+            self._events = []
+
+    def _launch(self, gi, bi):
+        if self._deferred:  # (no forward read a shadow since the step: the gathers still go first)
+            self._launch_deferred()
+        g = self._groups[gi]
+        b = g.layout.buckets[bi]
+        for i in b.params:  # a gradient nothing wrote this step is zero, not stale garbage
+            self._flush(g.slots[i])
+        self._launched.add((gi, bi))
+        if g.sparse:
+            return self._exchange(g)
+        if b.stop == b.start or self.world_size == 1:
+            return
+        send = g.G[b.start:b.stop]
+        if g.W is not None and Z.CAST_ON_COMPUTE_STREAM:  # the bf16 wire copy made in line with the backward
+            send = _cast(send, B.bfloat16, out=g.W[b.start:b.stop])
+        side = self._fork()
+        self._margin_on()
+        with side if side is not None else contextlib.nullcontext():
+            if g.W is not None and not Z.CAST_ON_COMPUTE_STREAM:
+                send = _cast(send, B.bfloat16, out=g.W[b.start:b.stop])
+            self.group.reduce_scatter(send, g.GS[b.shard_offset:b.shard_offset + b.piece],
+                                      "avg" if self.average else "sum")
+
+    def _exchange(self, g):
+        """A sparse table's rows across the ranks, on the side stream: pack this rank's listed rows, all-gather the
+        packs, merge them in rank order (every rank then holds the same summed rows, and the union as its list)."""
+        if self.world_size == 1:
+            return  # the local rows are the rows
+        if not g.sparse_grads:
+            raise RuntimeError(f"{g.slots[0].name}: sparse_rows= exchanges the rows listed by attach_sparse's "
+                               f"SparseRowGrad; call attach_sparse({g.slots[0].name!r}) before the first backward")
+        (_, sg), = g.sparse_grads
+        ids, rows, all_ids, all_rows = g.X
+        cap, N = ids.shape[0], self.world_size
+        side = self._fork()
+        with side if side is not None else contextlib.nullcontext():
+            sg.pack(ids, rows, error=self._xerr)
+            self.group.all_gather(ids, all_ids)
+            self.group.all_gather(rows.reshape(-1), all_rows.reshape(-1))
+            sg.merge([(all_ids[k * cap:(k + 1) * cap], all_rows[k * cap:(k + 1) * cap]) for k in range(N)],
+                     scale=1.0 / N if self.average else 1.0)
+
+    def reduce_gradients(self):
+        """Send every bucket not sent yet (in the fixed order) and make the current stream wait for the
+        reductions (in a world of one: flush the stale gradients). Called by :meth:`grad_norm` and :meth:`step`;
+        idempotent within a step."""
+        if self._reduced:
+            return
+        self._sync()
+        if self._deferred:
+            self._launch_deferred()
+        while self._cursor < len(self._order):
+            self._launch(*self._order[self._cursor])
+            self._cursor += 1
+        self._join()
+        self._margin_off()
+        self._reduced = True
+
+    def _margin_on(self):
+        if self.sm_margin and self._comm is not None and self._sm_prev is None:
+            self._sm_prev = blas.set_sm_count_target(max(1, B.sm_count() - self.sm_margin))
+
+    def _margin_off(self):
+        if self._sm_prev is not None:
+            blas.set_sm_count_target(self._sm_prev)
+            self._sm_prev = None
+
+    # ------------------------------------------------------------------------------------------ norm
+    def _norm_parts(self):
+        """``(arrays, rows)`` this rank sums for the global norm: each dense group's reduced shard; a sparse table
+        on one rank on its listed rows (zero elsewhere), across ranks each rank its slice (the table's gradient is
+        the same on every rank)."""
+        parts, rows = [], []
+        for g in self._groups:
+            if g.sparse and self.world_size == 1:
+                parts.append(g.table(g.G))
+                rows.append((g.rows, g.row_count) if g.rows is not None else None)
+            else:
+                parts.append(g.G[slice(*g.layout.buckets[0].piece_range(self.rank))] if g.sparse else g.GS)
+                rows.append(None)
+        return parts, (rows if any(r is not None for r in rows) else None)
+
+    def grad_norm(self, prescale=1.0):
+        """Global L2 norm of the reduced gradient times ``prescale`` (e.g. ``1 / accumulation steps``), a 0-d fp32
+        device array (the same buffer every call: safe inside a captured graph; copy it to keep values across
+        steps). Reduces first if needed. One rank: ``ck.global_norm`` over the flat buffers (one partial launch
+        each, plus the final reduce). N ranks: per-shard ``ck.global_norm``, squared in fp64, all-reduced,
+        square-rooted -- within an ulp or two of the one-rank norm (the per-shard fp32 square roots round once
+        more)."""
+        pre = B.check_f32("prescale", prescale, min=0, min_open=True)
+        self.reduce_gradients()
+        parts, rows = self._norm_parts()
+        if self._norm_ws is None:  # sized for the registered rows; set_rows drops it
+            self._norm_ws = _A.global_norm_workspace(parts, rows)
+        xp = self.xp
+        local = _A.global_norm(parts, out=self._norm, workspace=self._norm_ws, rows=rows)
+        if self.world_size == 1:
+            if pre != 1:
+                xp.multiply(self._norm, pre, out=self._norm)
+            return self._norm
+        if xp is np:
+            self._norm_sq[...] = np.float64(local) * np.float64(local)
+            self.group.all_reduce(self._norm_sq, "sum")
+            self._norm[...] = np.float32(np.sqrt(self._norm_sq)) * pre
+        else:
+            k = _norm_kernels()
+            k["sq"](local, self._norm_sq)
+            self.group.all_reduce(self._norm_sq, "sum")
+            k["root"](self._norm_sq, pre, self._norm)
+        return self._norm
+
+    def clip_grad_norm(self, max_norm, *, prescale=1.0):
+        """``(norm, scale)`` device scalars: ``norm = grad_norm(prescale)``, ``scale = min(1, max_norm / (norm +
+        1e-6)) * prescale`` (``max_norm`` None or 0: ``scale = prescale``). Pass ``scale`` to :meth:`step` as
+        ``grad_scale``: the update then sees the gradient times ``prescale``, clipped. No host sync, no allocation
+        after the first call (capturable)."""
+        pre = B.check_f32("prescale", prescale, min=0, min_open=True)
+        norm = self.grad_norm(prescale)
+        xp = self.xp
+        if max_norm:
+            _A.clip_scale(norm, max_norm, out=self._scale)
+            if pre != 1:
+                xp.multiply(self._scale, pre, out=self._scale)
+        elif xp is np:
+            self._scale[...] = pre
+        else:
+            self._scale.fill(pre)
+        return norm, self._scale
+
     # ------------------------------------------------------------------------------------------ the step
     def step(self, grad_scale=None):
-        """One AdamW step for every parameter: advance the device step (and the scheduled lr), then one
-        ``adam_step`` launch per dense group and one ``adam_step_rows`` (or dense) launch per sparse parameter.
+        """One AdamW step: reduce (if not yet done), advance the device step (and the scheduled lr), one
+        ``adam_step`` launch per bucket on this rank's piece (one per group on one rank) and one
+        ``adam_step_rows`` per sparse table, then (several ranks) all-gather the updated shadows and the fp32
+        parameters of ``gather_fp32`` groups.
 
         Args:
             grad_scale: optional 0-d float32 device array multiplying every gradient (e.g. from
                 :meth:`clip_grad_norm`, or an inverse loss scale).
         """
-        self._sync()
-        self.flush_stale()
+        self.reduce_gradients()
         _A.tick(self._step, self._lr, increment=1,
                 schedule=self._schedule.as_tuple() if self._schedule is not None else None)
         b1, b2 = self.betas
         kw = dict(lr=self._lr, step=self._step, beta1=b1, beta2=b2, eps=self.eps, grad_scale=grad_scale)
         if self._err is not None:
             kw["error"] = self._err
-        for g in self._groups:
-            if g.sparse and g.rows is not None:
-                _A.adam_step_rows(g.P, g.G, g.M, g.V, g.rows, g.row_count, weight_decay=g.wd, shadow=g.S, **kw)
-                g.last_rows = True
-            else:
-                _A.adam_step(g.P, g.G, g.M, g.V, weight_decay=g.wd, shadow=g.S, **kw)
-                g.last_rows = False
+        dense = dict(kw)
+        if self._side() is not None:  # the grid leaves room for the all-gathers that run beside the update
+            dense["occupancy"] = (max(0.05, 1.0 - self.sm_margin / B.sm_count()) if self.sm_margin
+                                  else Z.ADAM_OCCUPANCY)
+        r = self.rank
+        eager = Z.EAGER_GATHERS
+        for gi, bi in self._fwd_order if self.overlap_gather else self._order:
+            g = self._groups[gi]
+            b = g.layout.buckets[bi]
+            if g.sparse:  # every rank: the same lazy update of the same rows (across ranks the exchange's union)
+                self._step_table(g, kw)
+                continue
+            if b.piece == 0:
+                continue
+            lo, hi = b.piece_range(r)
+            sh = slice(b.shard_offset, b.shard_offset + b.piece)
+            _A.adam_step(g.P[lo:hi], g.GS[sh], g.M[sh], g.V[sh], weight_decay=g.wd,
+                         shadow=g.S[lo:hi] if g.S is not None else None, **dense)
+            if self.world_size == 1:
+                continue
+            if self._deferrable(g, b):
+                if eager <= 0:
+                    self._deferred.append((gi, bi))
+                    continue
+                eager -= 1
+            side = self._fork()
+            with side if side is not None else contextlib.nullcontext():
+                if g.S is not None:
+                    self.group.all_gather(g.S[lo:hi], g.S[b.start:b.stop])
+                if g.full:
+                    self.group.all_gather(g.P[lo:hi], g.P[b.start:b.stop])
+        self._join()
+        for key in self._deferred:  # the next forward's first shadow read queues them, each reader waits its own
+            g = self._groups[key[0]]
+            wait = _ShadowWait(self, key)
+            for i in g.layout.buckets[key[1]].params:
+                g.slots[i].obj.shadow_wait = wait
+        self._new_step()
 
-    def zero_grad(self, lazy=False):
-        """Zero every gradient: ``cudaMemsetAsync`` of each flat gradient buffer; a sparse parameter whose last
-        step was a row update gets only its listed rows zeroed (``zero_rows``), so call this before the next
-        backward overwrites the rows buffer.
+    def _step_table(self, g, kw):
+        """A sparse table: ``adam_step_rows`` on its listed rows, or (one rank, no rows registered) the dense
+        update."""
+        t = g.table
+        if g.rows is not None:
+            _A.adam_step_rows(t(g.P), t(g.G), t(g.M), t(g.V), g.rows, g.row_count, weight_decay=g.wd,
+                              shadow=t(g.S), **kw)
+        else:
+            _A.adam_step(t(g.P), t(g.G), t(g.M), t(g.V), weight_decay=g.wd, shadow=t(g.S), **kw)
+        g.last_rows = g.rows is not None
 
-        ``lazy=True`` (parameters given as autograd Tensors): dense gradients are not touched, only marked
-        ``grad_stale``; the first backward write of the step then overwrites instead of adding (the weight-
-        gradient GEMM runs with beta = 0), which saves the zeroing pass and one read of every gradient. A
-        gradient nothing wrote is zeroed by :meth:`flush_stale`, which :meth:`grad_norm` and :meth:`step` call.
-        """
+    def _deferrable(self, g, b):
+        """Whether bucket b's all-gather may wait for the next forward: overlap_gather, shadows only (no fp32
+        gather), every parameter an object that can carry ``shadow_wait``."""
+        return (self.overlap_gather and not g.full and not g.sparse and g.S is not None
+                and all(g.slots[i].obj is not None for i in b.params))
+
+    def _launch_deferred(self):
+        """Queue the deferred shadow all-gathers (forward order) on the side stream, an event after each."""
+        keys, self._deferred = self._deferred, []
+        side = self._fork()
+        with side if side is not None else contextlib.nullcontext():
+            for gi, bi in keys:
+                g = self._groups[gi]
+                b = g.layout.buckets[bi]
+                lo, hi = b.piece_range(self.rank)
+                self.group.all_gather(g.S[lo:hi], g.S[b.start:b.stop])
+                if side is not None:
+                    ev = self.xp.cuda.Event(block=False, disable_timing=True)
+                    ev.record(side)
+                    self._gather_events[(gi, bi)] = ev
+
+    def _shadow_wait(self, key):
+        """What ``param.shadow_wait`` calls: queue the deferred gathers if not yet, then order the current stream
+        after bucket ``key``'s, and clear the waits of its parameters."""
+        if self._deferred:
+            self._launch_deferred()
+        g = self._groups[key[0]]
+        _clear_waits(g.slots[i] for i in g.layout.buckets[key[1]].params)
+        ev = self._gather_events.pop(key, None)
+        if ev is not None:
+            self.xp.cuda.get_current_stream().wait_event(ev)
+
+    def wait_gathers(self):
+        """Finish the shadow all-gathers a step deferred (``overlap_gather``): queue them if no forward has, and
+        make the current stream wait for them. Call before reading the shadows other than through the ``nn``
+        layers; the checkpoint, gather and broadcast methods call it. No-op otherwise."""
+        if self._deferred:
+            self._launch_deferred()
+        self._gather_events.clear()
+        _clear_waits(sl for g in self._groups for sl in g.slots)
+        self._join()
+
+    def gather_params(self):
+        """All-gather the fp32 parameters of the groups outside ``gather_fp32`` (their non-owned pieces are stale
+        after a step): call before saving the model's weights or running it in fp32. No-op on one rank."""
+        if self.world_size == 1:
+            return
+        self.wait_gathers()
+        for gi, bi in self._order:
+            g = self._groups[gi]
+            b = g.layout.buckets[bi]
+            if g.full or g.sparse or b.piece == 0:
+                continue
+            lo, hi = b.piece_range(self.rank)
+            side = self._fork()
+            with side if side is not None else contextlib.nullcontext():
+                self.group.all_gather(g.P[lo:hi], g.P[b.start:b.stop])
+        self._join()
+
+    def broadcast_params(self, root=0):
+        """Give every rank rank ``root``'s parameters (one broadcast of each flat fp32 group, then the shadows
+        re-derived): data-parallel replicas start identical even if their initialisations could differ. No-op on
+        one rank."""
+        if self.world_size == 1:
+            return
         self._sync()
         for g in self._groups:
-            if lazy and not g.sparse and all(s.obj is not None for s in g.slots):
-                for s in g.slots:
-                    s.obj.grad_stale = True
-                continue
-            if getattr(g, "sparse_grad", None) is not None:
-                g.sparse_grad.zero()  # clears the listed rows, empties the list, new generation
-            elif g.sparse and g.last_rows and g.rows is not None:
-                _A.zero_rows(g.G, g.rows, g.row_count)
-            else:
-                self._zero(g.G)
-
-    def flush_stale(self):
-        """Zero the gradients still marked stale by a lazy :meth:`zero_grad` (parameters no backward wrote),
-        so every gradient buffer holds this step's gradient. Called by :meth:`grad_norm` and :meth:`step`;
-        call it before reading gradients any other way."""
-        for g in self._groups:
-            for s in g.slots:
-                if s.obj is not None and getattr(s.obj, "grad_stale", False):
-                    self._zero(s.grad)
-                    s.obj.grad_stale = False
-
-    def grad_norm(self):
-        """Global L2 norm of all gradients (0-d float32 device array): one partial launch per flat buffer plus
-        one final reduce. A sparse parameter with registered rows (``set_rows`` / ``attach_sparse``) is read
-        on its listed rows only -- the rows ``step()`` updates; its buffer is zero elsewhere. The result and
-        the partials live in buffers the optimizer allocates once, so the same array comes back every call
-        (safe inside a captured graph; copy it if you keep values across steps)."""
-        self.flush_stale()
-        rows = [(g.rows, g.row_count) if g.sparse and g.rows is not None else None for g in self._groups]
-        rows = rows if any(r is not None for r in rows) else None
-        if self._norm is None:
-            self._norm = self.xp.zeros((), dtype=np.float32)
-            self._scale = self.xp.ones((), dtype=np.float32)
-        if self._norm_ws is None:  # sized for the registered rows; set_rows drops it
-            self._norm_ws = _A.global_norm_workspace(self.flat_grads, rows)
-        return _A.global_norm(self.flat_grads, out=self._norm, workspace=self._norm_ws, rows=rows)
-
-    def clip_grad_norm(self, max_norm):
-        """``(norm, scale)`` device scalars with ``scale = min(1, max_norm / (norm + 1e-6))``; pass ``scale``
-        to :meth:`step` as ``grad_scale``. No host sync, no allocation after the first call (capturable)."""
-        norm = self.grad_norm()
-        return norm, _A.clip_scale(norm, max_norm, out=self._scale)
+            self.group.broadcast(g.P, root)
+        self.refresh_shadows()
 
     def refresh_shadows(self):
-        """Recompute every bf16 shadow from the fp32 parameters (after writing parameter values directly)."""
+        """Recompute every bf16 shadow from the fp32 parameters (after writing full parameter values on every rank,
+        e.g. loading a checkpoint)."""
         if self.shadow_dtype is None:
             return
+        self.wait_gathers()  # (a deferred gather still writing them would land after this)
         for g in self._groups:
             g.S[...] = g.P.astype(B.bfloat16)
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self, copy=True):
-        """``{"kind": "AdamW", "step", "lr", "betas", "eps", "weight_decay", "state": {name: {"exp_avg",
-        "exp_avg_sq"}}}`` -- the one format of every ``cukernels.optim`` optimizer. ``copy=True``: NumPy copies (a
-        host sync); ``copy=False``: the optimizer's own moment buffers (views, on its module), for a checkpoint
-        writer that streams them one at a time. Parameter values are not included (save the model)."""
+        """This rank's part of the state in the one format (:mod:`cukernels.optim.zero`): ``{"kind": "AdamW.shard",
+        "rank", "world_size", "step", "lr", "betas", "eps", "weight_decay", "state": {name: {"shape", "start",
+        "stop", "param", "exp_avg", "exp_avg_sq"}}}`` -- elements ``[start, stop)`` of each flattened parameter
+        (empty where this rank owns none; in the parameter's shape where it owns all: always on one rank).
+        ``copy=True``: NumPy copies (a host sync); ``copy=False``: views of the device buffers, for a checkpoint
+        writer that streams them one at a time. :func:`cukernels.optim.consolidate_state` joins every rank's."""
         self.check_errors()
-        host = (lambda a: a.copy()) if self.xp is np else (lambda a: a.get())
-        take = host if copy else (lambda a: a)
-        return {
-            "kind": "AdamW",
-            "step": int(self._step),
-            "lr": float(self._lr),
-            "betas": self.betas,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "state": {n: {"exp_avg": take(s.exp_avg), "exp_avg_sq": take(s.exp_avg_sq)}
-                      for n, s in self._by_name.items()},
-        }
+        take = ((lambda a: a.copy()) if self.xp is np else (lambda a: a.get())) if copy else (lambda a: a)
+        state = {}
+        for name, s in self._by_name.items():
+            g, L = s.group, s.group.layout
+            own = L.owned(s.index, self.rank)
+            if own is None:
+                lo = hi = 0
+                e = {k: take(g.M[0:0]) for k in ("param", "exp_avg", "exp_avg_sq")}
+            else:
+                lo, hi, so = own
+                off = L.offsets[s.index]
+                if g.sparse:  # full moments on every rank: each writes its layout slice of them
+                    so = off + lo
+                shape = s.shape if hi - lo == s.data.size else (hi - lo,)
+                e = {"param": take(g.P[off + lo:off + hi].reshape(shape)),
+                     "exp_avg": take(g.M[so:so + hi - lo].reshape(shape)),
+                     "exp_avg_sq": take(g.V[so:so + hi - lo].reshape(shape))}
+            state[name] = dict(shape=list(s.shape), start=lo, stop=hi, **e)
+        return make_shard(self.rank, self.world_size, int(self._step), float(self._lr), self.betas, self.eps,
+                          self.weight_decay, state)
 
-    def load_state_dict(self, state):
-        """Restore moments, step and lr from a :meth:`state_dict` (of this class or ``CompositeAdamW``: the same
-        format; matched by parameter name; hyperparameters stay those given to the constructor). Everything is
-        checked before anything is written. Shadows are refreshed from the current parameters."""
+    state_dict_shard = state_dict  # (the name under ZeroAdamW)
+
+    def load_state_dict(self, state, params=None):
+        """Load the optimizer state, keeping this rank's slices.
+
+        Args:
+            state: the list of every rank's :meth:`state_dict` from a run on any number of ranks, the one of a
+                world of one, or the full format (:func:`cukernels.optim.consolidate_state`'s; ``CompositeAdamW``'s
+                and the pre-issue-34 ``AdamW.state_dict()``), matched by parameter name.
+            params: optional ``{name: full fp32 array}`` written into the parameters on every rank (shards bring
+                their own; ``params=False`` keeps the current values even then). Without it, and with the full
+                format, the current parameter values stay (load the model first).
+        Shards are read lazily (:class:`~cukernels.optim.zero.ShardedArray`): from memory-mapped checkpoint files
+        host memory holds one parameter at a time, and each rank reads only its own slices of the moments.
+        Hyperparameters stay those given to the constructor. Everything is checked before anything is written; the
+        shadows are then refreshed from the fp32 values.
+        """
+        state, own_params = full_state(state)
+        params = own_params if params is None else params
+        if params is False:
+            params = None
         step, lr, st = check_state(state, list(self._by_name))
+
+        def piece(a, lo, hi):  # elements [lo, hi) of the flattened array, reading no more than that when lazy
+            if isinstance(a, ShardedArray):
+                return a.flat(lo, hi)
+            return host(a).reshape(-1)[lo:hi]
+
         for n, s in self._by_name.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(st[n][key].shape) != s.shape:
                     raise ValueError(f"state_dict[{n!r}][{key!r}]: expected shape {s.shape}; got "
                                      f"{tuple(st[n][key].shape)}")
+            if params is not None:
+                if n not in params:
+                    raise KeyError(f"params: missing {n!r}")
+                if tuple(params[n].shape) != s.shape:
+                    raise ValueError(f"params[{n!r}]: expected shape {s.shape}; got {tuple(params[n].shape)}")
         for n, s in self._by_name.items():
-            for key, dst in (("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)):
-                src = st[n][key]
-                if B._kind(src) is not self.xp:
-                    src = np.asarray(src.get() if hasattr(src, "get") else src)
-                dst[...] = self.xp.asarray(src).astype(np.float32, copy=False)
+            g, L = s.group, s.group.layout
+            if params is not None:
+                s.data[...] = self.xp.asarray(host(params[n]).astype(np.float32, copy=False).reshape(s.shape))
+            own = L.owned(s.index, self.rank)
+            if g.sparse:  # every rank keeps the whole of a sparse table's moments
+                own = (0, s.data.size, L.offsets[s.index])
+            if own is None:
+                continue
+            lo, hi, so = own
+            for key, buf in (("exp_avg", g.M), ("exp_avg_sq", g.V)):
+                src = piece(st[n][key], lo, hi)
+                buf[so:so + hi - lo] = self.xp.asarray(src.astype(np.float32, copy=False))
         if self.xp is np:
             self._step[...] = np.int32(step)
         else:
@@ -590,6 +1174,25 @@ class AdamW:
         self.refresh_shadows()
 
     def __repr__(self):
-        groups = ", ".join(f"{'sparse' if g.sparse else 'dense'}(wd={g.wd}, n={len(g.slots)})" for g in self._groups)
-        return (f"AdamW(betas={self.betas}, eps={self.eps}, weight_decay={self.weight_decay}, "
+        def kind(g):
+            if g.sparse:
+                return "sparse rows" + (" (replicated, exchanged)" if self.world_size > 1 else "")
+            return f"fp32 gathered={g.full}" if self.world_size > 1 else "dense"
+        groups = ", ".join(f"({kind(g)}, wd={g.wd}, n={len(g.slots)}, buckets={len(g.layout.buckets)})"
+                           for g in self._groups)
+        ranks = (f"rank={self.rank}, world_size={self.world_size}, wire={self.wire_dtype}, average={self.average}, "
+                 if self.world_size > 1 else "")
+        return (f"{type(self).__name__}({ranks}betas={self.betas}, eps={self.eps}, weight_decay={self.weight_decay}, "
                 f"shadow={self.shadow_dtype is not None}, groups=[{groups}])")
+
+
+class ZeroAdamW(AdamW):
+    """:class:`AdamW` over the default process group (the one ``cukernels.distributed.init_process_group`` made;
+    a world of one when none is), with the float32 wire by default: the ZeRO-1 optimizer under its old name. Every
+    argument is AdamW's."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, group=None,
+                 wire_dtype=np.float32, **kw):
+        if group is None and is_initialized():
+            group = get_group()
+        super().__init__(params, lr, betas, eps, weight_decay, group=group, wire_dtype=wire_dtype, **kw)

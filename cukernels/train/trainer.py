@@ -47,8 +47,8 @@ from ..graph import CapturedStep
 from ..io import checkpoint as C
 from ..models import model_class
 from ..ops.adam import clip_scale, global_norm
-from ..optim import AdamW, CompositeAdamW, WarmupCosine
-from ..optim.zero import ZeroAdamW, consolidate_state
+from ..optim import AdamW, CompositeAdamW, WarmupCosine, ZeroAdamW
+from ..optim.zero import consolidate_state
 from . import ckpt_files as CF
 from .config import RESUME_FREE, ZERO_RESUME_FREE, ConfigError, check_world, save_yaml
 from .config import defaults as config_defaults
@@ -419,7 +419,8 @@ def save_checkpoint(run, step, log_rows, loss_acc, n_acc):
     meta = {"step": int(step), "config": {k: v for k, v in cfg.items() if k != "resume"},
             "loader": run.train_loader.state_dict(), "n_acc": int(n_acc), "log": log_rows}
     path = C.save_training(C.step_path(ckpt_folder(cfg), step), model=run.model,
-                           optimizer_state=run.opt.state_dict(copy=False), meta=meta, extra_arrays=extra)
+                           optimizer_state=dict(run.opt.state_dict(copy=False), kind=type(run.opt).__name__), meta=meta,
+                           extra_arrays=extra)
     CF.prune(ckpt_folder(cfg), cfg["keep_last"])
     return path
 
@@ -541,7 +542,7 @@ def read_resume(path, cfg, run, say):
             f"{k} ({val(saved, k)!r} -> {val(cfg, k)!r})" for k in changed) + ": the losses will not match the "
             f"uninterrupted run")
     kind = meta["optimizer"].get("kind")
-    mine_kind = "ZeroAdamW" if run.zero else run.opt.state_dict(copy=False)["kind"]
+    mine_kind = "ZeroAdamW" if run.zero else type(run.opt).__name__
     if kind != mine_kind and not {kind, mine_kind} <= _ADAMW_FAMILY:
         say(f"warning: {path} was written by {kind}; continuing with {mine_kind}")
     return Resume(path, arrays, meta, shards)
