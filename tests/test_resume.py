@@ -1,5 +1,6 @@
 """Trainer checkpoints: a run killed after a checkpoint and resumed gives exactly the losses of an uninterrupted
 run; corrupt, truncated and mismatched checkpoints are refused with the file named, before anything loads."""
+import dataclasses
 import os
 
 import numpy as np
@@ -36,10 +37,10 @@ def adamw_on_cpu(monkeypatch):
     optimizer's checkpoint path on a machine without the model's kernel families."""
     orig = trainer.make_optimizer
 
-    def make(cfg, model, xp):
-        if cfg["sparse_embedding"]:  # the sparse-row gradient exists on the embedding kernel's path only
-            model.model.embed_tokens.set_fused(True)
-        return orig(dict(cfg, fused=True), model, xp)
+    def make(optim, model, group, tokens):
+        if getattr(model.input_embedding().weight, "_sparse_rows", False):  # (sparse_embedding: the sparse-row
+            model.model.embed_tokens.set_fused(True)  # gradient exists on the embedding kernel's path only)
+        return orig(dataclasses.replace(optim, fused=True), model, group, tokens)
     monkeypatch.setattr(trainer, "make_optimizer", make)
 
 

@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:  # as a worker script: the checkout's cukernels
 import cukernels as ck  # noqa: E402
 from cukernels.distributed import DistributedError, FakeGroup  # noqa: E402
 from cukernels.io import checkpoint as C  # noqa: E402
-from cukernels.train import ckpt_files as CF  # noqa: E402
+from cukernels.train import checkpoint as CF  # noqa: E402
 from cukernels.train import load_config, trainer  # noqa: E402
 from cukernels.train.config import ConfigError  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_bf16_gradient_buffers_on_two_ranks_equal_the_bf16_wire(tmp_path, sparse
     ref = ranks(2, tmp_path / "fp32", common)
     got = ranks(2, tmp_path / "bf16", common + ["grad_dtype=bfloat16"])
     assert _strip(got[0]) == _strip(ref[0]) and _strip(got[1]) == _strip(got[0])
-    with pytest.raises(SystemExit, match="set zero.wire: bf16"):
+    with pytest.raises(ConfigError, match="set zero.wire: bf16"):
         ranks(2, tmp_path / "x", common[:2] + ["zero.wire=fp32", "grad_dtype=bfloat16"])
     with pytest.raises(ck.train.ConfigError, match="needs one micro-batch a step"):
         ranks(2, tmp_path / "y", ["total_batch_size=256", "autocast=bf16", "grad_dtype=bfloat16"])
@@ -168,6 +168,10 @@ def test_buckets_are_sent_during_the_last_backward_only(tmp_path, monkeypatch, o
     assert len(norms) == 4 and all(n > 3 for _, _, n in norms)  # 2 steps on each of the 2 ranks
     assert all(c == (n if overlap else 0) for _, c, n in norms), norms
     assert sorted(x[0] for x in seen) == sorted(["backward", "backward", "norm"] * 4)  # 2 micro-batches per step
+    seen.clear()  # a world of one sends nothing: no hooks, no buckets but one per group
+    one(tmp_path / "w1", ["total_batch_size=128", "max_steps=1", "zero.bucket_elems=2000", "eval_every=0",
+                          f"zero.overlap={str(overlap).lower()}"])
+    assert [x for x in seen if x[0] == "norm"] == [("norm", 0, 2)]
 
 
 def test_tokens_per_second_counts_every_rank_and_only_rank0_writes(tmp_path):
@@ -180,19 +184,19 @@ def test_tokens_per_second_counts_every_rank_and_only_rank0_writes(tmp_path):
     assert files == ["checkpoints", "config.yaml", "log.jsonl"], files
     logged = [json.loads(x) for x in (tmp_path / "d" / "log.jsonl").read_text().splitlines()]
     assert _strip(logged) == _strip(outs[0])
-    ck_files = sorted(p.name for p in (tmp_path / "d" / "checkpoints").iterdir())
-    assert ck_files == ["step_00000005.ckpt", "step_00000005.rank0-of-2.zero", "step_00000005.rank1-of-2.zero",
-                        "step_00000010.ckpt", "step_00000010.rank0-of-2.zero", "step_00000010.rank1-of-2.zero"]
+    ck_files = sorted(p.name for p in (tmp_path / "d" / "checkpoints").iterdir())  # rank 0's state: in the .ckpt
+    assert ck_files == ["step_00000005.ckpt", "step_00000005.rank1-of-2.zero",
+                        "step_00000010.ckpt", "step_00000010.rank1-of-2.zero"]
 
 
-def test_distributed_true_on_one_process_is_adamw_bit_exact(tmp_path):
-    """``distributed: true`` without a launcher: ZeroAdamW over a world of one (SingleGroup) -- the same groups,
-    padding and norm as AdamW, so every logged number is bit-identical, clipping and accumulation included."""
+def test_distributed_true_on_one_process_is_the_one_process_run(tmp_path):
+    """``distributed: true`` without a launcher is the one-process run (a world of one either way): every logged
+    number bit-identical, clipping and accumulation included, and one checkpoint file."""
     extra = ["total_batch_size=128"]
     ref = one(tmp_path / "a", extra)
     got = one(tmp_path / "z", extra + ["distributed=true"])
     assert _strip(got) == _strip(ref)
-    assert (tmp_path / "z" / "checkpoints" / "step_00000010.rank0-of-1.zero").is_file()
+    assert sorted(p.name for p in (tmp_path / "z" / "checkpoints").iterdir()) == ["step_00000010.ckpt"]
 
 
 # ---------------------------------------------------------------- checkpoints across numbers of ranks
@@ -242,17 +246,17 @@ def test_checkpoint_resumes_on_another_number_of_ranks(tmp_path, first, second, 
 
 def test_zero_checkpoint_holds_the_full_model_and_every_slice(tmp_path):
     """The main file of a 2-rank checkpoint is an ordinary trainer checkpoint for the model (init_from and
-    generation read it), with no optim/ arrays; the two shards' slices consolidate to AdamW's format."""
+    generation read it) holding rank 0's slices of the moments; with rank 1's shard they consolidate to the full
+    format, the model's values being the gathered parameters."""
     from cukernels.generation import load_model
     from cukernels.optim.zero import consolidate_state
     ranks(2, tmp_path / "d", ["total_batch_size=128", "max_steps=3"])
     path = CF.latest(tmp_path / "d" / "checkpoints")
     arrays, meta = C.read_training(path)
-    assert not any(k.startswith(C.OPTIM_PREFIX) for k in arrays)
-    assert meta["zero"] == {"world_size": 2, "shards": ["step_00000003.rank0-of-2.zero",
-                                                         "step_00000003.rank1-of-2.zero"]}
-    assert meta["optimizer"]["kind"] == "ZeroAdamW" and meta["optimizer"]["step"] == 3
-    shards = CF.read_shards(path, meta)
+    assert meta["zero"] == {"world_size": 2, "shards": ["step_00000003.ckpt", "step_00000003.rank1-of-2.zero"]}
+    assert meta["optimizer"]["kind"] == "AdamW" and meta["optimizer"]["step"] == 3
+    assert meta["optimizer"]["rank"] == 0 and meta["optimizer"]["world_size"] == 2
+    shards = CF.read_shards(path, arrays, meta)
     state, params = consolidate_state([s for s, _ in shards])
     for n, a in C.model_arrays(arrays).items():
         np.testing.assert_array_equal(params[n], a, err_msg=n)  # the gathered model == the shards' slices
@@ -261,12 +265,39 @@ def test_zero_checkpoint_holds_the_full_model_and_every_slice(tmp_path):
     assert model.num_parameters() == sum(a.size for a in C.model_arrays(arrays).values())
 
 
+def test_zero_checkpoint_of_before_issue_34_resumes(tmp_path):
+    """A 2-rank checkpoint as written before issue 34 -- the main file without optimizer arrays, every rank's state
+    (its fp32 slices too) in a shard file of its own, the main file's running loss the ranks' sum -- resumes exactly
+    as the same checkpoint in today's format does."""
+    extra = ["total_batch_size=128", "ckpt_every=2", "log_every=3"]
+    ranks(2, tmp_path / "new", extra, stop_after=5)
+    main = CF.latest(tmp_path / "new" / "checkpoints")
+    arrays, meta = C.read_training(main)
+    names, total = [f"{main.stem}.rank{r}-of-2.zero" for r in range(2)], np.float32(0)
+    for r, (sh, train) in enumerate(CF.read_shards(main, arrays, meta)):
+        keys = ("param", "exp_avg", "exp_avg_sq")
+        shard_arrays = {f"{C.OPTIM_PREFIX}{n}/{k}": e[k] for n, e in sh["state"].items() for k in keys}
+        shard_arrays[C.TRAIN_PREFIX + "loss_acc"] = train["loss_acc"]
+        total = np.float32(total + train["loss_acc"])
+        ranges = {n: {k: e[k] for k in ("shape", "start", "stop")} for n, e in sh["state"].items()}
+        C.save(tmp_path / "old" / "checkpoints" / names[r], shard_arrays,
+               dict({k: sh[k] for k in ("rank", "world_size", "step", "lr", "eps", "weight_decay")},
+                    kind="ZeroAdamW.shard", betas=list(sh["betas"]), params=ranges))
+    old = {k: a for k, a in arrays.items() if not k.startswith(C.OPTIM_PREFIX)}
+    old[C.TRAIN_PREFIX + "loss_acc"] = total.reshape(())
+    C.save(tmp_path / "old" / "checkpoints" / main.name, old,
+           dict(meta, zero={"world_size": 2, "shards": names},
+                optimizer={"kind": "ZeroAdamW", "step": meta["step"], "lr": meta["optimizer"]["lr"]}))
+    want = ranks(2, tmp_path / "new", extra + ["resume=latest"])
+    got = ranks(2, tmp_path / "old", extra + ["resume=latest"])
+    assert _strip(got[0]) == _strip(want[0]) and len(got[0]) == len(want[0]) > 6
+
+
 def test_incomplete_checkpoints_are_skipped_and_pruned(tmp_path):
     ranks(2, tmp_path / "d", ["total_batch_size=128", "max_steps=6", "ckpt_every=2", "keep_last=2"])
     folder = tmp_path / "d" / "checkpoints"
     names = sorted(p.name for p in folder.iterdir())
-    assert names == [f"step_0000000{s}{x}" for s in (4, 6) for x in (".ckpt", ".rank0-of-2.zero",
-                                                                      ".rank1-of-2.zero")], names
+    assert names == [f"step_0000000{s}{x}" for s in (4, 6) for x in (".ckpt", ".rank1-of-2.zero")], names
     assert CF.latest(folder).name == "step_00000006.ckpt"
     (folder / "step_00000006.rank1-of-2.zero").unlink()  # a shard lost: step 6 is no longer complete
     assert not CF.is_complete(folder / "step_00000006.ckpt")
@@ -274,26 +305,38 @@ def test_incomplete_checkpoints_are_skipped_and_pruned(tmp_path):
     with pytest.raises(C.CheckpointError, match=r"step_00000006.rank1-of-2.zero is missing"):
         one(tmp_path / "again", ["total_batch_size=128", f"resume={folder / 'step_00000006.ckpt'}"])
     # an orphan shard of an old step (its main file never written) and a shard being written for a new one
-    (folder / "step_00000002.rank0-of-2.zero").write_bytes(b"x")
-    (folder / "step_00000008.rank0-of-2.zero").write_bytes(b"x")
+    (folder / "step_00000002.rank1-of-2.zero").write_bytes(b"x")
+    (folder / "step_00000008.rank1-of-2.zero").write_bytes(b"x")
     gone = CF.prune(folder, 1)  # complete: step 4 only -> nothing older than 4 survives
-    assert sorted(p.name for p in gone) == ["step_00000002.rank0-of-2.zero"]
-    assert CF.prune(folder, 1) == [] and (folder / "step_00000008.rank0-of-2.zero").exists()
+    assert sorted(p.name for p in gone) == ["step_00000002.rank1-of-2.zero"]
+    assert CF.prune(folder, 1) == [] and (folder / "step_00000008.rank1-of-2.zero").exists()
     # a corrupt shard is refused by its checksum, the file named
-    shard = folder / "step_00000004.rank0-of-2.zero"
+    shard = folder / "step_00000004.rank1-of-2.zero"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(C.CheckpointError, match=r"rank0-of-2.zero: checksum mismatch"):
+    with pytest.raises(C.CheckpointError, match=r"rank1-of-2.zero: checksum mismatch"):
         one(tmp_path / "again2", ["total_batch_size=128", f"resume={folder / 'step_00000004.ckpt'}"])
 
 
-def test_one_process_checkpoint_layout_is_unchanged(tmp_path):
-    one(tmp_path / "o", ["total_batch_size=128", "max_steps=2"])
+def test_one_process_checkpoint_is_one_file(tmp_path):
+    """A world of one writes one file, its optimizer state (the moments whole, in the parameters' shapes) inside, as
+    before issue 34; a one-process file of before (no ranges, no zero meta) resumes bit-identically."""
+    extra = ["total_batch_size=128", "ckpt_every=2", "log_every=3"]
+    one(tmp_path / "o", extra, stop_after=5)
     names = sorted(p.name for p in (tmp_path / "o" / "checkpoints").iterdir())
-    assert names == ["step_00000002.ckpt"]
-    arrays, meta = C.read_training(tmp_path / "o" / "checkpoints" / names[0])
-    assert "zero" not in meta and any(k.startswith(C.OPTIM_PREFIX) for k in arrays)
+    assert names == ["step_00000002.ckpt", "step_00000004.ckpt"]
+    path = tmp_path / "o" / "checkpoints" / names[-1]
+    arrays, meta = C.read_training(path)
+    assert meta["zero"] == {"world_size": 1, "shards": [names[-1]]}
+    for n, a in C.model_arrays(arrays).items():
+        assert arrays[f"{C.OPTIM_PREFIX}{n}/exp_avg"].shape == a.shape
+    full = one(tmp_path / "full", extra)
+    # the same checkpoint as the trainer wrote it before issue 34: moments whole, optimizer meta {kind, step, lr}
+    old = dict(meta, optimizer={k: meta["optimizer"][k] for k in ("kind", "step", "lr")})
+    del old["zero"]
+    legacy = C.save(tmp_path / "legacy" / "checkpoints" / names[-1], dict(arrays), old)
+    assert _strip(one(tmp_path / "legacy", extra + [f"resume={legacy}"])) == _strip(full)
 
 
 # ---------------------------------------------------------------- config, errors
@@ -321,7 +364,7 @@ def test_run_errors_name_the_problem(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"total_batch_size: 64 tokens per step are not a multiple of "
                                           r"batch_size \* seq_len \* 3 ranks = 192"):
         ranks(3, tmp_path / "a", ["total_batch_size=64"])
-    with pytest.raises(SystemExit, match="distributed: needs fused: true"):
+    with pytest.raises(ConfigError, match="distributed: needs fused: true"):
         ranks(2, tmp_path / "b", ["fused=false"])
     with pytest.raises(SystemExit, match="graph: true needs the GPU"):
         ranks(2, tmp_path / "c", ["graph=true"])
@@ -491,10 +534,9 @@ def test_gpu_killed_rank_ends_the_run(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_distributed_true_on_one_gpu_is_adamw(tmp_path):
-    """One GPU, no launcher: distributed: true (ZeroAdamW over a world of one, CuPy) against AdamW, eagerly and
-    with graph: true. Without clipping the update is the same kernel on the same numbers: losses bit-identical.
-    The logged norm sums per-block partials of the flat group buffers (ZeroAdamW) instead of per-parameter views
-    (the trainer's AdamW path): the same value within a few ulp, hence the 1e-6."""
+    """One GPU, no launcher: distributed: true against the default, eagerly and with graph: true -- both a world of
+    one (the same AdamW, the same step): losses bit-identical (the kernels are deterministic), the other rows
+    within 1e-6."""
     for g in ("false", "true"):
         a = one(tmp_path / f"a{g}", GPU_BASE + [f"graph={g}", "grad_clip=0"])
         z = one(tmp_path / f"z{g}", GPU_BASE + [f"graph={g}", "grad_clip=0", "distributed=true"])

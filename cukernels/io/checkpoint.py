@@ -16,7 +16,8 @@ any point leaves the previous checkpoint intact.
 The training checkpoint schema (one place, read by ``cukernels.train`` and ``cukernels.generation``): arrays
 ``model/<parameter name>``, ``optim/<parameter name>/exp_avg`` and ``/exp_avg_sq``, ``train/<name>``; meta
 ``kind`` = :data:`TRAIN_KIND`, ``version``, ``step``, ``model_type``, ``model_config``, ``optimizer``
-(``{"kind", "step", "lr"}``) and whatever the trainer adds (loader state, log, config).
+(``{"kind", "step", "lr"}`` and what the trainer adds: the ranges of a shard's slices) and whatever else the
+trainer adds (loader state, log, config; ``cukernels.train.checkpoint`` describes its files).
 """
 from __future__ import annotations
 
@@ -266,8 +267,10 @@ def prune(folder, keep_last: int):
 # ---------------------------------------------------------------------------------- training checkpoints
 def save_training(path, *, model, optimizer_state: dict, meta: dict, extra_arrays: Mapping | None = None) -> Path:
     """A training checkpoint: the model's parameters (``model.state_dict()``), the optimizer's moments
-    (``optimizer_state``: the ``state_dict()`` format of ``cukernels.optim``, arrays on either module) and
-    ``extra_arrays`` under ``train/``; ``meta`` plus the schema's own fields."""
+    (``optimizer_state``: the ``state_dict()`` format of ``cukernels.optim`` -- one rank's slices or whole moments --,
+    arrays on either module) and ``extra_arrays`` under ``train/``; ``meta`` plus the schema's own fields
+    (``meta["optimizer"]``, when given, is kept with the optimizer's kind, step and lr added: where a shard's slices
+    lie)."""
     arrays = {MODEL_PREFIX + n: a for n, a in model.state_dict().items()}
     for n, s in optimizer_state["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
@@ -276,8 +279,8 @@ def save_training(path, *, model, optimizer_state: dict, meta: dict, extra_array
         arrays[TRAIN_PREFIX + k] = a
     full = dict(meta, kind=TRAIN_KIND, version=VERSION, model_type=model.model_type,
                 model_config=model.config.to_dict(),
-                optimizer={"kind": optimizer_state.get("kind", "AdamW"), "step": int(optimizer_state["step"]),
-                           "lr": float(optimizer_state["lr"])})
+                optimizer=dict(meta.get("optimizer") or {}, kind=optimizer_state.get("kind", "AdamW"),
+                               step=int(optimizer_state["step"]), lr=float(optimizer_state["lr"])))
     return save(path, arrays, full)
 
 

@@ -13,12 +13,14 @@ import copy
 import dataclasses
 import numbers
 import os
+import types
 from typing import Any, Callable, Optional
 
 import yaml
 
 from ..models import REGISTRY
 from ..models.base import suggest
+from ..optim import WarmupCosine
 
 
 class ConfigError(ValueError):
@@ -257,10 +259,14 @@ def validate(cfg: dict) -> dict:
     return out
 
 
-def check_world(cfg: dict, world_size: int):
-    """Under data parallelism: ``total_batch_size`` (every rank's tokens per step) must be a multiple of
-    ``batch_size * seq_len * world_size``; returns the micro-batches per rank and step (ConfigError otherwise).
-    The default total is one micro-batch per rank."""
+def check_world(cfg, world_size: int):
+    """The checks that depend on the number of ranks (``cfg``: a validated config dict or a :class:`TrainConfig`):
+    ``total_batch_size`` (every rank's tokens per step) must be a multiple of ``batch_size * seq_len *
+    world_size``; across ranks the optimizer is the fused one, and bf16 gradient buffers go on a bf16 wire. Returns
+    ``(total_batch_size, micro-batches per rank and step)``; ConfigError otherwise. The default total is one
+    micro-batch per rank."""
+    if isinstance(cfg, TrainConfig):
+        cfg = cfg.as_dict()
     B, T = cfg["batch_size"], cfg["seq_len"]
     tbs = cfg["total_batch_size"] or B * T * world_size
     if tbs % (B * T * world_size):
@@ -272,7 +278,147 @@ def check_world(cfg: dict, world_size: int):
         raise ConfigError(f"grad_dtype: bfloat16 needs one micro-batch a step (total_batch_size = batch_size * "
                           f"seq_len{ranks} = {B * T * world_size}; got {tbs}): accumulating in bf16 would round "
                           f"every micro-batch; set grad_dtype: float32 to accumulate")
+    if world_size > 1 and not cfg["fused"]:
+        raise ConfigError("distributed: needs fused: true (the sharded AdamW shards the fused optimizer's flat "
+                          "buffers; the composite optimizer keeps one process's state)")
+    if world_size > 1 and cfg.get("grad_dtype") == "bfloat16" and zero_wire(cfg) != "bf16":
+        raise ConfigError("grad_dtype: bfloat16 sends the bf16 gradient buffers as they are; set zero.wire: bf16 "
+                          "(or auto) with it, or grad_dtype: float32 for an fp32 wire")
     return tbs, accum
+
+
+def zero_wire(cfg) -> str:
+    """``zero.wire`` resolved: ``auto`` is bf16 under bf16 autocast, else fp32."""
+    w = cfg["zero"]["wire"]
+    return ("bf16" if cfg["autocast"] else "fp32") if w == "auto" else w
+
+
+def lr_schedule(lr, max_steps, warmup_steps, min_lr_ratio):
+    """The run's lr schedule: linear warmup to ``lr`` over ``warmup_steps`` (at most ``max_steps``), then cosine
+    down to ``lr * min_lr_ratio`` at ``max_steps`` -- computed on the device by the fused optimizer's step, on the
+    host by the composite one and for the log."""
+    return WarmupCosine(lr, max_steps, min(warmup_steps, max_steps), lr * min_lr_ratio)
+
+
+def lr_at(step, cfg):
+    """The lr of step ``step`` (0-based: the optimizer's step ``t = step + 1``) under ``cfg``'s schedule (a config
+    dict with lr, max_steps, warmup_steps and min_lr_ratio)."""
+    return float(lr_schedule(cfg["lr"], cfg["max_steps"], cfg["warmup_steps"], cfg["min_lr_ratio"]).lr_at(step + 1))
+
+
+# ---------------------------------------------------------------------------------------------- typed sections
+def _section(cls, d, **renamed):
+    """A frozen section built from a dict's keys (``renamed``: field -> key)."""
+    return cls(**{f.name: d[renamed.get(f.name, f.name)] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What the data loaders are built from: the ``data`` section plus the batch shape and the seed."""
+
+    kind: str
+    path: Optional[str]
+    val_path: Optional[str]
+    val_fraction: float
+    sampling: str
+    batch_size: int
+    seq_len: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """The ``zero`` section: what several ranks add to the optimizer (no effect in a world of one)."""
+
+    wire: str  # resolved: bf16 or fp32
+    bucket_elems: Optional[int]
+    overlap: bool
+    overlap_gather: bool
+    sparse_exchange: bool
+    sm_margin: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """What the optimizer, its schedule and the clipping are built from."""
+
+    fused: bool
+    lr: float
+    betas: tuple
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    grad_dtype: str
+    warmup_steps: int
+    min_lr_ratio: float
+    max_steps: int
+    autocast: bool
+    zero: ZeroConfig
+
+    def schedule(self):
+        """The lr schedule of these keys (:func:`lr_schedule`)."""
+        return lr_schedule(self.lr, self.max_steps, self.warmup_steps, self.min_lr_ratio)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and when checkpoints are written, and which one a run resumes from."""
+
+    folder: str
+    every: int
+    final: bool
+    keep_last: int
+    resume: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A validated config as typed sections, built once (:meth:`from_dict`) and handed to the parts; frozen. The
+    model section is the model family's own fields (a read-only mapping); :meth:`as_dict` gives the config as
+    validated (what ``config.yaml`` and a checkpoint keep)."""
+
+    model: Any
+    data: DataConfig
+    optim: OptimConfig
+    ckpt: CheckpointConfig
+    device: str
+    fused: bool
+    autocast: bool
+    sparse_embedding: bool
+    graph: bool
+    seed: int
+    init_from: Optional[str]
+    distributed: Any
+    max_steps: int
+    eval_every: int
+    eval_steps: int
+    log_every: int
+    out_dir: str
+    log_format: str
+    plot: bool
+    progress: str
+    sample_chars: int
+    _source: Any = dataclasses.field(repr=False, compare=False, default=None)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "TrainConfig":
+        c = copy.deepcopy(dict(cfg))
+        zero = ZeroConfig(**dict(c["zero"], wire=zero_wire(c)))
+        optim = _section(OptimConfig, dict(c, betas=tuple(c["betas"]), autocast=bool(c["autocast"]), zero=zero))
+        ckpt = CheckpointConfig(c["ckpt_dir"] or os.path.join(c["out_dir"], "checkpoints"), c["ckpt_every"],
+                                c["ckpt_final"], c["keep_last"], c["resume"])
+        top = {f.name: c[f.name] for f in dataclasses.fields(cls) if f.name in c and f.name not in ("model", "data")}
+        return cls(model=types.MappingProxyType(dict(c["model"])), data=_section(DataConfig, dict(c["data"], **c)),
+                   optim=optim, ckpt=ckpt, **dict(top, autocast=bool(c["autocast"])), _source=c)
+
+    def with_model(self, model: dict) -> "TrainConfig":
+        """The same config with another model section (``init_from``'s resolved one): a new object."""
+        return dataclasses.replace(self, model=types.MappingProxyType(dict(model)),
+                                   _source=dict(self._source, model=dict(model)))
+
+    def as_dict(self) -> dict:
+        """The config as validated (a fresh copy), the model section as resolved."""
+        return copy.deepcopy(self._source)
 
 
 def _parse_override(o):
