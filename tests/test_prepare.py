@@ -10,7 +10,7 @@ pytest.importorskip("tokenizers", reason="pip install tokenizers (the 'tokenizer
 
 import cukernels as ck  # noqa: E402
 from cukernels import data as D  # noqa: E402
-from cukernels.prepare import main, prepare  # noqa: E402
+from cukernels.data import prepare, prepare_main as main  # noqa: E402
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "tokenizer_shakespeare"
 TEXT = Path(__file__).resolve().parents[1] / "examples" / "data" / "tinyshakespeare.txt"
@@ -73,3 +73,17 @@ def test_text_val_split_lands_near_the_fraction(tok, tmp_path):
     val = D.read_token_file(tmp_path / "o" / "val.bin").tolist()
     assert train + val == _doc(tok, text)
     assert 0.08 < len(val) / (len(train) + len(val)) < 0.12
+
+
+def test_python_m_cukernels_data_prepare(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "a.txt").write_text("To be, or not to be:\nthat is the question.\n", encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "cukernels.data", "prepare", "--tokenizer", str(FIX),
+                        str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), "--val-fraction", "0", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert D.read_token_file(tmp_path / "o" / "train.bin").size > 5
+    r = subprocess.run([sys.executable, "-m", "cukernels.data"], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage: python -m cukernels.data prepare" in r.stderr
