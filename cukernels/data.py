@@ -182,7 +182,6 @@ class RandomWindows:
 
 
 # ------------------------------------------------------------------------------------------------------ prepare
-# ``python -m cukernels.data prepare --tokenizer FOLDER INPUT... --out DIR``
 # Text to llm.c token files, streaming: ``python -m cukernels.data prepare --tokenizer FOLDER INPUT... --out DIR``.
 #
 # Each input is a document: a text file, or a ``.jsonl`` file whose lines are JSON objects with a ``"text"`` field (one
@@ -194,7 +193,7 @@ class RandomWindows:
 #
 # Output: ``DIR/train.bin`` and ``DIR/val.bin`` in llm.c's format (``cukernels.data``: uint16 tokens when the
 # vocabulary fits, else the uint32 LLaMA-3 format), the last ``--val-fraction`` of the input bytes going to val
-# (at least one chunk), and ``DIR/prepare.json`` (tokenizer, inputs, token counts). The trainer reads them with
+# (cut at a safe point near it), and ``DIR/prepare.json`` (tokenizer, inputs, token counts). The trainer reads them with
 # ``data: {kind: llmc, path: DIR/train.bin, val_path: DIR/val.bin}``.
 
 
