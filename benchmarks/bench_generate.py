@@ -163,11 +163,11 @@ def main(argv=None):
                     help="also batch 1, prompt 128 through the generic forward (model.fast_decode = False)")
     ap.add_argument("--pdl-ab", action="store_true",
                     help="also batch 1, prompt 128 with programmatic dependent launch off, and with the GEMV's "
-                         "L2 prefetch varied (gemv.PREFETCH_KB)")
+                         "L2 prefetch varied (ck.settings.gemv_prefetch_kb)")
     ap.add_argument("--reps", type=int, default=REPS, help="timed runs a row (the median is printed)")
     ap.add_argument("--ab", default="",
                     help="also batch 1, prompt 128 with each of these settings in turn, e.g. "
-                         "'gemv.DEPTH=2;gemv.DEPTH=2,gemv.DEPTH_LONG=2' (';' between rows, ',' between the "
+                         "'gemv_depth=2;gemv_depth=2,gemv_depth_long=2' (';' between rows, ',' between the "
                          "settings of one row; see benchmarks/ab.py)")
     ap.add_argument("--hf-worker", choices=list(HF_MODES), help=argparse.SUPPRESS)
     ap.add_argument("--hf-prompt", type=int, default=128, help=argparse.SUPPRESS)
@@ -199,22 +199,16 @@ def main(argv=None):
             print(f"{B:5d} {T:6d} {pre:11.2f} {tps:13,.0f} {step_ms:8.3f} {100 * (1e3 / step_ms) / floor:9.1f}%",
                   flush=True)
     if a.pdl_ab:  # the same fused step with programmatic dependent launch off (plain launches)
-        from cukernels.ops import _launch
-        _launch.PDL = False
-        pre, tps = ours(model, 1, 128, a.new, cp)
+        import cukernels as ck
+        with ck.settings(pdl=False):
+            pre, tps = ours(model, 1, 128, a.new, cp)
         print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
               f"(programmatic dependent launch off)", flush=True)
-        _launch.PDL = True
-        from cukernels.ops import gemv as gmod
-        for what, mod, attr, val in (("gemv.PREFETCH_KB = 0", gmod, "PREFETCH_KB", 0),
-                                     ("gemv.PREFETCH_KB = 2", gmod, "PREFETCH_KB", 2),
-                                     ("gemv.PREFETCH_KB = 8", gmod, "PREFETCH_KB", 8)):
-            old = getattr(mod, attr)
-            setattr(mod, attr, val)
-            pre, tps = ours(model, 1, 128, a.new, cp)
-            print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   ({what})",
-                  flush=True)
-            setattr(mod, attr, old)
+        for kb in (0, 2, 8):
+            with ck.settings(gemv_prefetch_kb=kb):
+                pre, tps = ours(model, 1, 128, a.new, cp)
+            print(f"    1    128 {pre:11.2f} {tps:13,.0f} {1e3 / tps:8.3f} {100 * tps / floor:9.1f}%   "
+                  f"(gemv_prefetch_kb = {kb})", flush=True)
     import ab
     for setting in ab.rows(a.ab):
         with ab.applied(setting):

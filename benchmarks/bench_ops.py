@@ -199,7 +199,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     ap.add_argument("--json", default="", help="save the rows to this file")
     ap.add_argument("--no-startup", action="store_true", help="ignored: start-up is benchmarks/bench_startup.py's")
-    ap.add_argument("--ab", default="", help="A/B rows of module settings (benchmarks/ab.py): each case is timed "
+    ap.add_argument("--ab", default="", help="A/B rows of ck.settings (benchmarks/ab.py): each case is timed "
                     "again under every row, printed below its default row")
     args = ap.parse_args(argv)
 

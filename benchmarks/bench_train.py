@@ -515,8 +515,8 @@ def main(argv=None):
                     help="a folder: after each row's timed steps, 2 more are recorded (CUPTI through torch.profiler) "
                          "into <folder>/<config>[_ab<i>]_rank<r>.csv and summarised (benchmarks/timeline.py)")
     ap.add_argument("--ab", default="",
-                    help="also run each config with these module settings, e.g. 'zero.ADAM_OCCUPANCY=8' "
-                         "(';' between rows, ',' within a row; see benchmarks/ab.py)")
+                    help="also run each config with these settings, e.g. 'pack_projections=0' or "
+                         "'zero.ADAM_OCCUPANCY=8' (';' between rows, ',' within a row; see benchmarks/ab.py)")
     args = ap.parse_args(argv)
     import os
     if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:

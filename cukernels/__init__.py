@@ -5,6 +5,7 @@ ops (kernels + references) -> autograd -> functional -> nn / optim / io -> model
 """
 from ._backend import bfloat16, gpu_available
 from ._loader import KernelCompileError
+from .settings import settings
 from .blas import matmul
 from .ops.rms_norm import add_rms_norm, add_rms_norm_backward, rms_norm, rms_norm_backward
 from .ops.layer_norm import layer_norm, layer_norm_backward

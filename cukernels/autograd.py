@@ -28,6 +28,7 @@ import weakref
 import numpy as np
 
 from . import _backend as B
+from .settings import settings
 from .ops.elementwise import add as _ck_add
 from .ops.elementwise import cast as _ck_cast
 
@@ -276,15 +277,12 @@ def fast_add(x, y):
     return x + y
 
 
-FAST_CAST = True  # stale-gradient overwrites through ck.cast (the A/B switch: --ab "autograd.FAST_CAST=0")
-
-
 def _accumulate_leaf(t, g):
     if t.grad is None:
         dt = t.data.dtype if t.data.dtype.kind == "f" or t.data.dtype == B.bfloat16 else g.dtype
         t.grad = g.astype(dt, copy=True)  # own storage: g may be shared with another input
     elif t.grad_stale:  # logically zero (lazy zero_grad): overwrite instead of adding
-        if FAST_CAST and _kernel_addable(t.grad, g):
+        if settings.fast_cast and _kernel_addable(t.grad, g):  # (the A/B switch: --ab fast_cast=0)
             # ck.cast's 16-byte kernel: CuPy's own fp32 -> bf16 copy ran at ~1.3 TB/s on the H200 (the fused LM
             # head's 1.05 GB fp32 dW into a bf16 gradient buffer: 1.24 ms of the B8xT1024 step, session 11)
             _ck_cast(g, t.grad.dtype, out=t.grad)

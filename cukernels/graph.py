@@ -18,14 +18,15 @@ What ``fn`` must respect (the graph-capturable contract of every cukernels op, D
 - GEMMs through ``ck.matmul`` (our own cuBLAS handle; ``cupy.matmul`` refuses capture).
 
 Before instantiation the captured graph's small memset nodes (cuBLAS' workspace memsets: 168 in a LLaMA-1B step)
-become kernel nodes writing the same bytes (``MEMSET_NODES``, ``kernels_cu/graph_fill.cu``): the gaps around
-them shrink to kernel-to-kernel size (B4xT64: -0.11 ms a step, session 16).
+become kernel nodes writing the same bytes (``ck.settings.graph_memset_nodes``, ``kernels_cu/graph_fill.cu``): the
+gaps around them shrink to kernel-to-kernel size (B4xT64: -0.11 ms a step, session 16).
 """
 from __future__ import annotations
 
 import ctypes
 
 from . import _backend as B
+from .settings import settings
 
 # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: a kernel node keeps the priority of the stream it was captured
 # from. Without it every node runs at the priority of the stream the graph is launched into, and the NCCL
@@ -69,9 +70,9 @@ class _PriorityGraph:
 
 
 # Small memset nodes become kernel nodes before instantiation (kernels_cu/graph_fill.cu says why, with the
-# numbers): "kernel" (default) or "keep" (the captured graph as it is, for A/B rows and for a driver where the
-# rewrite fails). Only fills of at most MEMSET_KERNEL_MAX_BYTES are rewritten; larger ones stay memset nodes.
-MEMSET_NODES = "kernel"
+# numbers): ck.settings.graph_memset_nodes "kernel" (default) or "keep" (the captured graph as it is, for A/B rows and
+# for a driver where the rewrite fails). Only fills of at most MEMSET_KERNEL_MAX_BYTES are rewritten; larger ones stay
+# memset nodes.
 MEMSET_KERNEL_MAX_BYTES = 1 << 20
 _NODE_TYPE_MEMSET = 2  # CU_GRAPH_NODE_TYPE_MEMSET
 
@@ -210,17 +211,15 @@ def end_capture(stream):
     if r != 0:
         raise RuntimeError(f"cuStreamEndCapture failed (CUresult {r})")
     converted = 0
-    if MEMSET_NODES == "kernel":
+    mode = settings.graph_memset_nodes  # "kernel" or "keep" (checked by the settings)
+    if mode == "kernel":
         try:
             converted = memsets_to_kernels(g, lib)
         except Exception as e:  # an optimisation only: whatever was rewritten is complete, the rest as captured
             import warnings
 
             warnings.warn(f"cukernels.graph: memset nodes left as captured ({type(e).__name__}: {e}); set "
-                          f"cukernels.graph.MEMSET_NODES = 'keep' to silence this", RuntimeWarning, stacklevel=2)
-    elif MEMSET_NODES != "keep":
-        lib.cuGraphDestroy(g)
-        raise ValueError(f"graph.MEMSET_NODES: expected 'kernel' or 'keep'; got {MEMSET_NODES!r}")
+                          f"ck.settings.graph_memset_nodes = 'keep' to silence this", RuntimeWarning, stacklevel=2)
     out = _PriorityGraph(g, lib)
     out.memsets_converted = converted
     return out

@@ -9,8 +9,9 @@ PyTorch's SDPA (cuDNN / flash) forward and forward+backward are timed beside for
 Answer (2026-12-01, one H200, ``python dev/attention_sweep.py``; H32/8, D64, 8192 tokens a call), before the
 kernels were persistent: fwd 3.93 us a CTA + 1.26 us a tile, dq 4.03 + 0.98, dkdv 11.3 + 1.31 (fit error 3 / 6 /
 20 %); the fixed part was 41 / 32 / 18 % of B8xT1024 causal and 15 / 11 / 6 % of B2xT4096. That led to the persistent
-kernels (fwd B8xT1024 causal 151 -> 136 us) and, from the same sweep over the forward variants, the ``VARIANT =
-"auto"`` policy of cukernels/ops/attention_sm90.py (benchmarks/NOTES.md, "flash_attention_sm90").
+kernels (fwd B8xT1024 causal 151 -> 136 us) and, from the same sweep over the forward variants, the
+``ck.settings.attention_sm90_variant = "auto"`` policy of cukernels/ops/attention_sm90.py (benchmarks/NOTES.md,
+"flash_attention_sm90").
 
     PYTHONPATH=. python dev/attention_sweep.py [--tokens 8192] [--reps 20] [--dim 128 --heads 16/16 --seqs 1024,4096]
 """
@@ -88,15 +89,15 @@ def main():
             fvar = A.fwd_variant(D, seq_k=T, causal=causal)
             kf, smf = A._kernel(D, fvar)
             *_, frows, fthr = A.fwd_shape(D, fvar)
-            kq, smq = A._kernel(D, A.BWD_VARIANT, "dq")
-            kd, smd = A._kernel(D, A.BWD_VARIANT, "dkdv")
+            kq, smq = A._kernel(D, ck.settings.attention_sm90_bwd_variant, "dq")
+            kd, smd = A._kernel(D, ck.settings.attention_sm90_bwd_variant, "dkdv")
             tail = (*tail, np.int32(Bsz))
             norope = A._rope_args(None, Bsz, T, T, D)
             nmb = -(-T // 128)
             tq_, tkv = nmb * H * Bsz, nmb * Hkv * Bsz
             tp = {}
             for persistent in (False, True):  # one CTA per work tile (the old schedule), then persistent CTAs
-                A.PERSISTENT = persistent
+                ck.settings.attention_sm90_persistent = persistent
                 tp[persistent] = {
                     "fwd": _time(lambda: kf((A.grid(-(-T // frows) * H * Bsz),), (fthr, 1, 1),
                                             (q, k, v, o, lse, *sq, *sk, *sv, *tail), shared_mem=smf), a.reps),
@@ -107,7 +108,7 @@ def main():
                                              (q, k, v, do, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *sk, *norope),
                                              shared_mem=smd), a.reps),
                 }
-            A.PERSISTENT = True
+            ck.settings.attention_sm90_persistent = True
             for var in A.VARIANTS:  # the forward's other consumer loops, persistent grid
                 if var != fvar and A.fwd_variant(D, var) == var:
                     kv_, smv = A._kernel(D, var)

@@ -70,9 +70,8 @@ def main():
             shared_mem=smf))))
         row("sem memset alone", timed(lambda: sem.fill(0)))
         for mode in ("fused", "kernel"):
-            A90.BWD_DQ = mode
-            row(f"whole backward, {mode}", timed(lambda: A90.flash_attention_backward_sm90(do, q, k, v, o, lse)))
-        A90.BWD_DQ = "fused"
+            with ck.settings(attention_sm90_bwd_dq=mode):
+                row(f"whole backward, {mode}", timed(lambda: A90.flash_attention_backward_sm90(do, q, k, v, o, lse)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Question: where does the B = 1 decode GEMV's ~5 us fixed cost go? Per-GEMV time inside a captured chain under
 PDL (what a decode step sees), for the LLaMA-3.2-1B B = 1 shapes, with and without the fused norm prologue.
-``GEMV_DEPTH=n`` overrides gemv.DEPTH (the per-lane cp.async ring's stages).
+``CUKERNELS_GEMV_DEPTH=n`` overrides ck.settings.gemv_depth (the per-lane cp.async ring's stages).
 
 Answer (2026-11-30, one H200, ``python dev/gemv_chain.py``): with the register-tile kernel the norm prologue cost
 2.0-2.2 us of every GEMV that had one (qkv 6.11 us with it, 4.10 without, floor 3.00) and a K = 8192 row had one chunk
@@ -48,12 +48,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=64)
     ap.add_argument("--B", type=int, default=1)
     a = ap.parse_args(argv)
-    import os
-
-    from cukernels.ops import gemv as gmod
-    if os.environ.get("GEMV_DEPTH"):
-        gmod.DEPTH = int(os.environ["GEMV_DEPTH"])
-    print(f"gemv.DEPTH = {gmod.DEPTH}, PREFETCH_KB = {gmod.PREFETCH_KB}")
+    print(f"gemv_depth = {ck.settings.gemv_depth}, gemv_prefetch_kb = {ck.settings.gemv_prefetch_kb}")
     bf = ck.bfloat16
     H, I, V, B = 2048, 8192, 128256, a.B
     rng = cp.random.default_rng(0)

@@ -1,11 +1,11 @@
 """Question: which memset nodes does cuBLAS put into a captured graph, and what does a replay of the step's GEMMs
-cost with them as memset nodes or rewritten as kernel nodes (cukernels.graph.MEMSET_NODES)?
+cost with them as memset nodes or rewritten as kernel nodes (ck.settings.graph_memset_nodes)?
 
 Answer (2026-12-01, one H200, ``python dev/graph_memsets.py``): 9 memset nodes for the 11 GEMMs, all 4-byte fills of 0
 (elementSize 1, width 4). In this replay of GEMMs alone the kernel nodes were not faster (3.978 / 4.268 ms kept
 against 4.233 / 4.447 rewritten, alternating rows); in the whole step they gave -0.11 ms at B4xT64 and nothing at
-B8xT1024 (``python benchmarks/bench_train.py --configs b4t64 --steps 30 --ab "graph.MEMSET_NODES=keep"``).
-MEMSET_NODES = "kernel" stays the default (benchmarks/NOTES.md, "CUDA graphs").
+B8xT1024 (``python benchmarks/bench_train.py --configs b4t64 --steps 30 --ab "graph_memset_nodes=keep"``).
+ck.settings.graph_memset_nodes = "kernel" stays the default (benchmarks/NOTES.md, "CUDA graphs").
 
     PYTHONPATH=. python dev/graph_memsets.py
 """
@@ -63,7 +63,7 @@ def main():
     for (es, w, h, pitch, v, mis), c in sizes.most_common():
         print(f"  memset x{c}: elementSize {es}, width {w}, height {h}, pitch {pitch}, value {v}, dst % 256 = {mis}")
     for mode in ("keep", "kernel", "keep", "kernel"):
-        graph.MEMSET_NODES = mode
+        ck.settings.graph_memset_nodes = mode
         step = ck.graph.CapturedStep(fn, warmup=1)
         step()
         step()
@@ -75,9 +75,9 @@ def main():
                 step()
             step.synchronize()
             times.append((time.perf_counter() - t0) / 20 * 1e3)
-        print(f"MEMSET_NODES={mode:<6} rewritten {step.graph.memsets_converted:3d}: {min(times):.3f} ms a replay "
+        print(f"graph_memset_nodes={mode:<6} rewritten {step.graph.memsets_converted:3d}: {min(times):.3f} ms a replay "
               f"of {len(SHAPES)} GEMMs (min of 3 x 20)")
-    graph.MEMSET_NODES = "kernel"
+    ck.settings.reset("graph_memset_nodes")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ import numpy as np
 
 import cukernels as ck
 from bench_ops import _time_graph, copy_bandwidth
-from cukernels.ops import layer_norm as LN
-from cukernels.ops import rms_norm as R
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
@@ -61,18 +59,17 @@ def pct(nb, us):
     return f"{nb / us / 1e3:6.0f} GB/s {100 * nb / us / 1e3 / bw:3.0f}%"
 
 
-KNOBS = ((R, "PIPE_STAGES"), (R, "PIPE_THREADS"), (LN, "PIPE_STAGES"), (LN, "PIPE_THREADS"))
-defaults = {f"{m.__name__.split('.')[-1]}.{a}": getattr(m, a) for m, a in KNOBS}
+KNOBS = dict(rs=("rms_norm_pipe_stages_bf16", "rms_norm_pipe_stages_f32"), rt=("rms_norm_pipe_threads",),
+             ls=("layer_norm_pipe_stages",), lt=("layer_norm_pipe_threads",))  # short name -> ck.settings
+defaults = {n: getattr(ck.settings, n) for names in KNOBS.values() for n in names}
 
 
 def apply(**kw):
-    """Module knobs by short name (rs, rt, ls, lt); the rest at their defaults."""
-    short = dict(rs=0, rt=1, ls=2, lt=3)
-    for i, (m, a) in enumerate(KNOBS):
-        setattr(m, a, defaults[f"{m.__name__.split('.')[-1]}.{a}"])
+    """ck.settings knobs by short name (rs, rt, ls, lt); the rest at their defaults."""
+    ck.settings.reset(*defaults)
     for k, v in kw.items():
-        m, a = KNOBS[short[k]]
-        setattr(m, a, {1: v, 2: v, 4: 256} if k == "rt" else {2: v, 4: v} if k == "rs" else v)
+        for n in KNOBS[k]:
+            setattr(ck.settings, n, v)
 
 
 # Each row times one rms and one layer_norm variant; the first is the default.

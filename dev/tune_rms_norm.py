@@ -1,7 +1,7 @@
 """Question: which (threads-per-row, packs-per-thread) plan should rms_norm's launcher pick? Forces each plan and times
 it, forward and backward; backward plans run twice: through the cp.async pipelined kernel (rms_bwd_pipe, the
-launcher's choice on the 16-byte path for VPT <= 4) and through the register kernel (rms_bwd_reg, forced by emptying
-R.PIPE_THREADS), plan by plan. GPU only.
+launcher's choice on the 16-byte path for VPT <= 4) and through the register kernel (rms_bwd_reg, forced by
+ck.settings.rms_norm_pipe = False), plan by plan. GPU only.
 
 Answer (2026-11-29, one H200, ``python dev/tune_rms_norm.py``): two 16-byte packs a thread won almost everywhere
 (f32 8192x2048 forward 33.5 us = 4.0 TB/s, backward 56.1 us = 3.6 TB/s; bf16 forward 18.8 us, backward 40.8 us);
@@ -35,9 +35,7 @@ for dt, dn in ((np.float32, "f32"), (ck.bfloat16, "bf16")):
         rs = [ck.rms_norm(x, w, 1e-5, return_rstd=True)[1] for x in xs]
         for direction, max_tpr, kern in (("fwd", 512, ""), ("bwd", 256, "pipe"), ("bwd", 256, "reg")):
             res = []
-            pipe_threads = R.PIPE_THREADS
-            if kern == "reg":
-                R.PIPE_THREADS = {}
+            ck.settings.rms_norm_pipe = kern != "reg"
             for vpt in (1, 2, 4, 8):
                 tpr = units // vpt
                 if tpr < 32 or tpr > max_tpr:
@@ -52,7 +50,7 @@ for dt, dn in ((np.float32, "f32"), (ck.bfloat16, "bf16")):
                 ms = _time_graph(f, k, 20, 10)
                 res.append(f"tpr={tpr:4d} vpt={vpt}: {ms*1e3:7.1f} us {nb/ms/1e6:6.0f} GB/s ({100*nb/ms/1e6/bw:3.0f}%)")
             R._plan = orig
-            R.PIPE_THREADS = pipe_threads
+            ck.settings.reset("rms_norm_pipe")
             heur = orig(C, sz, True, 512 if direction == "fwd" else 256)
             print(f"{direction} {kern} {dn} {N}x{C} (heuristic tpr={heur[1]} vpt={heur[2]}):\n   " + "\n   ".join(res),
                   flush=True)

@@ -31,7 +31,7 @@
 //     warpgroup's exp2s overlap the other's wgmmas. _overlap: the same loop without the turns; _wg3: three
 //     consumers in the _overlap loop; _serial: S, softmax, P V one after the other (same tiles and shared
 //     memory). Which one is faster depends on the loop length (session 10's sweep, NOTES): the Python launcher
-//     picks per call (attention_sm90.py, VARIANT = "auto").
+//     picks per call (ck.settings.attention_sm90_variant = "auto").
 //   * Shared tiles: rows of 64 bf16 = 128 bytes; a D = 128 tile is two such column blocks one after the other.
 //     16-byte chunk c of row r lives at byte r * 128 + ((c ^ (r & 7)) << 4) of its column block (Swizzle<3,4,3>
 //     on the address: bits 4-6 ^= bits 7-9), 8-row groups 1024 bytes apart, every tile 1024-byte aligned.
@@ -1376,7 +1376,7 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ acc, co
   }
 // attn_sm90_fwd_d{D}: the pipelined ping-pong consumers; attn_sm90_fwd_d{D}_serial: the serial consumer loop (same
 // tiles, same shared memory; the fallback and the reference point of the benchmark); attn_sm90_fwd_d{D}_overlap:
-// the pipelined loop without the ping-pong turns. ops/attention_sm90.py's VARIANT picks the production one.
+// the pipelined loop without the ping-pong turns. ck.settings.attention_sm90_variant picks the production one.
 #define CK_ATTN90_FWD(D, BN, STAGES, QB)              \
   CK_ATTN90_FWD_1(D, BN, STAGES, QB, 1, 2, )          \
   CK_ATTN90_FWD_1(D, BN, STAGES, QB, 0, 2, _serial)   \

@@ -41,7 +41,7 @@
 //   (128 B of shared memory, the SM's whole 128 B/clock at the ~1 pack/clock/SM that 4.2 TB/s means), 64 FMAs
 //   and 64 + 8 bf16 -> fp32 widenings (integer pipe, 64/clock/SM): ~145 instructions a pack, issue- and
 //   shared-bound near 60-70 % of the copy rate. So from NB = 4 a warp takes G = 2 adjacent output columns
-//   (G = 1 kernels are kept for comparison, gemv.py PAIR_MIN_NB): every xn value read and widened serves two W
+//   (G = 1 kernels are kept for comparison, ck.settings.gemv_pair_min_nb): every xn value read and widened serves two W
 //   rows, ~112 instructions and 64 B of shared memory a pack, at the price of half as many warps (N = 2048:
 //   128 blocks, one a SM). SwiGLU at G = 2 holds 4 rows a warp (2 columns x gate/up). Next lever: mma.sync
 //   m16n8k16 with x as the n = 8 operand.
@@ -85,7 +85,7 @@ constexpr unsigned GEMV_BIAS_F32 = 2u;   // bias is fp32, else bf16
 constexpr unsigned GEMV_NW_F32 = 4u;     // norm_weight / norm_bias are fp32, else bf16
 constexpr unsigned GEMV_ROUND_MID = 8u;  // intermediates rounded to bf16 (x and out both bf16)
 constexpr unsigned GEMV_X_VEC = 16u;     // x rows 16-byte aligned with K % (16 / sizeof(T)) == 0
-// flags bits 8-15: KB of its first rows a warp asks into L2 before the wait (gemv.py PREFETCH_KB)
+// flags bits 8-15: KB of its first rows a warp asks into L2 before the wait (ck.settings.gemv_prefetch_kb)
 // norm: 0 none, 1 rms, 2 layer.   act: 0 none, 1 swiglu, 2 gelu (tanh), 3 gelu (erf).
 
 __device__ __forceinline__ float ld_any(const void* p, long long i, bool f32) {
@@ -455,7 +455,7 @@ __device__ __forceinline__ void gemv_body(const T* __restrict__ x, long long ldx
       ij += nwg;
     }
   }
-  // ... and the rest of the warp's first rows, up to PREFETCH_KB a warp (flags), is asked into L2 (a hint: no
+  // ... and the rest of the warp's first rows, up to gemv_prefetch_kb KB a warp (flags), is asked into L2 (a hint: no
   // register holds it). 8 KB x ~2-3K warps would be 17-25 MB in flight in the 50 MB L2.
   {
     const long long rowbytes = (long long)K * sizeof(W);

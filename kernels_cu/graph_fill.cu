@@ -1,4 +1,5 @@
-// A captured graph's small memset nodes, re-issued as kernel nodes (cukernels/graph.py, MEMSET_NODES).
+// A captured graph's small memset nodes, re-issued as kernel nodes (cukernels/graph.py,
+// ck.settings.graph_memset_nodes).
 //
 // Semantics: those of a memset node (CUDA_MEMSET_NODE_PARAMS): `height` rows of `width` elements, each row
 // `pitch` bytes after the previous one, every element set to the low `elsize` bytes of `value` (elsize 1, 2

@@ -481,7 +481,7 @@ template <int E> __device__ __forceinline__ void load_smem_f32(const float* p, f
 // Backward, one warp a row (issue 17, session 14): bf16 rows of 65..128 packs (C 520..1024: GPT-2's 768), where
 // ln_bwd_pipe ran at 40 % of copy. A warp holds its row's x and dy packs in registers (lane l: packs l + 32 k),
 // reduces mean(g) and mean(g xh) with one butterfly of paired shuffles and meets no barrier until the block's final
-// combine. Blocks of 4 warps, 4 rows a warp (WARP_ROWS in ops/layer_norm.py), up to 4 blocks an SM: 8192 x 768
+// combine. Blocks of 4 warps, 4 rows a warp (ck.settings.layer_norm_warp_rows), up to 4 blocks an SM: 8192 x 768
 // bf16 18.2 us (49 % of copy) against ln_bwd_pipe's 22.1 (run E). Measured and not kept (NOTES.md, session 14):
 // the same kernel at VPT 2 / 8, for fp32 rows, as a persistent one-wave grid, and rms_norm's twin; at 8192 x 2048
 // bf16 it matched the pipelined kernels (~35-39 us) instead of beating them. dgamma and dbeta accumulate in

@@ -581,7 +581,7 @@ def test_gpu_all_ones_key_mask_is_bit_identical_to_no_mask(rng, causal, shape, m
     """The *_km kernels with nothing masked do the unmasked mma.sync kernels' arithmetic in the same order (on
     Hopper an unmasked call at head_dim 64/128 runs the wgmma kernels instead: switched off here)."""
     from cukernels.ops import attention as A
-    monkeypatch.setattr(A, "WGMMA", False)
+    monkeypatch.setattr(ck.settings, "attention_wgmma", False)
     Bsz, Tq, Tk, H, Hkv, D = shape
     Q, K, V, W = _dev(*qkv(rng, Bsz, Tq, Tk, H, Hkv, D), qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0])
     o0, l0 = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)

@@ -519,8 +519,9 @@ needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100 / 
 def variant(request, monkeypatch):
     """The GPU tests run every forward variant (ping-pong, serial, overlap without turns) and every backward one
     (ping-pong, serial; the overlap case runs the default backward)."""
-    monkeypatch.setattr(A90, "VARIANT", request.param)
-    monkeypatch.setattr(A90, "BWD_VARIANT", request.param if request.param in A90.BWD_VARIANTS else "")
+    monkeypatch.setattr(ck.settings, "attention_sm90_variant", request.param)
+    monkeypatch.setattr(ck.settings, "attention_sm90_bwd_variant",
+                        request.param if request.param in A90.BWD_VARIANTS else "")
     return request.param
 
 
@@ -699,9 +700,9 @@ FUSED = [(1, 1024, 1024, 32, 8, True), (2, 1000, 1000, 4, 4, False), (1, 300, 70
 @needs_sm90
 @pytest.mark.parametrize("case", FUSED, ids=lambda c: "B%dTq%dTk%dH%d/%d%s" % (*c[:5], "c" if c[5] else "f"))
 def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch, case):
-    """Head_dim 64: the five-product backward (BWD_DQ "fused", the default) against the two-kernel one ("kernel",
-    kept as the A/B reference) and the mma.sync backward, into NaN-poisoned buffers (every dq row written: rows
-    that see no key get 0); bit-identical when rerun and on grids capped to 1 and 5 CTAs."""
+    """Head_dim 64: the five-product backward (attention_sm90_bwd_dq "fused", the default) against the two-kernel one
+    ("kernel", kept as the A/B reference) and the mma.sync backward, into NaN-poisoned buffers (every dq row written:
+    rows that see no key get 0); bit-identical when rerun and on grids capped to 1 and 5 CTAs."""
     Bsz, Tq, Tk, H, Hkv, causal = case
     q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)
     w = qkv(rng, Bsz, Tq, Tk, H, Hkv, 64)[0]
@@ -709,7 +710,7 @@ def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch,
     o, lse = A90.flash_attention_sm90(Q, K, V, causal=causal, return_lse=True)
 
     def run(mode):
-        monkeypatch.setattr(A90, "BWD_DQ", mode)
+        monkeypatch.setattr(ck.settings, "attention_sm90_bwd_dq", mode)
         outs = tuple(cp().full(x.shape, np.nan, dtype=BF16) for x in (Q, K, K))
         got = A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal, grads_out=outs)
         return [to_host(x) for x in got]
@@ -720,12 +721,11 @@ def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch,
         close(x, y, 2e-2, n + " fused vs two kernels")
         close(x, z, 3e-2, n + " fused vs flash_attention_backward")
     for cap in (1, 5):
-        monkeypatch.setattr(A90, "GRID_CAP", cap)
+        monkeypatch.setattr(ck.settings, "attention_sm90_grid_cap", cap)
         for x, y, n in zip(run("fused"), fused, ("dq", "dk", "dv")):
             np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16), err_msg=f"{n}, grid cap {cap}")
-    monkeypatch.setattr(A90, "BWD_DQ", "bogus")
-    with pytest.raises(ValueError, match="BWD_DQ"):
-        A90.flash_attention_backward_sm90(W, Q, K, V, o, lse, causal=causal)
+    with pytest.raises(ValueError, match="attention_sm90_bwd_dq"):
+        ck.settings.attention_sm90_bwd_dq = "bogus"
 
 
 @pytest.mark.gpu
@@ -819,8 +819,8 @@ def test_gpu_persistent_grid_is_bit_identical(rng, variant, monkeypatch, case):
 
     ref = run()
     for cap, persistent in ((1, True), (3, True), (None, False)):
-        monkeypatch.setattr(A90, "GRID_CAP", cap)
-        monkeypatch.setattr(A90, "PERSISTENT", persistent)
+        monkeypatch.setattr(ck.settings, "attention_sm90_grid_cap", cap)
+        monkeypatch.setattr(ck.settings, "attention_sm90_persistent", persistent)
         for x, y, n in zip(run(), ref, ("o", "lse", "dq", "dk", "dv")):
             np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=f"{n}, grid cap {cap}")
     mo, ml = ck.flash_attention(Q, K, V, causal=causal, return_lse=True)  # and right, not only stable
@@ -847,9 +847,9 @@ def test_snake_walk_takes_every_tile_once(ntiles, grid):
 
 
 def test_auto_variant_policy(monkeypatch):
-    """VARIANT = "auto": head_dim 64 takes _overlap below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL unmasked) and _wg3
-    from there; head_dim 128 D128_AUTO (_serial); an explicit variant is kept where it is instantiated."""
-    monkeypatch.setattr(A90, "VARIANT", "auto")
+    """attention_sm90_variant = "auto": head_dim 64 takes _overlap below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL unmasked)
+    and _wg3 from there; head_dim 128 D128_AUTO (_serial); an explicit variant is kept where it is instantiated."""
+    monkeypatch.setattr(ck.settings, "attention_sm90_variant", "auto")
     assert A90.fwd_variant(64, seq_k=1024) == "_overlap" and A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ) == "_wg3"
     assert A90.fwd_variant(64, seq_k=A90.WG3_MIN_SEQ_FULL, causal=False) == "_wg3"
     assert A90.fwd_variant(64, seq_k=256, causal=False) == "_overlap"
@@ -865,7 +865,7 @@ def test_auto_variant_policy(monkeypatch):
                                          (1000, 128, True), (700, 128, False)])
 def test_gpu_auto_variant_matches_mma_sync(rng, monkeypatch, T, D, causal):
     """The default dispatch (auto) against the mma.sync kernels, fwd + bwd, on each of its picks."""
-    monkeypatch.setattr(A90, "VARIANT", "auto")
+    monkeypatch.setattr(ck.settings, "attention_sm90_variant", "auto")
     q, k, v = qkv(rng, 1, T, T, 4, 2, D)
     w = qkv(rng, 1, T, T, 4, 2, D)[0]
     Q, K, V, W = (cp().asarray(x) for x in (q, k, v, w))
@@ -883,9 +883,9 @@ def test_grid_is_one_cta_per_sm_at_most(monkeypatch):
     assert A90.grid(2048) == 132 and A90.grid(5) == 5 and A90.grid(0) == 1
     monkeypatch.setattr(A90.B, "sm_target", lambda: 116)  # ZeroAdamW(sm_margin=16) while a collective runs
     assert A90.grid(2048) == 116
-    monkeypatch.setattr(A90, "GRID_CAP", 3)
+    monkeypatch.setattr(ck.settings, "attention_sm90_grid_cap", 3)
     assert A90.grid(2048) == 3
-    monkeypatch.setattr(A90, "PERSISTENT", False)
+    monkeypatch.setattr(ck.settings, "attention_sm90_persistent", False)
     assert A90.grid(2048) == 2048
 
 

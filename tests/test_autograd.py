@@ -361,13 +361,12 @@ def test_tensor_methods_match_numpy_and_differentiate():
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("gdt", ["f32", "bf16"])
 def test_gpu_stale_gradient_overwrite_casts_like_astype(monkeypatch, fast, gdt):
-    """A lazily zeroed (stale) .grad overwritten by an fp32 gradient: through ck.cast (FAST_CAST) into a bf16 or
-    fp32 buffer, bit for bit what CuPy's assignment gives (round to nearest even), the view kept bound; a second
+    """A lazily zeroed (stale) .grad overwritten by an fp32 gradient: through ck.cast (ck.settings.fast_cast) into a
+    bf16 or fp32 buffer, bit for bit what CuPy's assignment gives (round to nearest even), the view kept bound; a second
     backward adds."""
     import cupy as cp
-    from cukernels import autograd as AG
 
-    monkeypatch.setattr(AG, "FAST_CAST", fast)
+    monkeypatch.setattr(ck.settings, "fast_cast", fast)
     dt = ck.bfloat16 if gdt == "bf16" else np.float32
     rng = np.random.default_rng(0)
     x = Tensor(cp.asarray(rng.standard_normal((37, 129)).astype(np.float32)), requires_grad=True)

@@ -333,8 +333,8 @@ def test_gpu_llama_vocab_fused_in_place(rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["out", "in_place"])
 def test_gpu_fused_cache_hints_change_no_bit(rng, monkeypatch, dtype, inplace):
-    """CACHE_HINTS (evict-first loads / stores in the fused kernel's pass 2) moves no bit: the fused loss and dx
-    with and without them are identical, at the LLaMA vocabulary and at an odd one on misaligned rows, and both
+    """ck.settings.ce_cache_hints (evict-first loads / stores in the fused kernel's pass 2) moves no bit: the fused loss
+    and dx with and without them are identical, at the LLaMA vocabulary and at an odd one on misaligned rows, and both
     match the reference."""
     from cukernels.ops import cross_entropy as ce_mod
     for N, V, mis in ((7, 128256, False), (37, 4097, True)):
@@ -343,13 +343,13 @@ def test_gpu_fused_cache_hints_change_no_bit(rng, monkeypatch, dtype, inplace):
         ref_loss, ref_dx = ck.cross_entropy_fused(x, t, label_smoothing=0.1, dloss=1.5)
         got = []
         for hints in (0, 1):
-            monkeypatch.setattr(ce_mod, "CACHE_HINTS", hints)
+            monkeypatch.setattr(ck.settings, "ce_cache_hints", bool(hints))
             xd = device_copy(x, mis)
             out = xd if inplace else poisoned((N, V), dtype, mis)
             loss, dx = ck.cross_entropy_fused(xd, device_copy(t), label_smoothing=0.1, dloss=1.5, out=out)
             assert dx is out
             got.append((to_host(loss), to_host(dx)))
-        assert got[0][0].tobytes() == got[1][0].tobytes(), f"loss bits differ with CACHE_HINTS ({N} x {V})"
+        assert got[0][0].tobytes() == got[1][0].tobytes(), f"loss bits differ with ce_cache_hints ({N} x {V})"
         np.testing.assert_array_equal(got[0][1].view(np.uint8), got[1][1].view(np.uint8))
         assert_close(got[1][0], ref_loss, np.float32, rtol=1e-4, atol=1e-5, what="fused loss")
         rt, at = _tol(dtype)

@@ -181,7 +181,8 @@ def test_table_covers_the_public_ops():
               "embedding_error", "flash_attention_sm90_supported", "gpu_available", "no_grad", "sample_workspace",
               "from_pretrained", "GPT2", "Llama", "decode_attention_workspace",
               "flash_attention_sm90", "flash_attention_backward_sm90",  # (GPU-only / covered by their configs)
-              "Tokenizer", "ByteTokenizer", "TextStream"}  # (tests/test_tokenizer.py: their bad input, one by one)
+              "Tokenizer", "ByteTokenizer", "TextStream",
+              "settings"}  # (tests/test_settings.py: names, types, ranges, choices)  # (tests/test_tokenizer.py: their bad input, one by one)
     public = {n for n in dir(ck) if not n.startswith("_") and callable(getattr(ck, n))
               and not inspect.ismodule(getattr(ck, n))}
     missing = sorted(public - exempt - set(SIG.TABLE))

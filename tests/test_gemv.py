@@ -413,12 +413,12 @@ def test_gpu_zero_rows_and_captures(rng):
 @pytest.mark.parametrize("N", [7, 2049, 3072])
 @pytest.mark.parametrize("Bn", [3, 4, 8])
 def test_gpu_column_pairing_both_ways(rng, monkeypatch, Bn, N, dtype, pair):
-    """B >= 3 runs G = 2 adjacent columns a warp by default (PAIR_MIN_NB); both variants against the reference,
-    odd N (the last group's second column is computed from a clamped row and never stored), SwiGLU (N even: 4
+    """B >= 3 runs G = 2 adjacent columns a warp by default (ck.settings.gemv_pair_min_nb); both variants against the
+    reference, odd N (the last group's second column is computed from a clamped row and never stored), SwiGLU (N even: 4
     W rows a warp) and plain, with bias and an in-place residual."""
     from cukernels.ops import gemv as gmod
 
-    monkeypatch.setattr(gmod, "PAIR_MIN_NB", 4 if pair else 99)
+    monkeypatch.setattr(ck.settings, "gemv_pair_min_nb", 4 if pair else 99)
     K = 2048
     for act in ([None, "swiglu"] if N % 2 == 0 else [None, "gelu"]):
         x, _, kw = _inputs(rng, Bn, K, N, dtype, norm="rms", bias=True, act=act, res=True)
@@ -437,17 +437,13 @@ def test_every_kernel_the_launcher_names_is_compiled():
     entries = set(_loader.list_entries("gemv", "sm_90"))
     names = set()
     for pair in (4, 99):
-        old = gmod.PAIR_MIN_NB
-        gmod.PAIR_MIN_NB = pair
-        try:
+        with ck.settings(gemv_pair_min_nb=pair):
             for xd in DTYPES:
                 for wd in DTYPES:
                     for rows in range(1, MAX_B + 1):
                         for sw in (False, True):
                             for vec in (False, True):
                                 names.add(gmod.kernel_name(xd, wd, rows, sw, vec)[0])
-        finally:
-            gmod.PAIR_MIN_NB = old
     assert names <= entries, sorted(names - entries)
     assert len(names) == len(entries) == 96  # and nothing compiled that no launch can reach
 
@@ -455,8 +451,8 @@ def test_every_kernel_the_launcher_names_is_compiled():
 @pytest.mark.gpu
 @pytest.mark.parametrize("Bn", [1, 3])
 def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
-    """The L2 prefetch before the wait (PREFETCH_KB: 0, 4, 255 KB a warp) is a hint: the outputs are bit-identical
-    whatever its size, with the rms prologue, SwiGLU and an in-place residual, K = 2048 and 8192."""
+    """The L2 prefetch before the wait (ck.settings.gemv_prefetch_kb: 0, 4, 255 KB a warp) is a hint: the outputs are
+    bit-identical whatever its size, with the rms prologue, SwiGLU and an in-place residual, K = 2048 and 8192."""
     from cukernels.ops import gemv as gmod
 
     for K, N, act in ((2048, 3072, None), (2048, 4096, "swiglu"), (8192, 2048, None)):
@@ -466,7 +462,7 @@ def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
         xd = device_copy(x)
         outs = []
         for kb in (0, 4, 255):
-            monkeypatch.setattr(gmod, "PREFETCH_KB", kb)
+            monkeypatch.setattr(ck.settings, "gemv_prefetch_kb", kb)
             outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} {act}"
 
@@ -475,9 +471,9 @@ def test_gpu_l2_prefetch_changes_no_bit(rng, monkeypatch, Bn):
 @pytest.mark.parametrize("Bn", [1, 2, 5, 8])
 @pytest.mark.parametrize("norm", [None, "rms", "layer"])
 def test_gpu_ring_depth_changes_no_bit(rng, monkeypatch, Bn, norm):
-    """The weight's cp.async ring (gemv.DEPTH stages of shared memory a lane) only changes when the bytes arrive:
-    depths 1-4 give bit-identical outputs, with grid-stride over several rows a warp (N > one wave of warps),
-    K not a multiple of a chunk (K = 1000: a partial last chunk), SwiGLU and an in-place residual, and match the
+    """The weight's cp.async ring (ck.settings.gemv_depth stages of shared memory a lane) only changes when the bytes
+    arrive: depths 1-4 give bit-identical outputs, with grid-stride over several rows a warp (N > one wave of warps), K
+    not a multiple of a chunk (K = 1000: a partial last chunk), SwiGLU and an in-place residual, and match the
     reference. Rows of x 16-byte aligned (the ring path) and a weight with padded rows (ldw > K)."""
     from cukernels.ops import gemv as gmod
 
@@ -489,8 +485,8 @@ def test_gpu_ring_depth_changes_no_bit(rng, monkeypatch, Bn, norm):
         xd = device_copy(x)
         outs = []
         for depth in (1, 2, 3, 4):
-            monkeypatch.setattr(gmod, "DEPTH", depth)
-            monkeypatch.setattr(gmod, "DEPTH_LONG", depth)
+            monkeypatch.setattr(ck.settings, "gemv_depth", depth)
+            monkeypatch.setattr(ck.settings, "gemv_depth_long", depth)
             outs.append(to_host(gemv(xd, w, **dkw)).view(np.uint16))
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), f"K{K} N{N} {act}"
         _check(outs[0].view(BF16), gemv(x, wh, **kw), BF16, what=f"K{K} N{N} {act} {norm}")

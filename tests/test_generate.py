@@ -280,7 +280,7 @@ def test_fused_decode_step_equals_the_generic_forward_numpy(family, monkeypatch)
     GEMVs with the norms as prologues, rope + cache write in one op, residual adds as GEMV epilogues) gives the
     generic forward's logits within bf16 rounding and the same greedy tokens; the packed parameters are views of
     one buffer holding the same values, so the generic forward after it is unchanged."""
-    monkeypatch.setattr(ck.nn.decode, "MAX_ROWS", 8)  # (the fused step is correct up to 8 rows; the engine's
+    monkeypatch.setattr(ck.settings, "decode_max_rows", 8)  # (the fused step is correct up to 8 rows; the engine's
     m = _peaked(np, family)                          # policy takes it at batch 1, where it is faster)
     before = {n: p.data.astype(np.float32).copy() for n, p in m.named_parameters()}
     prompt = np.random.default_rng(3).integers(0, 301, size=(3, 6))
@@ -312,7 +312,7 @@ def test_gpu_fused_decode_step_equals_the_generic_forward(family, monkeypatch):
     """The same on the kernels (ck.gemv, ck.rope_kv_write, ck.decode_attention), batch 1, 3 and 8 (B > 8 takes
     the generic forward), and the static engine's greedy tokens with the fused step equal those without it."""
     import cupy
-    monkeypatch.setattr(ck.nn.decode, "MAX_ROWS", 8)
+    monkeypatch.setattr(ck.settings, "decode_max_rows", 8)
     m = _peaked(cupy, family)
     for B in (1, 3, 8):
         prompt = np.random.default_rng(B).integers(0, 301, size=(B, 9))
@@ -342,7 +342,7 @@ def test_gpu_fused_decode_is_bit_identical_with_and_without_pdl(family, monkeypa
     prompt = np.random.default_rng(11).integers(0, 301, size=(1, 9))
     on, t_on = _decode_logits(m, cupy, prompt, 6, True)
     got = generate(m, prompt, 24, temperature=0)
-    monkeypatch.setattr(_launch, "PDL", False)
+    monkeypatch.setattr(ck.settings, "pdl", False)
     off, t_off = _decode_logits(m, cupy, prompt, 6, True)
     want = generate(m, prompt, 24, temperature=0)
     np.testing.assert_array_equal(on, off)

@@ -78,7 +78,7 @@ def test_captured_graph_keeps_node_priorities_and_a_side_stream():
     assert bool((out == 21.0).all())
 
 
-# --- small memset nodes re-issued as kernel nodes (graph.MEMSET_NODES, kernels_cu/graph_fill.cu) ---
+# --- small memset nodes re-issued as kernel nodes (ck.settings.graph_memset_nodes, kernels_cu/graph_fill.cu) ---
 
 @pytest.mark.parametrize("dst,pitch,value,elsize,width,height,want", [
     (0, 0, 0xAB, 1, 8, 1, (0, 0xABABABAB, 4, 2, 1)),         # aligned bytes -> words of the repeated byte
@@ -109,16 +109,14 @@ def test_fill_plan_rejects_bad_element_size():
 
 def _capture_memsets(cp, lib, base, ops, mode):
     """Capture ``ops`` (driver memsets and a copy kernel between them) on a fresh stream, end the capture through
-    cukernels.graph with MEMSET_NODES = ``mode``; returns the instantiated graph and the stream."""
+    cukernels.graph with ck.settings.graph_memset_nodes = ``mode``; returns the instantiated graph and the stream."""
     import ctypes
 
-    from cukernels import graph
+    from cukernels import graph, settings
 
     s = cp.cuda.Stream(non_blocking=True)
     u64, sz, st = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p(s.ptr)
-    old = graph.MEMSET_NODES
-    graph.MEMSET_NODES = mode
-    try:
+    with settings(graph_memset_nodes=mode):
         s.begin_capture()
         try:
             for op in ops:
@@ -141,8 +139,6 @@ def _capture_memsets(cp, lib, base, ops, mode):
                 assert r == 0, (op, r)
         finally:
             g = graph.end_capture(s)
-    finally:
-        graph.MEMSET_NODES = old
     return g, s
 
 
@@ -199,12 +195,11 @@ def test_memset_nodes_become_kernels_with_the_same_bytes_and_order():
 @pytest.mark.gpu
 def test_captured_gemms_with_memsets_as_kernels_equal_eager():
     """The LLaMA-1B step's GEMM shapes (cuBLAS puts a workspace memset before most of them: 168 a B8xT1024 step)
-    captured with MEMSET_NODES = "kernel": the memsets are rewritten and the products are bit-identical to eager
-    calls and to the graph captured with MEMSET_NODES = "keep"."""
+    captured with graph_memset_nodes = "kernel": the memsets are rewritten and the products are bit-identical to
+    eager calls and to the graph captured with graph_memset_nodes = "keep"."""
     import cupy as cp
 
     import cukernels as ck
-    from cukernels import graph
 
     rng = np.random.default_rng(3)
     shapes = [(8192, 2048, 3072), (8192, 2048, 16384), (8192, 8192, 2048), (2048, 8192, 2048), (16384, 8192, 2048)]
@@ -216,9 +211,7 @@ def test_captured_gemms_with_memsets_as_kernels_equal_eager():
     eager = [cp.asnumpy(ck.matmul(a, b, out_dtype=cp.float32)) for a, b, _ in ops]
     got = {}
     for mode in ("kernel", "keep"):
-        old = graph.MEMSET_NODES
-        graph.MEMSET_NODES = mode
-        try:
+        with ck.settings(graph_memset_nodes=mode):
             def fn():
                 for a, b, c in ops:
                     c.fill(np.nan)
@@ -229,8 +222,6 @@ def test_captured_gemms_with_memsets_as_kernels_equal_eager():
             step()
             out = step()
             step.synchronize()
-        finally:
-            graph.MEMSET_NODES = old
         got[mode] = ([cp.asnumpy(c) for c in out], step.graph.memsets_converted)
     assert got["keep"][1] == 0
     assert got["kernel"][1] > 0, "cuBLAS issued no memset node for the step's shapes (nothing to rewrite?)"

@@ -170,8 +170,8 @@ def test_gpu_forward_plans(rng, monkeypatch, target, C, dtype, wdtype):
     parameter dtypes, against the reference."""
     from cukernels.ops import layer_norm as LN
 
-    monkeypatch.setattr(LN, "FWD_TARGET_VPT", target)
-    monkeypatch.setattr(LN, "FWD_TARGET_VPT_BF16", target)
+    monkeypatch.setattr(ck.settings, "layer_norm_fwd_target_vpt", target)
+    monkeypatch.setattr(ck.settings, "layer_norm_fwd_target_vpt_bf16", target)
     _check(rng, 37 if C <= 2048 else 5, C, dtype, wdtype, misalign=False)
 
 
@@ -262,12 +262,12 @@ def test_gpu_pipelined_backward_shapes(rng, rows, C, dtype):
         assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
 
 
-# Issue 17, session 14: the one-warp-a-row backward (ln_bwd_warp) on bf16 rows of 65..128 packs (C 520..1024), and
-# the rows just outside (512, 1032: the pipelined kernel), for rows from fewer than a block's warps to a grid capped
-# at 4 waves (8195 rows at one row a warp: the warps loop), both parameter dtypes, the bf16 gamma misaligned (element
-# loads while staging it; x and dy still 16-byte); the same inputs through ln_bwd_pipe (BWD_KERNEL "pipe") too.
+# Issue 17, session 14: the one-warp-a-row backward (ln_bwd_warp) on bf16 rows of 65..128 packs (C 520..1024), and the
+# rows just outside (512, 1032: the pipelined kernel), for rows from fewer than a block's warps to a grid capped at 4
+# waves (8195 rows at one row a warp: the warps loop), both parameter dtypes, the bf16 gamma misaligned (element loads
+# while staging it; x and dy still 16-byte); the same inputs through ln_bwd_pipe (layer_norm_bwd_kernel "pipe") too.
 WARP_COLS = [512, 520, 768, 1024, 1032]
-VARIANTS = [("warp", 4), ("warp", 1), ("pipe", 4)]  # (BWD_KERNEL, WARP_ROWS)
+VARIANTS = [("warp", 4), ("warp", 1), ("pipe", 4)]  # (layer_norm_bwd_kernel, layer_norm_warp_rows)
 
 
 @pytest.mark.gpu
@@ -287,8 +287,8 @@ def test_gpu_warp_backward_matches_reference(rng, monkeypatch, rows, wdtype):
         gd = device_copy(g, misalign=np.dtype(wdtype).itemsize == 2)
         rt, at = TOL[np.dtype(wdtype)]
         for kernel, trips in VARIANTS:
-            monkeypatch.setattr(LN, "BWD_KERNEL", kernel)
-            monkeypatch.setattr(LN, "WARP_ROWS", trips)
+            monkeypatch.setattr(ck.settings, "layer_norm_bwd_kernel", kernel)
+            monkeypatch.setattr(ck.settings, "layer_norm_warp_rows", trips)
             dxo = poisoned(x.shape, dtype)
             runs = [ck.layer_norm_backward(dyd, xd, gd, md, rd, out=dxo if i == 0 else None) for i in range(2)]
             assert runs[0][0] is dxo
@@ -326,9 +326,9 @@ def test_warp_block_mirrors_the_kernels():
 def test_gpu_pipelined_backward_depths(rng, monkeypatch, stages, threads, rows, C, dtype, wdtype):
     from cukernels.ops import layer_norm as LN
 
-    monkeypatch.setattr(LN, "PIPE_STAGES", stages)
-    monkeypatch.setattr(LN, "PIPE_THREADS", threads)
-    monkeypatch.setattr(LN, "BWD_KERNEL", "pipe")  # bf16 C 1024 would take the one-warp-a-row kernel
+    monkeypatch.setattr(ck.settings, "layer_norm_pipe_stages", stages)
+    monkeypatch.setattr(ck.settings, "layer_norm_pipe_threads", threads)
+    monkeypatch.setattr(ck.settings, "layer_norm_bwd_kernel", "pipe")  # bf16 C 1024: else the one-warp-a-row kernel
     _check(rng, rows, C, dtype, wdtype, False)
     x, dy = device_copy(randn(rng, (rows, C), dtype)), device_copy(randn(rng, (rows, C), dtype))
     g, b = device_copy(randn(rng, (C,), wdtype)), device_copy(randn(rng, (C,), wdtype))

@@ -544,13 +544,11 @@ def test_gpu_extra_memory_is_the_workspace_not_the_logits(rng):
 @pytest.mark.parametrize("N, H, V, chunk", [(3, 40, 50257, None), (1000, 64, 50257, 256), (37, 33, 4099, 5)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_gpu_staged_weight_matches_reference(rng, N, H, V, chunk, dtype, stage, monkeypatch):
-    """A weight with an unaligned row count is staged into zero-padded rows (STAGE_WEIGHT = 1, the default) or
-    used as it is (0): both agree with the reference; the caller's weight is never written."""
+    """A weight with an unaligned row count is staged into zero-padded rows (ck.settings.lce_stage_weight, the
+    default) or used as it is (off): both agree with the reference; the caller's weight is never written."""
     import cupy as cp
 
-    from cukernels.ops import linear_cross_entropy as lce
-
-    monkeypatch.setattr(lce, "STAGE_WEIGHT", stage)
+    monkeypatch.setattr(ck.settings, "lce_stage_weight", bool(stage))
     misalign = N == 37
     x, w, t = _case(rng, N, H, V, dtype)
     xd, wd, td = device_copy(x, misalign), device_copy(w, misalign), device_copy(t, misalign)

@@ -300,16 +300,16 @@ def test_fused_head_loss_writes_a_bf16_grad_directly(rng, which, monkeypatch):
 
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
 def test_fused_head_loss_chunks_follow_head_workspace(rng, monkeypatch, grad_dtype):
-    """The model's head picks its chunk rows from loss_ops.HEAD_WORKSPACE (here shrunk, with 4-row quanta, so tiny
-    models take several chunks): fp32 .grad -> chunk_rows_for(N, V, s, HEAD_WORKSPACE); a stale bf16 .grad -> one
-    chunk straight into .grad while the logits fit HEAD_WORKSPACE + the V x H x 4 bytes of an fp32 dW, else the
+    """The model's head picks its chunk rows from ck.settings.head_workspace (here shrunk, with 4-row quanta, so tiny
+    models take several chunks): fp32 .grad -> chunk_rows_for(N, V, s, head_workspace); a stale bf16 .grad -> one
+    chunk straight into .grad while the logits fit head_workspace + the V x H x 4 bytes of an fp32 dW, else the
     same chunks into a fresh fp32 dW. Loss and gradients equal the logits path's either way."""
     from cukernels.functional import loss_ops
     from cukernels.ops import linear_cross_entropy as lce_mod
     which = "llama-untied"
     V, H = _config().vocab_size, _config().hidden_size
     monkeypatch.setattr(lce_mod, "ROW_QUANTUM", 4)
-    monkeypatch.setattr(loss_ops, "HEAD_WORKSPACE", 8 * V * 4)  # 8 fp32 rows of logits a chunk
+    monkeypatch.setattr(ck.settings, "head_workspace", 8 * V * 4)  # 8 fp32 rows of logits a chunk
     seen, lce = [], loss_ops._lce
     monkeypatch.setattr(loss_ops, "_lce", lambda *a, **k: (seen.append(k), lce(*a, **k))[1])
     bf16 = grad_dtype == "bfloat16"

@@ -302,7 +302,7 @@ def test_packed_projections_in_the_model(rng, monkeypatch):
     ids = rng.integers(0, 11, (2, 6)).astype(np.int32)
     out = {}
     for pack in (True, False):
-        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        monkeypatch.setattr(ck.settings, "pack_projections", pack)
         m = ck.Llama(cfg, seed=4)
         opt = AdamW(m.parameters(), lr=1e-3)
         mlp = m.model.layers[0].mlp
@@ -325,7 +325,8 @@ def test_packed_projections_in_the_model(rng, monkeypatch):
 def test_gpu_packed_qkv_and_gate_up_match_separate(monkeypatch, grad_dtype):
     """bf16 autocast on the GPU with AdamW's shadows: q / k / v as one GEMM feeding the packed flash attention
     (rope on q and k in place, one launch), gate / up as one GEMM into the packed SwiGLU. Loss and gradients
-    against the separate projections (PACK_PROJECTIONS off): same math, other GEMM shapes (bf16 tolerance)."""
+    against the separate projections (ck.settings.pack_projections off): same math, other GEMM shapes (bf16
+    tolerance)."""
     import cupy as cp
     from cukernels.nn import layers
 
@@ -336,7 +337,7 @@ def test_gpu_packed_qkv_and_gate_up_match_separate(monkeypatch, grad_dtype):
     tg = cp.asarray(rng.integers(0, 128, (2, 37)).astype(np.int32))
     out = {}
     for pack in (True, False):
-        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        monkeypatch.setattr(ck.settings, "pack_projections", pack)
         m = ck.Llama(cfg, seed=9).to("gpu")
         opt = AdamW(m.parameters(), lr=1e-3, grad_dtype=ck.bfloat16 if grad_dtype == "bf16" else np.float32)
         ck.amp.attach_shadows(m.parameters(), opt)
@@ -371,7 +372,7 @@ def test_packable_only_bias_free_fused_projections(rng, monkeypatch):
     x = Tensor(rng.standard_normal((2, 3, 8)).astype(np.float32))
     for bias, fused, pack, want in ((False, True, True, True), (True, True, True, False),
                                     (False, False, True, False), (False, True, False, False)):
-        monkeypatch.setattr(layers, "PACK_PROJECTIONS", pack)
+        monkeypatch.setattr(ck.settings, "pack_projections", pack)
         m = SwiGLUMLP(8, 12, bias=bias, rng=np.random.default_rng(1), dtype=np.float32)
         m.set_fused(fused)
         assert layers.packable(m, (m.gate_proj, m.up_proj)) is want

@@ -554,7 +554,8 @@ def test_gpu_backward_paths_match_reference(rng, rows, C, dtype, with_dh):
 def test_gpu_backward_pipeline_depths(rng, monkeypatch, stages, rows, C, dtype, wdtype):
     from cukernels.ops import rms_norm as R
 
-    monkeypatch.setattr(R, "PIPE_STAGES", {2: stages, 4: stages})
+    monkeypatch.setattr(ck.settings, "rms_norm_pipe_stages_bf16", stages)
+    monkeypatch.setattr(ck.settings, "rms_norm_pipe_stages_f32", stages)
     x, dy, dh = (randn(rng, (rows, C), dtype, scale=2.0) for _ in range(3))
     w = randn(rng, (C,), wdtype)
     _, r_ref = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)

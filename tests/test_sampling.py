@@ -578,10 +578,10 @@ def test_gpu_greedy_nan_inf_and_signed_zero_rows(rng, dtype, V, monkeypatch):
     want = _greedy_ref(l)
     assert want[:3].tolist() == [0, 0, V - 1] and want[5] == 0 and want[7] == V * 2 // 3
     for split in (True, False):
-        monkeypatch.setattr(S_, "GREEDY_SPLIT", split)
+        monkeypatch.setattr(ck.settings, "greedy_split", split)
         out = c.full((len(l),), -1, c.int32)
         got = to_host(sample_tokens(device_copy(l), temperature=0.0, out=out))
-        np.testing.assert_array_equal(got, want, err_msg=f"GREEDY_SPLIT={split}: {_name_rows(got, want)}")
+        np.testing.assert_array_equal(got, want, err_msg=f"greedy_split={split}: {_name_rows(got, want)}")
 
 
 @pytest.mark.gpu
@@ -644,7 +644,7 @@ def test_gpu_greedy_split_equals_one_block_kernel_and_reruns_bit_identical(rng, 
         assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0, workspace=ws)), first)
         assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0)), first)  # the stream's cached one
     assert not _counters(ws).any(), "a counter was left non-zero"
-    monkeypatch.setattr(S_, "GREEDY_SPLIT", False)
+    monkeypatch.setattr(ck.settings, "greedy_split", False)
     assert np.array_equal(to_host(sample_tokens(ld, temperature=0.0)), first)
     assert np.array_equal(first, _greedy_ref(l))
 

@@ -337,11 +337,11 @@ WIDE_COLS = [8193, 16392, 24576, 32760, 32768, 32769, 32776, 65528, 65536, 65544
 @pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("cluster", [1, 0], ids=["cluster", "nocluster"])
 def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign, cluster, monkeypatch):
-    """Rows past the register kernels: the cluster kernel (sm_90, 16-byte rows), and with CLUSTER = 0 the wide /
+    """Rows past the register kernels: the cluster kernel (sm_90, 16-byte rows), and with softmax_cluster off the wide /
     loop kernels that sm_80 and the element path run."""
     from cukernels.ops import softmax as SM
 
-    monkeypatch.setattr(SM, "CLUSTER", cluster)
+    monkeypatch.setattr(ck.settings, "softmax_cluster", bool(cluster))
     x = randn(rng, (rows, C), dtype, scale=3.0)
     if rows >= 5:
         x[1] = -np.inf  # every key -inf: a row of zeros, never NaN
@@ -370,13 +370,13 @@ def test_gpu_softmax_wide_rows(rng, rows, C, dtype, misalign, cluster, monkeypat
 @pytest.mark.parametrize("K", [16392, 40000, 65536])
 @pytest.mark.parametrize("cluster", [1, 0], ids=["cluster", "nocluster"])
 def test_gpu_long_causal_scale_and_in_place(rng, dtype, K, cluster, monkeypatch):
-    """Unmasked attention rows past the register kernels, on the cluster kernels (sm_90) and with CLUSTER = 0 on the
-    wide / loop kernels: causal rows skip the masked tail (written as zeros, never read; whole CTAs of a cluster
-    with nothing live), scale in both directions, out=scores in place (each thread reads its packs before any
-    write), and short q_len = k_len rows whose first query has one live key."""
+    """Unmasked attention rows past the register kernels, on the cluster kernels (sm_90) and with softmax_cluster off on
+    the wide / loop kernels: causal rows skip the masked tail (written as zeros, never read; whole CTAs of a cluster
+    with nothing live), scale in both directions, out=scores in place (each thread reads its packs before any write),
+    and short q_len = k_len rows whose first query has one live key."""
     from cukernels.ops import softmax as SM
 
-    monkeypatch.setattr(SM, "CLUSTER", cluster)
+    monkeypatch.setattr(ck.settings, "softmax_cluster", bool(cluster))
     shape = (1, 2, 3, K)
     s = randn(rng, shape, dtype, scale=2.0)
     p_ref = ck.attn_softmax(s, causal=True, scale=0.7)
@@ -411,7 +411,7 @@ def test_cluster_plan_and_routes():
         kind, plan = SM._bwd_route(C, isz, vec, cc)
         return kind if kind in ("loop", "reg") else (kind, plan)
 
-    # forward: the cluster kernel takes the 16-byte rows past the register kernels (16384 columns; CLUSTER_FWD_FROM)
+    # forward: the cluster kernel takes the 16-byte rows past the register kernels (16384 columns; softmax_cluster_fwd_from_*)
     assert fwd(32768, 2) == ("cluster", (2, 512, 2048)) and fwd(32768, 4) == ("cluster", (2, 512, 4096))
     assert fwd(16392, 2) == ("cluster", (2, 288, 1025)) and fwd(16384, 2) == "reg" and fwd(16384, 4) == "reg"
     assert fwd(32768, 2, cc=80) == ("wide", 512) and fwd(32768, 4, cc=80) == ("wide", 1024)
@@ -437,7 +437,7 @@ def test_cluster_plan_covers_every_row(monkeypatch):
     from cukernels.ops import softmax as SM
 
     for pref in (256, 512, 1024):
-        monkeypatch.setattr(SM, "CLUSTER_THREADS", pref)
+        monkeypatch.setattr(ck.settings, "softmax_cluster_threads", pref)
         for isz in (4, 2):
             E = 16 // isz
             for backward in (False, True):
@@ -459,7 +459,7 @@ def test_cluster_plan_covers_every_row(monkeypatch):
 def test_cluster_switch_off_keeps_the_old_kernels(monkeypatch):
     from cukernels.ops import softmax as SM
 
-    monkeypatch.setattr(SM, "CLUSTER", 0)
+    monkeypatch.setattr(ck.settings, "softmax_cluster", False)
     assert SM._fwd_route(65536, 2, True, False, 90) == ("wide", 1024)
     assert SM._fwd_route(65536, 4, True, False, 90) == ("loop", None)
     assert SM._bwd_route(65536, 2, True, 90) == ("loop", None)
@@ -560,9 +560,9 @@ def test_gpu_cluster_forced_configs(rng, monkeypatch, threads, C, dtype):
     kernels, CTAs of up to 256 / 512 / 1024 threads (n = 2 at 16392 .. n = 8 at 65536 x 256)."""
     from cukernels.ops import softmax as SM
 
-    monkeypatch.setattr(SM, "CLUSTER_FWD_FROM_F32", 16384)
-    monkeypatch.setattr(SM, "CLUSTER_FWD_FROM_BF16", 16384)
-    monkeypatch.setattr(SM, "CLUSTER_THREADS", threads)
+    monkeypatch.setattr(ck.settings, "softmax_cluster_fwd_from_f32", 16384)
+    monkeypatch.setattr(ck.settings, "softmax_cluster_fwd_from_bf16", 16384)
+    monkeypatch.setattr(ck.settings, "softmax_cluster_threads", threads)
     _check_cluster_rows(rng, 7, C, dtype, bwd_cluster=False)  # bf16 below 32768: the register backward
 
 
@@ -576,7 +576,7 @@ def test_gpu_cluster_rows_strided(rng, monkeypatch, dtype, clusters):
     from cukernels.ops import softmax as SM
 
     C = 65536
-    monkeypatch.setattr(SM, "CLUSTER_MAX_GRID", clusters * 8)  # 8 // n x clusters clusters (n 4 or 8 here)
+    monkeypatch.setattr(ck.settings, "softmax_cluster_max_grid", clusters * 8)  # 8 // n x clusters clusters (n 4, 8)
     for backward in (False, True):
         n = SM._cluster_plan(C, np.dtype(dtype).itemsize, backward)[0]
         assert SM._cluster_grid(11, n) == clusters * 8

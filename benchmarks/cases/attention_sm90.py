@@ -82,11 +82,8 @@ def cases(ctx):
                 continue
 
             def other(i, qs=qs, ks=ks, vs=vs, causal=causal, var=var):
-                A90.VARIANT, prev = var, A90.VARIANT
-                try:
+                with ck.settings(attention_sm90_variant=var):
                     return A90.flash_attention_sm90(qs[i], ks[i], vs[i], causal=causal, return_lse=True)
-                finally:
-                    A90.VARIANT = prev
 
             out.append(Case(f"flash_attention_sm90 fwd {var.strip('_') or 'pingpong'}", shape, "bf16", per_set,
                             "q,k,v,o once", other, mma_sync, tf, note=f"the {var or 'ping-pong'} consumer loop",

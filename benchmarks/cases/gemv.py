@@ -11,7 +11,7 @@ Memory-bound on the weight: GB/s counts the weight bytes only (N * K * 2; x, out
 B = 8), the number the decode step's floor is made of. "x cupy": the unfused composition of our own ops
 (ck.rms_norm, ck.matmul on cuBLAS, ck.swiglu_packed, ck.add), the path the model's decode step takes today;
 "x torch": ``x @ W.T`` in torch bf16 (torch.mm with out=; no norm / activation / residual: the GEMV alone).
-At B = 8 each shape runs twice: the default (a warp takes G = 2 adjacent columns, gemv.PAIR_MIN_NB) and "G1"
+At B = 8 each shape runs twice: the default (a warp takes G = 2 adjacent columns, ck.settings.gemv_pair_min_nb) and "G1"
 (one column a warp), to settle the choice on the device.
 """
 import numpy as np
@@ -73,12 +73,8 @@ def cases(ctx):
             if Bn >= 3:
 
                 def ours_g1(i, ours=ours):
-                    old = gmod.PAIR_MIN_NB
-                    gmod.PAIR_MIN_NB = 99  # one column a warp
-                    try:
+                    with ck.settings(gemv_pair_min_nb=99):  # one column a warp
                         return ours(i)
-                    finally:
-                        gmod.PAIR_MIN_NB = old
 
                 out.append(Case(f"gemv {name} G1", f"B{Bn} {N}x{K}", "bf16", wbytes, "N*K*2 (weight only)", ours_g1,
                                 None, None, note=note + " (one column a warp)", extra=dict(nsets=k_)))

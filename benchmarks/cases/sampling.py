@@ -4,8 +4,8 @@ LLaMA-3's and GPT-2's vocabularies, fp32 logits (the LM head's output).
 Bytes: the logits read once (B * V * 4); the kernel makes 2 (greedy: 1) to ~8 passes over a row, the later ones
 from L2, so GB/s here is a lower bound of the traffic. Sampling runs one block per row: at B = 1 a single SM does
 the work, so the figure to read is the time. Greedy splits a row over ~8 KB slices (63 blocks at fp32 V = 128256)
-and launches under PDL inside pdl_scope(); its A/B rows (session 5): "1-block" (GREEDY_SPLIT off: the one-block
--per-row kernel, 29.8 us in the decode profile), "no-PDL", slices of 4 / 16 KB, and the repetition penalty on
+and launches under PDL inside pdl_scope(); its A/B rows (session 5): "1-block" (ck.settings.greedy_split off: the
+one-block-per-row kernel, 29.8 us in the decode profile), "no-PDL", slices of 4 / 16 KB, and the repetition penalty on
 (512-token history) split vs 1-block. "x cupy": argmax / sort-based composites in CuPy; "x torch": argmax,
 topk + softmax + multinomial, sort + cumsum + multinomial (what transformers' samplers run).
 """
@@ -14,27 +14,15 @@ import contextlib
 import numpy as np
 
 from bench_ops import Case
+from cukernels import settings
 from cukernels.ops import _launch
 from cukernels.ops import sampling as S_
 from cukernels.ops.sampling import sample_tokens, sample_workspace
 
 
-@contextlib.contextmanager
-def _flags(**kw):
-    """Module switches of ops/sampling.py for one call (read at launch time, so a captured call keeps them)."""
-    old = {k: getattr(S_, k) for k in kw}
-    for k, v in kw.items():
-        setattr(S_, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(S_, k, v)
-
-
-GREEDY_VARIANTS = [  # (label, module switches, pdl scope)
-    ("", {}, True), (" 1-block", dict(GREEDY_SPLIT=False), True), (" no-PDL", {}, False),
-    (" 4KB slices", dict(GREEDY_SLICE_BYTES=4096), True), (" 16KB slices", dict(GREEDY_SLICE_BYTES=16384), True),
+GREEDY_VARIANTS = [  # (label, ck.settings for the call (read at launch time: a captured call keeps them), pdl scope)
+    ("", {}, True), (" 1-block", dict(greedy_split=False), True), (" no-PDL", {}, False),
+    (" 4KB slices", dict(greedy_slice_bytes=4096), True), (" 16KB slices", dict(greedy_slice_bytes=16384), True),
 ]
 
 
@@ -49,15 +37,15 @@ def greedy_cases(ctx, out):
             hist = cp.random.randint(0, V, (Bsz, 512)).astype(cp.int32)
             variants = GREEDY_VARIANTS if V == 128256 else GREEDY_VARIANTS[:2]
             pen = [(" penalty", dict(repetition_penalty=1.3, prev_tokens=hist), {}),
-                   (" penalty 1-block", dict(repetition_penalty=1.3, prev_tokens=hist), dict(GREEDY_SPLIT=False))]
+                   (" penalty 1-block", dict(repetition_penalty=1.3, prev_tokens=hist), dict(greedy_split=False))]
             for label, kw, flags, pdl in [(lb, {}, fl, p) for lb, fl, p in variants] + [(a, b, c, True)
                                                                                        for a, b, c in pen]:
                 def ours(i, ls=ls, res=res, kw=kw, flags=flags, pdl=pdl):
-                    with _flags(**flags), (_launch.pdl_scope() if pdl else contextlib.nullcontext()):
+                    with settings(**flags), (_launch.pdl_scope() if pdl else contextlib.nullcontext()):
                         return sample_tokens(ls[i], temperature=0.0, out=res, workspace=ws, **kw)
 
-                splits = 1 if flags.get("GREEDY_SPLIT") is False else S_.greedy_splits(
-                    Bsz, V, 4, flags.get("GREEDY_SLICE_BYTES"))
+                splits = 1 if flags.get("greedy_split") is False else S_.greedy_splits(
+                    Bsz, V, 4, flags.get("greedy_slice_bytes"))
                 comp = (lambda i, ls=ls: ls[i].argmax(1)) if not label else None
                 tf = None
                 if ctx.torch is not None and not label:

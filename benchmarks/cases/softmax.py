@@ -58,32 +58,25 @@ def _softmax_cases(ctx, dt, dn, N, C):
     # wide / loop kernels), CTAs of 256 threads (4 a SM), a grid of 264 CTAs (one wave at 2 a SM, clusters walking
     # rows), and at 32768 the forward forced onto 2-CTA clusters.
     if int(ctx.cp.cuda.Device().compute_capability) >= 90 and C >= 32768:
-        settings = [("CLUSTER_FWD_FROM_F32=16384,CLUSTER_FWD_FROM_BF16=16384", True, False)] if C == 32768 else [
-            ("CLUSTER=0", True, True), ("CLUSTER_THREADS=256", True, True), ("CLUSTER_MAX_GRID=264", True, True)]
-        for spec, do_fwd, do_bwd in settings:
+        rows = [("softmax_cluster_fwd_from_f32=16384,softmax_cluster_fwd_from_bf16=16384", True, False)] if C == 32768 \
+            else [("softmax_cluster=0", True, True), ("softmax_cluster_threads=256", True, True),
+                  ("softmax_cluster_max_grid=264", True, True)]
+        for spec, do_fwd, do_bwd in rows:
             for name, fn, nb, formula, on in (("fwd", fwd, 2, "2*N*C*s", do_fwd), ("bwd", bwd, 3, "3*N*C*s", do_bwd)):
                 if on:
                     out.append(Case(f"softmax {name}", shape, dn, nb * N * C * sz, formula, _with(spec, fn),
-                                    note=f"A/B softmax.{spec}", extra=dict(nsets=k)))
+                                    note=f"A/B {spec}", extra=dict(nsets=k)))
     return out
 
 
 def _with(spec, fn):
-    """fn with the ops/softmax.py settings of ``spec`` ("NAME=v,NAME=v") in force while it runs (so while it is
-    captured: the graph keeps the kernel chosen then)."""
-    from cukernels.ops import softmax as SM
-
-    pairs = [(k.strip(), int(v)) for k, v in (one.split("=") for one in spec.split(","))]
+    """fn with the ck.settings of ``spec`` ("name=v,name=v", the environment's text form) in force while it runs (so
+    while it is captured: the graph keeps the kernel chosen then)."""
+    values = {k.strip(): ck.settings.parse(k.strip(), v) for k, v in (one.split("=") for one in spec.split(","))}
 
     def run(i):
-        old = [(k, getattr(SM, k)) for k, _ in pairs]
-        try:
-            for k2, v in pairs:
-                setattr(SM, k2, v)
+        with ck.settings(**values):
             return fn(i)
-        finally:
-            for k2, v in old:
-                setattr(SM, k2, v)
 
     return run
 

@@ -28,6 +28,7 @@ from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
 from ..ops.rope import rope as _rope, rope_backward as _rope_bwd
 from ..ops.softmax import attn_softmax as _attn_sm, attn_softmax_backward as _attn_sm_bwd
 from ..ops.softmax import softmax as _sm, softmax_backward as _sm_bwd
+from ..settings import settings
 from .array_ops import (PickLast, Take, _contig, _data, add, cast, concat, div, erf, exp, getitem, log,
                         masked_fill, mean, mul, pow, reshape, rsqrt, sigmoid, silu, sub, sum, tanh)
 
@@ -112,8 +113,8 @@ class FlashAttentionF(Function):
 
 
 # FlashAttentionPackedF's rope backward inside the attention backward's store (sm_90) instead of one ck.rope_backward
-# launch over dq / dk after it (the A/B switch: --ab "functional.kernel_ops.ROPE_IN_ATTENTION_BACKWARD=0").
-ROPE_IN_ATTENTION_BACKWARD = True
+# launch over dq / dk after it: ck.settings.rope_in_attention_backward (the A/B switch: --ab
+# "rope_in_attention_backward=0").
 
 
 class FlashAttentionPackedF(Function):
@@ -148,7 +149,7 @@ class FlashAttentionPackedF(Function):
             g = _contig(g, o.dtype)
         q, k, v = qkv[:, :, :H], qkv[:, :, H:H + Hkv], qkv[:, :, H + Hkv:]
         dqkv = _xp(qkv).empty(qkv.shape, dtype=qkv.dtype)  # the kernels store dq, dk, dv into its head slices
-        fuse = ctx.rope is not None and ROPE_IN_ATTENTION_BACKWARD
+        fuse = ctx.rope is not None and settings.rope_in_attention_backward
         _flash_bwd(g, q, k, v, o, lse, causal=ctx.causal, scale=ctx.scale, **ctx.kw,
                    grads_out=(dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:]),
                    rope=ctx.rope if fuse else None)

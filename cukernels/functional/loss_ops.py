@@ -22,14 +22,14 @@ done in the FORWARD of this Function:
   ``.grad`` buffer (none yet, a non-leaf weight), dW is a fresh fp32 array, returned by ``backward`` like any
   gradient (and added into a bf16 ``.grad`` by the autograd).
 
-Chunks (``HEAD_WORKSPACE``): the model's head takes up to 1 GiB of logits a chunk, twice the op's default, because
-every chunk's dW GEMM reads and writes the whole fp32 [V, H] gradient (2.1 GB at the LLaMA-3.2-1B head) and
-taller GEMMs run faster. A bf16 ``.grad`` takes all rows in one chunk when its logits fit HEAD_WORKSPACE plus the
+Chunks (``ck.settings.head_workspace``): the model's head takes up to 1 GiB of logits a chunk, twice the op's default,
+because every chunk's dW GEMM reads and writes the whole fp32 [V, H] gradient (2.1 GB at the LLaMA-3.2-1B head) and
+taller GEMMs run faster. A bf16 ``.grad`` takes all rows in one chunk when its logits fit head_workspace plus the
 V x H x 4 bytes of the fp32 dW that several chunks would need instead (the same peak). Measured on the H200 at
 B8 x T1024 (8192 rows; session 15, run E, rows interleaved in one process, 20 steps each): fp32 gradients, 2
 chunks of 4096 rows 115.7 ms a step and 36.5 GiB against 4 chunks of 2048 116.2 ms and 36.0 GiB; bf16 gradients,
 one chunk of 2.1 GB 113.7 ms and 35.2 GiB against 4 chunks and the fp32 dW 115.1 ms and 34.7 GiB. Lower
-HEAD_WORKSPACE to trade that speed for memory.
+head_workspace to trade that speed for memory.
 
 Consequences for callers: the head weight's ``.grad`` changes during the forward, so a loss computed with
 gradients enabled should be back-propagated (compute it under ``no_grad()`` otherwise: then no gradient is
@@ -47,10 +47,10 @@ from .. import _backend as B
 from ..autograd import Function, _xp
 from ..ops.linear_cross_entropy import chunk_rows_for
 from ..ops.linear_cross_entropy import linear_cross_entropy as _lce
+from ..settings import settings
 from .array_ops import _data, _padded_weight
 
 PAD = 64  # the row quantum of the padded weight (array_ops._padded_weight): 128-byte bf16 rows
-HEAD_WORKSPACE = 1 << 30  # bytes of logits a chunk of the model's fused head (see the module docstring)
 
 
 class LinearCrossEntropyF(Function):
@@ -81,7 +81,7 @@ class LinearCrossEntropyF(Function):
         ctx.dx = ctx.dw = None
         ctx.dw_fresh = ctx.dw_added = False
         N = x2.shape[0]
-        kw["chunk_rows"] = max(1, chunk_rows_for(N, wl.shape[0], x2.itemsize, HEAD_WORKSPACE))
+        kw["chunk_rows"] = max(1, chunk_rows_for(N, wl.shape[0], x2.itemsize, settings.head_workspace))
         if not (need_x or need_w):
             loss, _, _ = _lce(x2, wl, t, compute_grad=False, **kw)
             return loss
@@ -93,7 +93,7 @@ class LinearCrossEntropyF(Function):
                 if cand.dtype == np.float32:
                     buf, acc = ctx.leaf_grad_write(1)  # clears grad_stale: later writers of a tied weight add
                 elif (cand.dtype == B.bfloat16 and ctx.inputs[1].grad_stale
-                      and N * wl.shape[0] * x2.itemsize <= HEAD_WORKSPACE + w.size * 4):
+                      and N * wl.shape[0] * x2.itemsize <= settings.head_workspace + w.size * 4):
                     # a bf16 .grad (grad_dtype=bf16): its first write of the step, in one chunk -> the dW GEMM
                     # writes the rounded sum straight into it (no fp32 [V, H] temporary, no add pass)
                     buf, acc = ctx.leaf_grad_write(1)

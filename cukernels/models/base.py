@@ -27,6 +27,7 @@ from ..nn import decode as _decode
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops import _launch
 from ..ops.gemv import gemv
+from ..settings import settings
 
 REGISTRY: dict = {}
 
@@ -290,11 +291,11 @@ class CausalLM(Module):
 
     def _fast_decode_ok(self, ids, position_ids, kv_cache):
         """The fused decode step (:mod:`cukernels.nn.decode`) applies: one new token per row of a prefilled
-        static cache, at most ``nn.decode.MAX_ROWS`` rows, explicit positions, bf16 inference weights (the
+        static cache, at most ``ck.settings.decode_max_rows`` rows, explicit positions, bf16 inference weights (the
         packing makes parameters views of a packed buffer: never done to training weights an optimizer holds),
         a decode kernel for the head size, no active dropout, and every block and the model define it."""
         if not (self.fast_decode and self.fused and isinstance(kv_cache, StaticKVCache) and kv_cache.prefilled
-                and ids.shape[1] == 1 and ids.shape[0] <= _decode.MAX_ROWS and position_ids is not None
+                and ids.shape[1] == 1 and ids.shape[0] <= settings.decode_max_rows and position_ids is not None
                 and self.decode_final_norm() is not None):
             return False
         ok = self.__dict__.get("_fast_decode_checked")

@@ -9,7 +9,7 @@ step). Here, per block and with arrays only (no tape; generation runs under ``no
 1. ``ck.gemv``: the first norm as the prologue of one GEMV over the packed q/k/v weight (+ bias);
 2. ``ck.decode_attention_rope``: rotary positions on q and k, k and v appended to the static cache at its device
    length, split-KV attention and the combine, in one launch (session 6; before: ``ck.rope_kv_write`` then
-   ``ck.decode_attention``, bit-identical, still taken with ``FUSED_ATTENTION = False``);
+   ``ck.decode_attention``, bit-identical, still taken with ``ck.settings.decode_fused_attention = False``);
 3. ``ck.gemv``: the output projection with the residual add as its epilogue, in place on the stream ``x``;
 4. ``ck.gemv``: the second norm, the packed gate/up (SwiGLU) or the first MLP layer (GELU) with its activation;
 5. ``ck.gemv``: the down projection + residual, in place.
@@ -33,15 +33,16 @@ import numpy as np
 from ..autograd import _xp
 from ..ops.decode_attention import decode_attention, decode_attention_rope, rope_kv_write
 from ..ops.gemv import gemv
+from ..settings import settings
 from .layers import LayerNorm, RMSNorm
 
-# Rows the fused step takes. Measured on the H200 (session 4): at B = 1 the fused step runs 1.255 ms against the
+# Rows the fused step takes (ck.settings.decode_max_rows, read by CausalLM._fast_decode_ok). Measured on the H200
+# (session 4): at B = 1 the fused step runs 1.255 ms against the
 # generic forward's 1.754 (LLaMA-1B); at B = 8, ck.gemv streams the weights at 12-31 % of copy bandwidth (its
 # per-row FMA and shared-memory work) and the step took 2.85 ms against 1.86 through cuBLAS: so batch 1 only.
-MAX_ROWS = 1
-# Rotary + cache append + attention in one kernel (ck.decode_attention_rope); False: ck.rope_kv_write then
-# ck.decode_attention, bit-identical (the A/B of benchmarks/bench_generate.py --ab "decode.FUSED_ATTENTION=0").
-FUSED_ATTENTION = True
+# Rotary + cache append + attention in one kernel (ck.decode_attention_rope); ck.settings.decode_fused_attention =
+# False: ck.rope_kv_write then ck.decode_attention, bit-identical (the A/B of benchmarks/bench_generate.py --ab
+# "decode_fused_attention=0").
 
 
 def norm_args(norm):
@@ -128,7 +129,7 @@ def attention(att, x, layer_cache, norm, *, cos=None, sin=None, positions=None):
     # are written by no kernel of this layer: the length is advanced before the step's first kernel). The
     # workspace is keyed by q's shape: the q part of qkv stands in for it (a view, no allocation).
     ws = c.workspace(qkv[..., :H * D].reshape(Bsz, 1, H, D))
-    if FUSED_ATTENTION:
+    if settings.decode_fused_attention:
         o = decode_attention_rope(qkv, H, Hkv, kc, vc, c.length, **rope, scale=1.0 / math.sqrt(D),
                                   key_mask=c.key_mask, workspace=ws)
     else:

@@ -12,6 +12,7 @@ from .. import _backend as B
 from .. import amp
 from .. import functional as F
 from ..autograd import Tensor
+from ..settings import settings
 from .module import Module, check_eps, check_param_args, new_param
 
 
@@ -52,13 +53,13 @@ def project(module, x, w, bias=None, *, pad_rows=False):
 
 # Fused modules run the bias-free projections that read one input (LLaMA's q / k / v, gate / up) as one
 # PackedLinear: one GEMM each way when the optimizer's flat buffers hold their weights back to back (session 11:
-# -1 ms at B4xT64 on the LLaMA-1B shape predicted; NOTES). False: one Linear call each (the A/B switch).
-PACK_PROJECTIONS = True
+# LLaMA-1B B4xT64 15.60 -> 14.82 ms; NOTES). ck.settings.pack_projections = False: one Linear call each (the A/B
+# switch).
 
 
 def packable(module, linears):
     """Whether :func:`project_packed` takes these Linears of a fused ``module``: no bias, one input width."""
-    return (PACK_PROJECTIONS and module.fused and all(lin.bias is None for lin in linears)
+    return (settings.pack_projections and module.fused and all(lin.bias is None for lin in linears)
             and len({lin.in_features for lin in linears}) == 1)
 
 

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from .. import _backend as B
+from ..settings import settings
 
 # Grid-stride kernels (run_flat / run_rows in common/pointwise.cuh): 256 threads a block, UNROLL units of work
 # per thread in flight (EW_U in elementwise.cu, ACT_U in activations.cu).
@@ -106,10 +107,10 @@ def row_plan(C: int, itemsize: int, vec: bool, *, max_tpr: int, target_vpt: int,
 # cuLaunchKernelEx. Only kernels that call pdl_wait() before touching shared state may be launched so (the
 # launchers that pass pdl=True), and only inside pdl_scope(): a kernel's pre-wait loads read weights, which
 # the code that opens the scope (the fused decode step) promises no kernel of the step writes -- an eager
-# ck.gemv right after an optimizer step updated its weight must not read them early. PDL = False turns it off
-# everywhere (an A/B switch for the benchmarks).
-PDL = True
-# Shared-memory carveout (percent of the unified L1 / shared storage) of every kernel launched with pdl=True.
+# ck.gemv right after an optimizer step updated its weight must not read them early. ck.settings.pdl = False
+# turns it off everywhere (an A/B switch for the benchmarks).
+# Shared-memory carveout (percent of the unified L1 / shared storage) of every kernel launched with pdl=True,
+# ck.settings.pdl_carveout.
 # An SM runs blocks of one carveout at a time: when consecutive kernels want different carveouts (the decode
 # GEMV's cp.async ring asks ~210 KB a SM, the small kernels between them the default split), the SM drains
 # before the next kernel's blocks may land, which is the very overlap PDL is there for. 100 = the most shared
@@ -117,7 +118,6 @@ PDL = True
 # (session 6, H200, LLaMA-1B B1 step with the ring GEMV): 1.285 ms at 100 against 1.338 at the default, with
 # the GEMV grid capped at 2 blocks a SM (same process); with a full wave 1.161 ms at 100 (run C) and 1.175 at
 # the default (run B, another process).
-CARVEOUT = 100
 _carveout: dict = {}
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _pdl_state: list = []
@@ -166,8 +166,8 @@ def pdl_scope():
 
 def pdl_enabled() -> bool:
     """Whether launch(..., pdl=True) takes the PDL path on the current device (sm_90+, a driver with
-    cuLaunchKernelEx, and PDL switched on)."""
-    return PDL and B.capability() >= 90 and _pdl_api() is not None
+    cuLaunchKernelEx, and ck.settings.pdl on)."""
+    return settings.pdl and B.capability() >= 90 and _pdl_api() is not None
 
 
 def _dims(d):
@@ -180,9 +180,10 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, *, pdl: bool = False)
     where pdl_enabled()) the
     programmatic-serialization attribute is set, so the kernel may start before the previous one ends (it must
     call pdl_wait(): kernels_cu/common/pdl.cuh). Arguments are NumPy scalars (the launchers' convention)."""
-    if pdl and _carveout.get(id(kernel), (None, None))[1] != CARVEOUT:
-        kernel.preferred_shared_memory_carveout = int(CARVEOUT)  # host-side attribute, allowed in a capture
-        _carveout[id(kernel)] = (kernel, CARVEOUT)  # holding the kernel keeps its id from being reused
+    if pdl and _carveout.get(id(kernel), (None, None))[1] != settings.pdl_carveout:
+        carveout = settings.pdl_carveout
+        kernel.preferred_shared_memory_carveout = carveout  # host-side attribute, allowed in a capture
+        _carveout[id(kernel)] = (kernel, carveout)  # holding the kernel keeps its id from being reused
     if not (pdl and getattr(_scope, "on", False) and pdl_enabled()):
         kernel(grid, block, args, shared_mem=shared_mem)
         return

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch
 from .rope import check_tables as _check_rope_tables
 from .rope import rope_backward as _rope_backward
@@ -259,8 +260,7 @@ def flash_attention(q, k, v, *, causal=True, scale=None, key_mask=None, out=None
 # Hopper (compute capability 9.0): calls without a key mask at head_dim 64 / 128 run the wgmma kernels of
 # ops/attention_sm90.py (measured on the H200, session 4, B8xT1024 H32/8 D64 causal: fwd+bwd 0.580 ms against
 # 0.818 for the mma.sync kernels here, 1.39x; 1.60x at B2xT4096). Same lse format, so either forward pairs with
-# either backward. False: always the mma.sync kernels (to compare).
-WGMMA = True
+# either backward. ck.settings.attention_wgmma = False: always the mma.sync kernels (to compare).
 _SM90 = {}
 # ops/attention_sm90.py registers itself here when imported (cukernels/__init__ imports it): it builds on this
 # module's validation, so this module must not import it (no import cycle, lazy ones included).
@@ -269,7 +269,7 @@ _SM90_IMPL = {}
 
 def _use_sm90(km, D):
     A90 = _SM90_IMPL.get("module")
-    if A90 is None or not WGMMA or km is not None or D not in (64, 128):
+    if A90 is None or not settings.attention_wgmma or km is not None or D not in (64, 128):
         return None
     import cupy
     dev = cupy.cuda.Device().id

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch
 from . import attention as _attention_module
 from .attention import _check_saved, _strides, _validate, check_grads_out, check_rope_grads
@@ -27,44 +28,38 @@ BM = 128       # query rows per CTA (64 per consumer warpgroup)
 CONFIG = {64: (128, 4, 2), 128: (128, 2, 2)}
 HEAD_DIMS = tuple(CONFIG)
 # Forward kernel variant (entry-point suffix): "" = pipelined ping-pong consumers (S of tile j + 1 and P V of tile j
-# issued together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores);
-# "_serial" = one tile at a time per warpgroup (same tiles and shared memory); "_overlap" = the pipelined loop
-# without the alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop
-# (FlashAttention-3's shape at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The
-# backward kernels have a pair (ping-pong turns around their serial loops, or none): BWD_VARIANT.
-# VARIANT = "auto" (the default) picks per call, from session 10's same-run measurements (run F, one H200, 8192
-# tokens a call, benchmarks/attention_sweep.py): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys (WG3_MIN_SEQ_FULL
-# without the causal mask) and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3 138; T2048:
-# _wg3 198, ping-pong 213, _overlap 215; T4096: _wg3 345, ping-pong 369, _overlap 395; full attention _wg3 wins
-# from T512: 107 against 110); at head_dim 128 "_serial" (T1024 causal 120 against the ping-pong's 131 us, T4096
+# issued together, the softmax under the P V, the two consumer warpgroups alternating on the tensor cores); "_serial" =
+# one tile at a time per warpgroup (same tiles and shared memory); "_overlap" = the pipelined loop without the
+# alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop (FlashAttention-3's shape
+# at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The backward kernels have a pair
+# (ping-pong turns around their serial loops, or none): ck.settings.attention_sm90_bwd_variant.
+# ck.settings.attention_sm90_variant = "auto" (the default) picks per call, from session 10's same-run measurements (run
+# F, one H200, 8192 tokens a call, dev/attention_sweep.py): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys
+# (WG3_MIN_SEQ_FULL without the causal mask) and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3
+# 138; T2048: _wg3 198, ping-pong 213, _overlap 215; T4096: _wg3 345, ping-pong 369, _overlap 395; full attention _wg3
+# wins from T512: 107 against 110); at head_dim 128 "_serial" (T1024 causal 120 against the ping-pong's 131 us, T4096
 # 317 against 387: the alternation's turns cost more than they hide when each S tile is 128 x 128 at D 128).
 VARIANTS = ("", "_serial", "_overlap", "_wg3")
 BWD_VARIANTS = ("", "_serial")
-VARIANT = "auto"
-BWD_VARIANT = ""
 WG3_MIN_SEQ = 2048
 WG3_MIN_SEQ_FULL = 512
 D128_AUTO = "_serial"
 # The kernels are persistent: a 1-D grid of at most one CTA per SM walks the work tiles (128 query rows of one
-# (batch, head) for fwd / dq, 192 for the _wg3 forward, 128 keys of one (batch, K/V head) for dkdv). GRID_CAP,
-# when set, caps the grid lower (the tests use it to run many tiles through one CTA's mbarrier phases);
-# PERSISTENT = False launches one CTA per tile instead (the pre-persistent schedule, for A/B benchmarks: the same
-# kernels, each CTA takes one tile).
-GRID_CAP = None
-PERSISTENT = True
+# (batch, head) for fwd / dq, 192 for the _wg3 forward, 128 keys of one (batch, K/V head) for dkdv).
+# ck.settings.attention_sm90_grid_cap, when set, caps the grid lower (the tests use it to run many tiles through one
+# CTA's mbarrier phases); ck.settings.attention_sm90_persistent = False launches one CTA per tile instead (the
+# pre-persistent schedule, for A/B benchmarks: the same kernels, each CTA takes one tile).
 
 
 # head_dim -> (key tile of dq, stages of dq, query tile of dkdv, stages of dkdv, fixed-tile buffers of dq, of
 # dkdv): the CK_ATTN90_BWD lines.
 BWD_CONFIG = {64: (64, 4, 64, 4, 2, 2), 128: (64, 3, 32, 4, 1, 2)}
-# The backward's dq at head_dim 64 (BWD_DQ): "fused" = the five-product backward (attn_sm90_bwd_delta, then dkdvq:
-# dkdv also multiplies each pair's dS by K and its dQ writer warps bulk-add it into an fp32 dq accumulator in a
-# fixed order under per-query-tile semaphores, then dq_convert); "kernel" = the two-kernel backward (the dq kernel
-# recomputes S and dP: 7 products a pair). Session 13, run F (one H200, same run): B8xT1024 H32/8 causal backward
-# 0.329 ms fused against 0.375 ms, B2xT4096 1.006 against 1.179. Head_dim 128 always takes the two kernels (its
-# 32-query dkdv tiles are below wgmma's 64-row A operand).
-BWD_DQ = "fused"
-BWD_DQ_MODES = ("fused", "kernel")
+# The backward's dq at head_dim 64 (ck.settings.attention_sm90_bwd_dq): "fused" = the five-product backward
+# (attn_sm90_bwd_delta, then dkdvq: dkdv also multiplies each pair's dS by K and its dQ writer warps bulk-add it into an
+# fp32 dq accumulator in a fixed order under per-query-tile semaphores, then dq_convert); "kernel" = the two-kernel
+# backward (the dq kernel recomputes S and dP: 7 products a pair). Session 13, run F (one H200, same run): B8xT1024
+# H32/8 causal backward 0.329 ms fused against 0.375 ms, B2xT4096 1.006 against 1.179. Head_dim 128 always takes the two
+# kernels (its 32-query dkdv tiles are below wgmma's 64-row A operand).
 FUSED_DQ_DIMS = (64,)
 FUSED_BQ = 64  # query tile of dkdvq = the row block of dq_acc and of its semaphores
 
@@ -87,9 +82,10 @@ WG3_CONFIG = {64: (128, 4, 2)}
 
 
 def fwd_variant(D: int, variant: str | None = None, seq_k: int = 0, causal: bool = True) -> str:
-    """The forward kernel variant that runs at head_dim ``D`` over ``seq_k`` keys: ``variant`` (default VARIANT;
-    "auto" resolved as described at VARIANT) when it is instantiated for D, else the ping-pong one."""
-    v = VARIANT if variant is None else variant
+    """The forward kernel variant that runs at head_dim ``D`` over ``seq_k`` keys: ``variant`` (default
+    ck.settings.attention_sm90_variant; "auto" resolved as described at VARIANTS) when it is instantiated for D,
+    else the ping-pong one."""
+    v = settings.attention_sm90_variant if variant is None else variant
     if v == "auto":
         if D != 64:
             return D128_AUTO
@@ -124,15 +120,16 @@ def grid(tiles: int, persistent_only: bool = False) -> int:
     """CTAs to launch for ``tiles`` work tiles (each CTA walks them: snake_tile in the kernel). One per SM at
     most (each CTA holds a whole SM's register file: 384 threads x 168 registers, _wg3 512 x 128), and no more
     than ``_backend.sm_target()``: while a ``ZeroAdamW(sm_margin=)`` collective runs beside the backward, the SMs
-    it keeps free stay free (a
-    persistent CTA that waited for one would run its whole share of tiles after the others). Fewer under
-    GRID_CAP; one per tile when PERSISTENT is off, except for ``persistent_only`` kernels (the fused backward's
+    it keeps free stay free (a persistent CTA that waited for one would run its whole share of tiles after the
+    others). Fewer under ck.settings.attention_sm90_grid_cap; one per tile when
+    ck.settings.attention_sm90_persistent is off, except for ``persistent_only`` kernels (the fused backward's
     dkdvq: its CTAs wait on each other's semaphores, so all of them must be resident at once)."""
-    if not PERSISTENT and not persistent_only:
+    if not settings.attention_sm90_persistent and not persistent_only:
         return max(1, tiles)
     n = min(tiles, B.sm_target())
-    if GRID_CAP is not None:
-        n = min(n, int(GRID_CAP))
+    cap = settings.attention_sm90_grid_cap
+    if cap is not None:
+        n = min(n, cap)
     return max(1, n)
 
 
@@ -259,9 +256,7 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     sq, sk, sv, sd = _strides("q", q), _strides("k", k), _strides("v", v), _strides("dout", dout)
     tail = (np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale, np.bool_(causal), np.int32(Bsz))
     rt = _rope_args(rope, Bsz, Tq, Tk, D)
-    if BWD_DQ not in BWD_DQ_MODES:
-        raise ValueError(f"attention_sm90.BWD_DQ must be one of {BWD_DQ_MODES}; got {BWD_DQ!r}")
-    if D in FUSED_DQ_DIMS and BWD_DQ == "fused":
+    if D in FUSED_DQ_DIMS and settings.attention_sm90_bwd_dq == "fused":
         _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, tail, rt, Bsz, Tq, Tk, H, Hkv,
                         D, scale, xp)
     else:
@@ -278,12 +273,12 @@ def _backward_two_kernels(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv
                           Hkv, D):
     """dq kernel (writes delta), then dkdv: seven products a (query tile, key tile) pair."""
     if Tq:
-        kq, smq = _kernel(D, BWD_VARIANT, "dq")
+        kq, smq = _kernel(D, settings.attention_sm90_bwd_variant, "dq")
         kq((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
            (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq), *rt),
            shared_mem=smq)
     if Tk:
-        kd, smd = _kernel(D, BWD_VARIANT, "dkdv")
+        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdv")
         kd((grid(-(-Tk // BM) * Hkv * Bsz),), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt),
            shared_mem=smd)
@@ -305,7 +300,7 @@ def _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, 
                                                      (out, dout, delta, *sd, np.int32(Tq), np.int32(H),
                                                       np.int32(Bsz)))
     if Tk:
-        kd, smd = _kernel(D, BWD_VARIANT, "dkdvq")
+        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdvq")
         kd((grid(-(-Tk // BM) * Hkv * Bsz, persistent_only=True),), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt, acc, sem),
            shared_mem=smd)

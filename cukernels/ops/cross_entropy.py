@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch as L
 
 FAMILY = "cross_entropy"
@@ -211,11 +212,10 @@ def _check_dloss(xp, dloss, reduction, shape):
 
 
 # The fused kernel's pass 2 reads its row for the last time and writes dx that this kernel never reads again: with
-# CACHE_HINTS both go to L2 as evict-first (ld / st .cs), so the rows still waiting for their pass 2 stay in L2
-# (132 rows of 256 KB in flight at V = 128256 bf16: 34 MB read + 34 MB written against 50 MB). Measured on the
-# H200 (session 15, same process): 4096 x 128256 bf16 0.727 ms against 0.810, 8192 x 50257 0.595 against 0.647;
-# the same bits. 0 = plain loads / stores (the A/B row).
-CACHE_HINTS = 1
+# ck.settings.ce_cache_hints both go to L2 as evict-first (ld / st .cs), so the rows still waiting for their pass 2 stay
+# in L2 (132 rows of 256 KB in flight at V = 128256 bf16: 34 MB read + 34 MB written against 50 MB). Measured on the
+# H200 (session 15, same process): 4096 x 128256 bf16 0.727 ms against 0.810, 8192 x 50257 0.595 against 0.647; the same
+# bits. False = plain loads / stores (the A/B row).
 
 
 def _threads(V: int, itemsize: int) -> int:
@@ -334,7 +334,8 @@ def _grad_launch(kind, xp, logits, targets, dx, lse, loss_row, V, ldx, ldo, ig, 
     if kind == "fused":
         k((grid,), (threads, 1, 1),
           (logits, targets, dx, loss_row, _err(xp, error), cptr, dptr, np.float32(dscalar), np.int64(N), np.int32(V),
-           np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec), np.bool_(CACHE_HINTS)))
+           np.int64(ldx), np.int64(ldo), np.int64(ig), np.float32(eps), np.bool_(vec),
+           np.bool_(settings.ce_cache_hints)))
     else:
         per_row = darr is not None and darr.ndim > 0
         k((grid,), (threads, 1, 1),

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch as L
 
 FAMILY = "gemv"
@@ -18,21 +19,19 @@ MAX_B = 8              # rows of x one kernel call takes (NB accumulators per wa
 SMEM_CAP = 128 * 1024
 # From NB = 4 rows (B >= 3) a warp takes G = 2 adjacent output columns: each xn value it reads from shared memory
 # and widens serves two W rows, ~25 % fewer instructions per W byte where B = 8 is issue-bound (gemv.cu), at the
-# price of half the warps (N = 2048: 128 blocks). Kernels exist for NB 4 and 8 with G 1 and 2; a value > 8 turns
-# the pairing off (the benchmark compares both).
-PAIR_MIN_NB = 4
-# KB of its first rows each warp asks into L2 before it waits on the previous kernel (gemv.cu; 0: none). A hint:
-# the results do not depend on it. Session 5 (H200, LLaMA-1B B1 step, one process): 0 KB 1.184 ms, 2 KB 1.211,
-# 4 KB 1.182, 8 KB 1.244 (8 KB x ~3K warps floods the DRAM queues ahead of the running kernel's own tail); the
-# kernel alone at 8 KB: qkv 8.2 -> 7.9 us, o 5.6 -> 4.8.
-PREFETCH_KB = 4
+# price of half the warps (N = 2048: 128 blocks). Kernels exist for NB 4 and 8 with G 1 and 2;
+# ck.settings.gemv_pair_min_nb > 8 turns the pairing off (the benchmark compares both).
+#
+# ck.settings.gemv_prefetch_kb: KB of its first rows each warp asks into L2 before it waits on the previous kernel
+# (gemv.cu; 0: none). A hint: the results do not depend on it. Session 5 (H200, LLaMA-1B B1 step, one process): 0 KB
+# 1.184 ms, 2 KB 1.211, 4 KB 1.182, 8 KB 1.244 (8 KB x ~3K warps floods the DRAM queues ahead of the running kernel's
+# own tail); the kernel alone at 8 KB: qkv 8.2 -> 7.9 us, o 5.6 -> 4.8.
+#
 # Stages of the per-lane cp.async ring the weight streams through (gemv.cu, 16-byte-aligned weights): 2 KB a warp
 # a stage, 16 KB a block. Measured (session 6, H200, B1, captured chain under PDL, us at depth 2 / 3 / 4): qkv
 # with rms 5.73 / 5.75 / 6.00, gate_up 19.8 / 18.2 / 17.5, down (K = 8192: 8 chunks a row) 11.3 / 11.4 / 10.5.
-# So 3 stages, 4 for rows of K >= LONG_K; the launcher lowers it where xn leaves less room (sm_80's 163 KB
-# opt-in limit with a 128 KB xn: 2 stages).
-DEPTH = 3
-DEPTH_LONG = 4
+# So 3 stages (ck.settings.gemv_depth), 4 for rows of K >= LONG_K (gemv_depth_long); the launcher lowers it where
+# xn leaves less room (sm_80's 163 KB opt-in limit with a 128 KB xn: 2 stages).
 LONG_K = 4096
 RING_STAGE = 16 * 1024
 # (Tried and removed, session 6: capping the grid at 2 or 3 blocks a SM so the next kernel's blocks land beside
@@ -55,7 +54,7 @@ def _smem(rows: int, K: int, itemsize: int) -> int:
 def kernel_name(x_dtype, w_dtype, rows: int, swiglu: bool, vec: bool):
     """(entry point, columns a warp G) of the gemv kernel the launcher takes for these operands (B <= MAX_B)."""
     nb = _nb(rows)
-    G = 2 if nb >= PAIR_MIN_NB else 1
+    G = 2 if nb >= settings.gemv_pair_min_nb else 1
     name = (f"gemv_{B.DTYPE_TAG[np.dtype(x_dtype)]}_{B.DTYPE_TAG[np.dtype(w_dtype)]}_b{nb}_r{2 if swiglu else 1}"
             f"_g{G}_{'v' if vec else 's'}")
     return name, G
@@ -355,18 +354,18 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
              | (4 if norm_weight is not None and norm_weight.dtype == np.float32 else 0)
              | (8 if _mid_dtype(x.dtype, odt) == B.bfloat16 else 0)
              | (16 if x_vec else 0)
-             | (min(255, max(0, int(PREFETCH_KB))) << 8))
+             | (settings.gemv_prefetch_kb << 8))  # (0..255, checked by the settings)
     inv_k = np.float32(1.0) / np.float32(K)  # correctly rounded, as the kernels' 1.f / C
     name, G = kernel_name(x.dtype, weight.dtype, rows, swiglu, vec)
     if vec:
         smem = -(-smem // 16) * 16
-        want = int(DEPTH_LONG if K >= LONG_K else DEPTH)
+        want = settings.gemv_depth_long if K >= LONG_K else settings.gemv_depth
         depth = max(1, min(want, (B.smem_optin() - smem) // RING_STAGE))
         smem += depth * RING_STAGE
     else:
         depth = 1
     # one limit per kernel object (set once, before any capture): the largest xn plus the deepest ring
-    limit = min(B.smem_optin(), SMEM_CAP + max(int(DEPTH), int(DEPTH_LONG)) * RING_STAGE)
+    limit = min(B.smem_optin(), SMEM_CAP + max(settings.gemv_depth, settings.gemv_depth_long) * RING_STAGE)
     k = L.with_smem(get_function(FAMILY, name), limit)
     groups = -(-n_out // G)
     grid = max(1, min(-(-groups // (THREADS // 32)), L.wave(k, THREADS, smem)))

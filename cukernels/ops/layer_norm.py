@@ -5,19 +5,17 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch as L
 
 FAMILY = "layer_norm"
-# 16-byte packs each thread aims to hold: the row is split over more threads until each has at most this many.
-# Packs per thread the planner aims at: 2 measured best for rms_norm's identical structure on the H200
-# (benchmarks/tune_rms_norm.py) and keeps the backward at 512 threads without spills.
-TARGET_VPT = 2
-# The forward's own targets, fp32 and bf16 rows. Fewer threads a row means fewer cross-warp steps in its two row
-# reductions (two barriers each). Session 12 (NOTES.md), bf16 at 4 packs a thread instead of 2, % of copy:
-# 8192 x 2048 64 -> 69, 8192 x 768 48 -> 59, 65536 x 1000 72 -> 88, 16384 x 4096 74 -> 86; fp32 at 4 lost
-# (92 -> 88 at 8192 x 2048).
-FWD_TARGET_VPT = 2
-FWD_TARGET_VPT_BF16 = 4
+# 16-byte packs each thread aims to hold (ck.settings.layer_norm_target_vpt): the row is split over more threads until
+# each has at most this many. Packs per thread the planner aims at: 2 measured best for rms_norm's identical structure
+# on the H200 (dev/tune_rms_norm.py) and keeps the backward at 512 threads without spills. The forward's own targets,
+# fp32 and bf16 rows (layer_norm_fwd_target_vpt, layer_norm_fwd_target_vpt_bf16). Fewer threads a row means fewer
+# cross-warp steps in its two row reductions (two barriers each). Session 12 (NOTES.md), bf16 at 4 packs a thread
+# instead of 2, % of copy: 8192 x 2048 64 -> 69, 8192 x 768 48 -> 59, 65536 x 1000 72 -> 88, 16384 x 4096 74 -> 86; fp32
+# at 4 lost (92 -> 88 at 8192 x 2048).
 
 
 def _validate(x, gamma, beta=None):
@@ -43,15 +41,19 @@ def _plan(C: int, itemsize: int, vec: bool, backward: bool):
     """(threads per row, packs per thread, rows per block), or None for the long-row "loop" kernel.
 
     Threads per row (a power of two, 1 .. 1024; 512 for backward) grow until each thread holds at most
-    TARGET_VPT packs (the forward's vector path: FWD_TARGET_VPT, FWD_TARGET_VPT_BF16). Register limits (see
-    layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element packs) a thread, so rows beyond
-    1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
+    ck.settings.layer_norm_target_vpt packs (the forward's vector path: layer_norm_fwd_target_vpt(_bf16)).
+    Register limits (see layer_norm.cu): at most 4 vector packs forward, 2 backward (8 element packs) a thread, so
+    rows beyond 1024 x 4 packs (forward) or 512 x 2 packs (backward) take the loop kernel.
     Vector packs backward are capped at 2 because x, dy and two accumulators at 4 packs need more than the 128
     registers a 512-thread block allows (ptxas spilled).
     """
     if backward:
-        return L.row_plan(C, itemsize, vec, max_tpr=512, target_vpt=TARGET_VPT, max_vpt=2 if vec else 8)
-    target = (FWD_TARGET_VPT_BF16 if itemsize == 2 else FWD_TARGET_VPT) if vec else TARGET_VPT
+        return L.row_plan(C, itemsize, vec, max_tpr=512, target_vpt=settings.layer_norm_target_vpt,
+                          max_vpt=2 if vec else 8)
+    if vec:
+        target = settings.layer_norm_fwd_target_vpt_bf16 if itemsize == 2 else settings.layer_norm_fwd_target_vpt
+    else:
+        target = settings.layer_norm_target_vpt
     return L.row_plan(C, itemsize, vec, max_tpr=1024, target_vpt=target, max_vpt=4 if vec else 8)
 
 
@@ -121,23 +123,19 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
     return (y, mean, rstd) if return_stats else y
 
 
-# Pipelined backward (ln_bwd_pipe): PIPE_THREADS threads a block (256: three blocks an SM, 3 x SMs partial rows;
-# 512: one; a row of 512 threads takes 512), PIPE_STAGES cp.async row groups in flight a block (2..4, fewer where
-# the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster than 3, 4 slower). Rows of fewer
-# than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with up to 512 row slots a block,
-# the final in-order combine of the slots' dgamma/dbeta would be a long serial loop.
-PIPE_THREADS = 256
-PIPE_STAGES = 2
-PIPE_MIN_TPR = 32
+# Pipelined backward (ln_bwd_pipe): ck.settings.layer_norm_pipe_threads threads a block (256: three blocks an SM,
+# 3 x SMs partial rows; 512: one; a row of 512 threads takes 512), layer_norm_pipe_stages cp.async row groups in
+# flight a block (2..4, fewer where the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster
+# than 3, 4 slower). Rows of fewer than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with
+# up to 512 row slots a block, the final in-order combine of the slots' dgamma/dbeta would be a long serial loop
+# (layer_norm_pipe_min_tpr).
 
-# One warp a row (ln_bwd_warp, session 14): bf16 rows of 65..128 16-byte packs (C 520..1024, GPT-2's 768) take
-# it instead of ln_bwd_pipe: WARP_WARPS warps a block (the kernel's __launch_bounds__: 4, four blocks an SM), each
-# warp WARP_ROWS rows (ceil(rows / 16) blocks, capped at 4 waves: the partial rows stay <= 4 x 4 x SMs x C floats
-# a kind, and the warps loop). At 8192 x 768: 18.2 us against 22.1 (run E). BWD_KERNEL "pipe" keeps ln_bwd_pipe
-# for those rows too (the A/B row: --ab "layer_norm.BWD_KERNEL=pipe").
-BWD_KERNEL = "warp"
+# One warp a row (ln_bwd_warp, session 14): bf16 rows of 65..128 16-byte packs (C 520..1024, GPT-2's 768) take it
+# instead of ln_bwd_pipe: WARP_WARPS warps a block (the kernel's __launch_bounds__: 4, four blocks an SM), each warp
+# ck.settings.layer_norm_warp_rows rows (ceil(rows / 16) blocks, capped at 4 waves: the partial rows stay <= 4 x 4 x SMs
+# x C floats a kind, and the warps loop). At 8192 x 768: 18.2 us against 22.1 (run E). layer_norm_bwd_kernel "pipe"
+# keeps ln_bwd_pipe for those rows too (the A/B row: --ab "layer_norm_bwd_kernel=pipe").
 WARP_WARPS = 4
-WARP_ROWS = 4
 
 
 @B.interop
@@ -192,19 +190,19 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     w_vec = B.aligned16(gamma)
     plan = _plan(C, x.itemsize, vec, backward=True)
     vs = "v" if vec else "s"
-    if vec and BWD_KERNEL == "warp" and x.dtype == B.bfloat16 and 64 < C // 8 <= 128:
+    if vec and settings.layer_norm_bwd_kernel == "warp" and x.dtype == B.bfloat16 and 64 < C // 8 <= 128:
         k = get_function(FAMILY, f"ln_bwdw_{_tag(x, gamma)}_4")
         # Row r on block r % blocks (then warp, then trip).
-        nparts = min(-(-rows // (WARP_WARPS * WARP_ROWS)), 4 * L.wave(k, 32 * WARP_WARPS))
+        nparts = min(-(-rows // (WARP_WARPS * settings.layer_norm_warp_rows)), 4 * L.wave(k, 32 * WARP_WARPS))
         part = xp.empty((2 * nparts, C), dtype=np.float32)
         k((nparts,), (32, WARP_WARPS, 1), (dy, x, gamma, mean, rstd, dx, part, np.int64(rows), np.int32(C)))
-    elif plan is not None and vec and plan[0] >= PIPE_MIN_TPR:
+    elif plan is not None and vec and plan[0] >= settings.layer_norm_pipe_min_tpr:
         # cp.async pipeline (layer_norm.cu, ln_bwd_pipe): the plan's threads per row, more row slots a block.
         tpr, vpt, _ = plan
-        nth = max(PIPE_THREADS, tpr)
+        nth = max(settings.layer_norm_pipe_threads, tpr)
         stage = 2 * vpt * nth * 16
         minb = 3 if nth <= 256 else 1  # blocks an SM each kernel is compiled for (layer_norm.cu)
-        stages = L.pipe_stages(PIPE_STAGES, stage, minb)
+        stages = L.pipe_stages(settings.layer_norm_pipe_stages, stage, minb)
         smem = stages * stage
         k = L.with_smem(get_function(FAMILY, f"ln_bwdp_{_tag(x, gamma)}_{vpt}_{nth}x{minb}"), smem)
         slots = nth // tpr

@@ -38,7 +38,7 @@ C x 47 fill for GPT-2, ~3 us) so dx ignores whatever finite values the padding r
 give 0 x NaN: on the H200 a NaN-padded test weight made dx NaN); dW is the [V, H] gradient (its GEMM
 takes the first V workspace columns, M = V, which cuBLAS runs on an align8 kernel: 1.2 ms at N8192 for GPT-2).
 A weight passed unpadded with such a row count (a Hugging Face GPT-2 head, [50257, H]) is staged into a
-zero-padded copy first and takes the same path (``STAGE_WEIGHT``).
+zero-padded copy first and takes the same path (``ck.settings.lce_stage_weight``).
 
 The weight gradient accumulates in fp32 straight from the GEMM (beta = 1) rather than through a bf16 per-chunk
 buffer: a bf16 dW would add 525 MB (over the budget), a cast + add pass over ~2.6 GB per chunk, and a bf16
@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from ..blas import empty_padded, matmul
 from . import cross_entropy as _ce
 
@@ -59,10 +60,9 @@ WORKSPACE_BUDGET = 512 << 20  # bytes of logits per chunk (see the module docstr
 ROW_QUANTUM = 128  # chunk rows are a multiple of this (GEMM tile height / dW GEMM K without a ragged tail)
 
 
-# Stage a weight whose row count leaves its logits rows unaligned (V % 8 for bf16, % 4 for fp32) into a zero-padded
-# copy with rows to a multiple of 64 (1; 0 = use it as it is, the A/B row: session 16 measured 13.6 ms for GPT-2's
-# unpadded 8192 x 768 x 50257 against 3.5 ms with a padded weight).
-STAGE_WEIGHT = 1
+# ck.settings.lce_stage_weight: stage a weight whose row count leaves its logits rows unaligned (V % 8 for bf16, % 4
+# for fp32) into a zero-padded copy with rows to a multiple of 64 (False = use it as it is, the A/B row: session 16
+# measured 13.6 ms for GPT-2's unpadded 8192 x 768 x 50257 against 3.5 ms with a padded weight).
 
 
 def chunk_rows_for(N: int, V: int, itemsize: int, budget: int | None = None) -> int:
@@ -226,7 +226,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         x, weight, targets, ignore_index, reduction, label_smoothing, grad_weight, accumulate, compute_grad,
         chunk_rows, grad_input, error, num_classes)
     dscalar, darr = _check_dloss(xp, dloss)
-    if STAGE_WEIGHT and xp is not np and N and Vw % (16 // x.itemsize):
+    if settings.lce_stage_weight and xp is not np and N and Vw % (16 // x.itemsize):
         # A row count that is no multiple of 16 bytes' elements (GPT-2's unpadded [50257, 768] head) would keep the
         # logits and dx GEMMs on cuBLAS' align1 kernels (above): stage the weight into zero-padded rows and take
         # the padded path. One copy of the weight (77 MB for GPT-2, ~40 us) against 13.6 -> ~3.6 ms at N = 8192.
@@ -284,7 +284,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
             k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
                                       np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True),
-                                      np.bool_(_ce.CACHE_HINTS)))
+                                      np.bool_(settings.ce_cache_hints)))
             if Vw > V:
                 zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
             matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros

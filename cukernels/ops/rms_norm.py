@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch as L
 
 FAMILY = "rms_norm"
@@ -161,12 +162,13 @@ def _same_memory(a, b):
 
 
 
-# Pipelined backward (rms_bwd_pipe): threads per block by packs per thread. VPT <= 2: 512 threads (64
-# registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers). PIPE_STAGES: cp.async row groups in
-# flight a block (2..4; fewer where two blocks would not fit an SM) by element size: session 8 at 8192 x 2048,
-# bf16 2 stages (3 or 4: 6-8 % slower), fp32 3 (2-3 % faster than 2).
+# Pipelined backward (rms_bwd_pipe, ck.settings.rms_norm_pipe): threads per block by packs per thread, at most the
+# kernels' bounds (the RMS_PIPE lines of rms_norm.cu; ck.settings.rms_norm_pipe_threads lowers them). VPT <= 2: 512
+# threads (64 registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers).
+# ck.settings.rms_norm_pipe_stages_bf16 / _f32: cp.async row groups in flight a block (2..4; fewer where two blocks
+# would not fit an SM) by element size: session 8 at 8192 x 2048, bf16 2 stages (3 or 4: 6-8 % slower), fp32 3 (2-3 %
+# faster than 2).
 PIPE_THREADS = {1: 512, 2: 512, 4: 256}
-PIPE_STAGES = {2: 2, 4: 3}
 
 
 @B.interop
@@ -222,11 +224,12 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
     kind, tpr, vpt, rpb = _plan(C, x.itemsize, vec, 256)
     tag, vs = _names(x, weight, vec)
     dh_arg = (dh,) if add else ()
-    if kind == "reg" and vec and vpt in PIPE_THREADS:
+    if kind == "reg" and vec and vpt in PIPE_THREADS and settings.rms_norm_pipe:
         # cp.async pipeline (rms_norm.cu, rms_bwd_pipe): the plan's threads per row, more row slots per block.
-        nth = PIPE_THREADS[vpt]
+        nth = min(PIPE_THREADS[vpt], settings.rms_norm_pipe_threads)
         stage = (3 if add else 2) * vpt * nth * 16
-        stages = L.pipe_stages(PIPE_STAGES[x.itemsize], stage, 2)
+        target = settings.rms_norm_pipe_stages_bf16 if x.itemsize == 2 else settings.rms_norm_pipe_stages_f32
+        stages = L.pipe_stages(target, stage, 2)
         smem = stages * stage
         k = L.with_smem(get_function(FAMILY, f"{'rms_addbwdp' if add else 'rms_bwdp'}_{tag}_{vpt}"), smem)
         slots = nth // tpr

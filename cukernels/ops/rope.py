@@ -7,10 +7,10 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from ._launch import THREADS, launch_grid, vec_ok
 
 FAMILY = "rope"
-HEAD_ROUND = 4  # heads a thread takes, rounded to the nearest multiple of this (the kernel's U); 1 = none
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -226,15 +226,17 @@ def _rope(xn, x, cos, sin, positions, interleaved, out, sgn):
     name = f"rope_{B.DTYPE_TAG[x.dtype]}_{ptag}_{'i' if interleaved else 'h'}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
     # Split the heads across threads until a wave is full (about 2048 threads per SM), one head per thread at most;
-    # then round each thread's head chunk to the nearest multiple of the kernel's 4 heads in flight (HEAD_ROUND).
+    # then round each thread's head chunk to the nearest multiple of the kernel's 4 heads in flight
+    # (ck.settings.rope_head_round; 1 = none).
     # The packed q + k of LLaMA-3.2-1B (40 heads) at 8192 tokens gave chunks of 5: a round of 4 heads and one of
     # 1 (a quarter of the bytes in flight for a whole DRAM round trip); 4 took the call from 33.7 to 30.5 us
     # (session 16, run A). Rounding 7 down to 4 (32 heads at 16384 tokens) cost 10 %: twice the unit iterations,
     # each with its cos / sin loads and index divisions; 7 goes up to 8.
     hsplit = int(min(H, max(1, -(-B.sm_count() * 2048 // units))))
-    if HEAD_ROUND > 1:
+    r = settings.rope_head_round
+    if r > 1:
         hc = -(-H // hsplit)
-        hc = min(H, max(HEAD_ROUND, (2 * hc + HEAD_ROUND) // (2 * HEAD_ROUND) * HEAD_ROUND))  # nearest, ties up
+        hc = min(H, max(r, (2 * hc + r) // (2 * r) * r))  # nearest, ties up
         hsplit = -(-H // hc)
     grid = launch_grid(k, units * hsplit)
     k((grid,), (THREADS, 1, 1),

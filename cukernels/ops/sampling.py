@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch
 
 FAMILY = "sampling"
@@ -24,16 +25,15 @@ MASS_SCALE = np.float32(2.0**44)
 U64 = (1 << 64) - 1
 SEED_DTYPES = (np.dtype(np.int64), np.dtype(np.uint64), np.dtype(np.int32))
 _SEED_KIND = {np.dtype(np.int64): 8, np.dtype(np.uint64): 8, np.dtype(np.int32): 4}
-# Greedy across blocks (sample_greedy_* in sampling.cu): a row is cut into slices of about GREEDY_SLICE_BYTES
+# Greedy across blocks (sample_greedy_* in sampling.cu): a row is cut into slices of about
+# ck.settings.greedy_slice_bytes
 # (8 KB: S = 63 blocks at fp32 V = 128256, 32 at bf16, 25 at fp32 V = 50257; one 256-thread block reads its 8 KB
 # in one round of 2 x 16-byte loads a thread), at most GREEDY_MAX_SPLITS a row. The partials live in a workspace
 # of WS_SLOTS (key, index) pairs and WS_ROWS counters: B * S <= WS_SLOTS, so from B = 33 (fp32, V = 128256) the
 # split shrinks (B = 64: S = 32, 2048 blocks of 16 KB, bandwidth-bound anyway) and from B = WS_ROWS + 1 a row is
-# one block (S = 1: no workspace, the block writes the token). GREEDY_SPLIT = False: the one-block-per-row kernel
-# (the A/B switch of benchmarks/cases/sampling.py).
-GREEDY_SPLIT = True
+# one block (S = 1: no workspace, the block writes the token). ck.settings.greedy_split = False: the
+# one-block-per-row kernel (the A/B switch of benchmarks/cases/sampling.py).
 GREEDY_THREADS = 256
-GREEDY_SLICE_BYTES = 8192
 GREEDY_MAX_SPLITS = 256
 WS_SLOTS = 2048
 WS_ROWS = WS_SLOTS // 2
@@ -255,11 +255,11 @@ def reference_margins(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition
 
 # ------------------------------------------------------------------------------------------ greedy plan
 def greedy_splits(batch: int, V: int, itemsize: int, slice_bytes: int | None = None) -> int:
-    """Blocks per row of the greedy kernel: slices of about ``slice_bytes`` (GREEDY_SLICE_BYTES), at most
+    """Blocks per row of the greedy kernel: slices of about ``slice_bytes`` (ck.settings.greedy_slice_bytes), at most
     GREEDY_MAX_SPLITS, and B * S within the workspace's WS_SLOTS partials (1 from B = WS_ROWS + 1 on)."""
     E = 16 // itemsize
     packs = (V + 2 * E - 2) // E  # a row's 16-byte packs at the worst alignment
-    per = max(1, (GREEDY_SLICE_BYTES if slice_bytes is None else int(slice_bytes)) // 16)
+    per = max(1, (settings.greedy_slice_bytes if slice_bytes is None else int(slice_bytes)) // 16)
     S = min(-(-packs // per), GREEDY_MAX_SPLITS, WS_SLOTS // max(1, batch))
     return max(1, S)
 
@@ -411,8 +411,8 @@ def sample_tokens(logits, *, temperature=1.0, top_k=0, top_p=1.0, repetition_pen
         return res
     if Bsz == 0:
         return res
-    if greedy and GREEDY_SPLIT and _greedy(logits, res, Bsz, V, pen, inv_pen, use_pen, prev_tokens, prev_len, pl_arr,
-                                           workspace):
+    if greedy and settings.greedy_split and _greedy(logits, res, Bsz, V, pen, inv_pen, use_pen, prev_tokens, prev_len,
+                                                    pl_arr, workspace):
         return res
     kern = _kernel(logits.dtype)
     L = int(prev_tokens.shape[1]) if use_pen else 0

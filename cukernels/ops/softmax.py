@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import _backend as B
 from .._loader import get_function
+from ..settings import settings
 from . import _launch as L
 
 FAMILY = "softmax"
@@ -54,36 +55,33 @@ def _wide_plan(C: int, itemsize: int, vec: bool):
 # Rows over a thread-block cluster (sm_fwd_cluster<n>_*, sm_bwd_cluster<n>_*: sm_90+ only, 16-byte packs, no key
 # mask; softmax.cu). The row is split over n CTAs (n in CLUSTER_SIZES, compiled in), each holding a contiguous
 # slice in registers, so the row is read from DRAM once and the reductions cross the cluster through DSMEM.
-# Module settings (A/B switches: benchmarks/ab.py's ``--ab softmax.CLUSTER=0`` in bench_train; bench_ops prints
+# Settings (ck.settings.softmax_cluster*, A/B switches: ``--ab softmax_cluster=0`` in bench_train; bench_ops prints
 # its own A/B rows of them, benchmarks/cases/softmax.py):
-#   CLUSTER            0 keeps the wide / loop kernels everywhere (what sm_80 runs).
-#   CLUSTER_THREADS    threads a CTA the plan aims for: 512 = two CTAs a SM at <= 64 registers (one loads while
+#   softmax_cluster            False keeps the wide / loop kernels everywhere (what sm_80 runs).
+#   softmax_cluster_threads    threads a CTA the plan aims for: 512 = two CTAs a SM at <= 64 registers (one loads while
 #                      the other reduces); 256 = four a SM; past 8 CTAs of this, 8 CTAs of up to 1024 threads.
-#   CLUSTER_FWD_FROM_* forward rows longer than this take the cluster kernel: every row past the register
+#   softmax_cluster_fwd_from_* forward rows longer than this take the cluster kernel: every row past the register
 #                      kernels (16384). Session 11 run C at 2048 x 32768: the cluster kernel 76.5 us bf16 (83 % of
 #                      copy) / 130.8 us fp32 (97 %) against the wide kernel's 107.6 (59 %) / 152.3 (84 %): one exp2
 #                      an element instead of two, and the row spread over 2 SMs' SFUs.
 # The backward's register kernel ends at 512 threads x 8 packs (bf16 32768, fp32 16384 columns); the cluster
 # kernel takes every 16-byte row past that, the loop kernel the rest (element path, or longer than 8 CTAs hold).
-CLUSTER = 1
 CLUSTER_SIZES = (2, 4, 8)
-CLUSTER_THREADS = 512
-CLUSTER_FWD_FROM_F32 = 16384
-CLUSTER_FWD_FROM_BF16 = 16384
 # Row values a thread holds (softmax.cu): the forward 32 fp32 values (fp32 8 packs, bf16 4), the backward 4
 # packs of y and 4 of dy.
 CLUSTER_FWD_VALUES = 32
 CLUSTER_BWD_VPT = 4
-# CTAs launched at most, in whole clusters (the kernels stride over rows by the cluster count): by default one
-# cluster a row; 264 (= 2 CTAs x 132 SMs) is a one-wave grid whose clusters walk the rows.
-CLUSTER_MAX_GRID = 2**31 - 1
+# ck.settings.softmax_cluster_max_grid: CTAs launched at most, in whole clusters (the kernels stride over rows by the
+# cluster count): by default one cluster a row; 264 (= 2 CTAs x 132 SMs) is a one-wave grid whose clusters walk the
+# rows.
 
 
 def _cluster_plan(C: int, itemsize: int, backward: bool):
     """``(cluster size n, threads a CTA, packs a CTA)`` of the cluster kernels for a 16-byte-pack row of C
     columns, or None when 8 CTAs of 1024 threads cannot hold it.
 
-    The smallest n whose slice (packs a CTA = ceil(units / n), as even as the row allows) fits CLUSTER_THREADS
+    The smallest n whose slice (packs a CTA = ceil(units / n), as even as the row allows) fits
+    ck.settings.softmax_cluster_threads
     threads; then the smallest n that fits 1024. Threads are whole warps, each warp owning 32 x packs-a-thread
     consecutive packs of the slice (softmax.cu). Limits: forward 8 x 1024 x 32 = 262144 columns (either dtype),
     backward 8 x 1024 x 4 packs: bf16 262144, fp32 131072.
@@ -93,7 +91,7 @@ def _cluster_plan(C: int, itemsize: int, backward: bool):
         return None
     units = C // E
     vpt = CLUSTER_BWD_VPT if backward else CLUSTER_FWD_VALUES // E
-    for limit in sorted({min(int(CLUSTER_THREADS), 1024), 1024}):
+    for limit in sorted({settings.softmax_cluster_threads, 1024}):
         for n in CLUSTER_SIZES:
             upc = -(-units // n)
             threads = -(-upc // (32 * vpt)) * 32
@@ -103,7 +101,7 @@ def _cluster_plan(C: int, itemsize: int, backward: bool):
 
 
 def _cluster_ok(vec: bool, cc: int) -> bool:
-    return bool(CLUSTER) and vec and cc >= 90
+    return settings.softmax_cluster and vec and cc >= 90
 
 
 def _fwd_route(C: int, itemsize: int, vec: bool, masked: bool, cc: int):
@@ -114,7 +112,8 @@ def _fwd_route(C: int, itemsize: int, vec: bool, masked: bool, cc: int):
         return "reg", plan
     if masked:
         return "loop", None
-    if _cluster_ok(vec, cc) and C > (CLUSTER_FWD_FROM_BF16 if itemsize == 2 else CLUSTER_FWD_FROM_F32):
+    start = settings.softmax_cluster_fwd_from_bf16 if itemsize == 2 else settings.softmax_cluster_fwd_from_f32
+    if _cluster_ok(vec, cc) and C > start:
         cl = _cluster_plan(C, itemsize, backward=False)
         if cl is not None:
             return "cluster", cl
@@ -135,7 +134,7 @@ def _bwd_route(C: int, itemsize: int, vec: bool, cc: int):
 
 
 def _cluster_grid(rows: int, n: int) -> int:
-    return min(rows, CLUSTER_MAX_GRID // n) * n
+    return min(rows, settings.softmax_cluster_max_grid // n) * n
 
 
 def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
