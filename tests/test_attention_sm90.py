@@ -904,8 +904,18 @@ def test_gpu_blas_sm_target_bounds_the_persistent_grid():
     assert A90.grid(10_000) == full
 
 
-def test_registered_for_flash_attention_dispatch():
-    """ck.flash_attention finds the wgmma kernels through the registration (ops/attention.py must not import
-    attention_sm90: that would be an import cycle)."""
+def test_flash_attention_picks_its_backend_in_one_place(monkeypatch):
+    """ops/attention.py imports attention_sm90 directly (no registration) and chooses in _use_sm90: the wgmma kernels
+    on a 9.0 device for calls without a key mask at head_dim 64 / 128, unless ck.settings.attention_wgmma is off."""
     from cukernels.ops import attention as A
-    assert A._SM90_IMPL["module"] is A90
+    assert A._sm90 is A90 and not hasattr(A, "_SM90_IMPL")
+    import types
+
+    import cupy
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: types.SimpleNamespace(id=12345))  # (no GPU needed)
+    for supported in (True, False):
+        monkeypatch.setitem(A._SM90, 12345, supported)
+        assert A._use_sm90(None, 64) is supported and A._use_sm90(None, 128) is supported
+        assert A._use_sm90(None, 32) is False and A._use_sm90((np.int64(8), np.int32(1)), 64) is False
+        with ck.settings(attention_wgmma=False):
+            assert A._use_sm90(None, 64) is False

@@ -4,11 +4,10 @@
 Same contract as :func:`cukernels.ops.attention.flash_attention` / ``flash_attention_backward`` (layout, causal
 alignment, GQA, lse format): the forwards and backwards of both families can be mixed (each backward takes the
 other forward's o / lse). No key-padding mask here: ``ck.flash_attention`` keeps those calls on its mma.sync
-kernels.
+kernels (``ops/attention.py`` chooses, in ``_use_sm90``). Argument checks and the NumPy reference are the
+family's (``ops/_attention.py``).
 """
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 
@@ -16,10 +15,9 @@ from .. import _backend as B
 from .._loader import get_function
 from ..settings import settings
 from . import _launch
-from . import attention as _attention_module
-from .attention import _check_saved, _strides, _validate, check_grads_out, check_rope_grads
-from .attention import flash_attention as _flash_attention
-from .attention import flash_attention_backward as _flash_attention_backward
+from ._attention import (_check_saved, _strides, _validate, check_grads_out, check_rope_grads, reference_backward,
+                         reference_forward)
+from .rope import rope_backward as _rope_backward
 
 FAMILY = "attention_sm90"
 THREADS = 384  # producer warpgroup + 2 consumer warpgroups
@@ -178,7 +176,9 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention takes 32 too)")
     if xp is np:  # the NumPy reference is flash_attention's (same math, same lse)
-        return _flash_attention(q, k, v, causal=causal, scale=scale, out=out, return_lse=return_lse)
+        o = B.empty(xp, q.shape, B.bfloat16, out)
+        lse = reference_forward(q, k, v, causal, scale, None, o)
+        return (o, lse) if return_lse else o
     _check_device()
     o = B.empty(xp, q.shape, B.bfloat16, out)
     if o.size and o.data.ptr % 4:  # the kernel stores bf16 pairs (4 bytes)
@@ -232,11 +232,16 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention_backward takes 32 too)")
-    if xp is np or (rope is not None and rope[2] is not None and rope[2].dtype != np.int32):
-        # the argument checks and the NumPy reference are flash_attention_backward's (int64 positions: rope after)
-        return _flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, grads_out=grads_out,
-                                         rope=rope)
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
+    if xp is np:  # the NumPy reference is flash_attention_backward's
+        return reference_backward(dout, q, k, v, out, lse, causal, scale, None, grads_out, rope)
+    if rope is not None and rope[2] is not None and rope[2].dtype != np.int32:  # int64 positions: the rope after
+        rope = check_rope_grads(rope, Bsz, Tq, Tk, D, xp)
+        dq, dk, dv = flash_attention_backward_sm90(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                                   grads_out=grads_out)
+        for g in (dq, dk):
+            _rope_backward(g, rope[0], rope[1], positions=rope[2], out=g)
+        return dq, dk, dv
     if out.size and out.data.ptr % 16:  # the dq kernel copies o in 16-byte chunks (delta from shared memory)
         raise ValueError(f"out: the data pointer must be 16-byte aligned; got offset {out.data.ptr % 16}")
     _check_device()
@@ -320,7 +325,3 @@ def _rope_args(rope, Bsz, Tq, Tk, D):
 
 
 flash_attention_sm90_supported = supported
-
-
-# ck.flash_attention / flash_attention_backward dispatch here on Hopper (ops/attention.py, _use_sm90)
-_attention_module._SM90_IMPL["module"] = sys.modules[__name__]

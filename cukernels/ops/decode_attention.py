@@ -12,7 +12,7 @@ import numpy as np
 from .. import _backend as B
 from .._loader import get_function
 from . import _launch
-from .attention import gqa_shapes
+from ._attention import gqa_shapes
 from .rope import check_tables
 
 FAMILY = "decode_attention"
