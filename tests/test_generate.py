@@ -27,7 +27,7 @@ def test_static_engine_is_the_default_only_for_head_dims_decode_attention_takes(
     """generate()'s default engine: static on the GPU for bf16 models whose attention head_dim ck.decode_attention
     takes (32, 64, 128); a head_dim-16 model (hidden 64, 4 heads) decodes on the dynamic engine instead of
     failing at the first token (session 8: the trainer's end-of-run sample of such a model on the GPU raised)."""
-    from cukernels.generation import _static_default
+    from cukernels.models.generate import _static_default
 
     small, wide = _model(), _model(hidden_size=128, num_attention_heads=4)  # head_dim 16, 32
     assert not _static_default(small, True, True, ck.bfloat16)

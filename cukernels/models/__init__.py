@@ -7,6 +7,7 @@ import numpy as np
 
 from ..io import hf_folder
 from .base import REGISTRY, CausalLM, ModelConfig, model_class, register
+from .generate import GenerationMixin
 from .gpt2 import GPT2, GPT2Config
 from .llama import Llama, LlamaConfig
 
@@ -21,5 +22,5 @@ def from_pretrained(path, *, xp=np, dtype=None, **kw):
     return REGISTRY[mt].from_pretrained(path, xp=xp, dtype=dtype, **kw)
 
 
-__all__ = ["REGISTRY", "CausalLM", "ModelConfig", "model_class", "register", "from_pretrained", "Llama",
-           "LlamaConfig", "GPT2", "GPT2Config"]
+__all__ = ["REGISTRY", "CausalLM", "GenerationMixin", "ModelConfig", "model_class", "register", "from_pretrained",
+           "Llama", "LlamaConfig", "GPT2", "GPT2Config"]

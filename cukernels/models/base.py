@@ -28,6 +28,7 @@ from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops import _launch
 from ..ops.gemv import gemv
 from ..settings import settings
+from .generate import GenerationMixin
 
 REGISTRY: dict = {}
 
@@ -106,8 +107,9 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------------ model
-class CausalLM(Module):
-    """Base of the decoder-only language models.
+class CausalLM(GenerationMixin, Module):
+    """Base of the decoder-only language models; ``generate(ids, max_new_tokens, ...)`` is
+    :class:`GenerationMixin`'s (``cukernels/models/generate.py``: the static and dynamic engines).
 
     ``forward(ids, targets=None, *, attention_mask=None, position_ids=None, kv_cache=None, ignore_index=-100)``
     has Hugging Face's meanings: ``attention_mask`` [B, T] (1 = keep, 0 = padding, left or right; with a cache,
