@@ -144,7 +144,7 @@ FIELDS = (
     _F("attention_sm90_grid_cap", None, int, "ops/attention_sm90.py",
        "caps the persistent grid below one CTA an SM (tests run many tiles through one CTA's mbarrier phases); "
        "None = no cap", min=1, optional=True),
-    _F("rope_in_attention_backward", True, bool, "functional/kernel_ops.py",
+    _F("rope_in_attention_backward", True, bool, "functional/attention.py",
        "the packed attention's rope backward inside the sm_90 attention backward's store instead of one "
        "ck.rope_backward launch after it: LLaMA-1B B4xT64 -0.04 ms a step, one rounding instead of two"),
     # decode and generation
@@ -161,7 +161,7 @@ FIELDS = (
     _F("fast_cast", True, bool, "autograd.py",
        "stale-gradient overwrites through ck.cast's 16-byte kernel: CuPy's fp32 -> bf16 copy ran at ~1.3 TB/s "
        "(the LM head's dW into a bf16 .grad: 1.24 ms of the B8xT1024 step)"),
-    _F("head_workspace", 1 << 30, int, "functional/loss_ops.py",
+    _F("head_workspace", 1 << 30, int, "functional/linear_cross_entropy.py",
        "bytes of logits a chunk of the model's fused LM head (twice the op's default: taller GEMMs); B8xT1024 "
        "fp32 grads 115.7 ms / 36.5 GiB vs 116.2 / 36.0 at half; lower it for memory", min=1),
     _F("ce_cache_hints", True, bool, "ops/cross_entropy.py",

@@ -246,7 +246,7 @@ def test_chunk_plan_numbers():
     assert chunk_rows_for(4097, 128256, 2) == 1408  # 3 chunks: 1408 + 1408 + 1281
     assert chunk_rows_for(1000, 128256, 2) == 1000 and chunk_rows_for(1, 7, 4) == 1 and chunk_rows_for(0, 7, 2) == 0
     assert chunk_rows_for(8192, 8_000_000, 2) == 128  # the floor: 128 rows even over the budget
-    assert chunk_rows_for(8192, 128256, 2, 1 << 30) == 4096  # the model's head budget (loss_ops): 2 chunks
+    assert chunk_rows_for(8192, 128256, 2, 1 << 30) == 4096  # the head budget (settings.head_workspace): 2 chunks
     rng = np.random.default_rng(0)
     for _ in range(2000):
         N, V, s = int(rng.integers(1, 200_000)), int(rng.integers(1, 1_000_000)), int(rng.choice([2, 4]))

@@ -2,6 +2,7 @@
 layout a user holds, config validation, ck.from_pretrained dispatch, inference dtype, and (GPU) the same logits
 as transformers with a padding mask through both attention paths."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -194,8 +195,8 @@ def test_padded_batch_matches_transformers(tmp_path, rng, path):
 
 
 # ------------------------------------------------------------------ issue 17: the fused head + loss
-from cukernels.functional.loss_ops import LinearCrossEntropyF  # noqa: E402
-from cukernels.functional.kernel_ops import CrossEntropyF  # noqa: E402
+from cukernels.functional.cross_entropy import CrossEntropyF  # noqa: E402
+from cukernels.functional.linear_cross_entropy import LinearCrossEntropyF  # noqa: E402
 
 HEAD_MODELS = ["llama-untied", "llama-tied", "gpt2-tied", "gpt2-untied"]
 
@@ -282,10 +283,10 @@ def test_fused_head_loss_writes_a_bf16_grad_directly(rng, which, monkeypatch):
     buf = head.grad
     buf[...] = np.nan  # stale garbage a lazy zero must never read
     opt.zero_grad(lazy=True)
-    from cukernels.functional import loss_ops
-    seen, lce = [], loss_ops._lce
-    monkeypatch.setattr(loss_ops, "_lce", lambda *a, grad_weight=None, **k: (seen.append(grad_weight),
-                                                                             lce(*a, grad_weight=grad_weight, **k))[1])
+    lce_f = sys.modules["cukernels.functional.linear_cross_entropy"]  # (F.linear_cross_entropy: the function)
+    seen, lce = [], lce_f._lce
+    monkeypatch.setattr(lce_f, "_lce", lambda *a, grad_weight=None, **k: (seen.append(grad_weight),
+                                                                          lce(*a, grad_weight=grad_weight, **k))[1])
     _, got = _loss_and_grads(m, ids, tgt, True, expect=LinearCrossEntropyF)
     assert head.grad is buf and buf.dtype == np.dtype(ck.bfloat16) and seen[-1] is buf
     if which == "llama-untied":
@@ -304,14 +305,14 @@ def test_fused_head_loss_chunks_follow_head_workspace(rng, monkeypatch, grad_dty
     models take several chunks): fp32 .grad -> chunk_rows_for(N, V, s, head_workspace); a stale bf16 .grad -> one
     chunk straight into .grad while the logits fit head_workspace + the V x H x 4 bytes of an fp32 dW, else the
     same chunks into a fresh fp32 dW. Loss and gradients equal the logits path's either way."""
-    from cukernels.functional import loss_ops
+    lce_f = sys.modules["cukernels.functional.linear_cross_entropy"]  # (F.linear_cross_entropy: the function)
     from cukernels.ops import linear_cross_entropy as lce_mod
     which = "llama-untied"
     V, H = _config().vocab_size, _config().hidden_size
     monkeypatch.setattr(lce_mod, "ROW_QUANTUM", 4)
     monkeypatch.setattr(ck.settings, "head_workspace", 8 * V * 4)  # 8 fp32 rows of logits a chunk
-    seen, lce = [], loss_ops._lce
-    monkeypatch.setattr(loss_ops, "_lce", lambda *a, **k: (seen.append(k), lce(*a, **k))[1])
+    seen, lce = [], lce_f._lce
+    monkeypatch.setattr(lce_f, "_lce", lambda *a, **k: (seen.append(k), lce(*a, **k))[1])
     bf16 = grad_dtype == "bfloat16"
     for B, one_chunk in ((3, True), (6, False)):  # 27 rows: 27 V 4 <= 8 V 4 + V H 4; 54 rows: above it
         m = _head_model(which)

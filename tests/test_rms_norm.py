@@ -399,10 +399,10 @@ def test_add_bad_input_messages(make, exc, match):
         make()
 
 
-# ---------------------------------------------------------------- CPU: the autograd Functions (functional/norm_ops.py)
+# ---------------------------------------------------------------- CPU: the autograd Functions (functional/rms_norm.py)
 def _autograd_case(rng, use_y=True, use_h=True, fused=True, dtype=np.float32):
     from cukernels.autograd import Tensor
-    from cukernels.functional.norm_ops import add_rms_norm as f_add_rms_norm
+    from cukernels.functional.rms_norm import add_rms_norm as f_add_rms_norm
 
     x, r = rng.standard_normal((3, 2, 8)), rng.standard_normal((3, 2, 8))
     w = rng.standard_normal(8)
@@ -456,7 +456,7 @@ def test_autograd_add_rms_norm_retain_graph_and_no_grad(rng):
     loss.backward()  # the pair's collected gradients were reset: a second pass adds the same again
     for t, g in zip(ts, g1):
         np.testing.assert_allclose(t.grad, 2 * g, rtol=1e-6, atol=1e-7)
-    from cukernels.functional.norm_ops import add_rms_norm as f_add_rms_norm
+    from cukernels.functional.rms_norm import add_rms_norm as f_add_rms_norm
 
     with AG.no_grad():
         y, h = f_add_rms_norm(*ts, 1e-5)
@@ -466,7 +466,7 @@ def test_autograd_add_rms_norm_retain_graph_and_no_grad(rng):
 def test_autograd_add_rms_norm_mixed_dtypes_fall_back(rng):
     """x fp32 and r bf16: the kernel takes one dtype, so the Function composes add (which promotes) + RMSNormF."""
     from cukernels.autograd import Tensor
-    from cukernels.functional.norm_ops import add_rms_norm as f_add_rms_norm
+    from cukernels.functional.rms_norm import add_rms_norm as f_add_rms_norm
 
     x = Tensor(randn(rng, (2, 8), np.float32), requires_grad=True)
     r = Tensor(randn(rng, (2, 8), ck.bfloat16), requires_grad=True)
@@ -632,7 +632,7 @@ def test_gpu_add_captures_in_a_graph(rng):
 def test_gpu_autograd_add_rms_norm(rng, dtype):
     """The Function on CuPy arrays: same gradients as on the NumPy reference path."""
     from cukernels.autograd import Tensor
-    from cukernels.functional.norm_ops import add_rms_norm as f_add_rms_norm
+    from cukernels.functional.rms_norm import add_rms_norm as f_add_rms_norm
 
     arrs = [randn(rng, (4, 33, 256), dtype), randn(rng, (4, 33, 256), dtype), randn(rng, (256,), np.float32)]
     Ry, Rh = randn(rng, (4, 33, 256), dtype), randn(rng, (4, 33, 256), dtype)

@@ -18,7 +18,6 @@ import numpy as np
 
 import cukernels as ck
 from bench_ops import Case
-from cukernels.ops import gemv as gmod
 from cukernels.ops.gemv import gemv
 
 H, I, V = 2048, 8192, 128256

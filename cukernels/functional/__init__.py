@@ -1,27 +1,26 @@
-"""The differentiable functional API: autograd Functions over plain array operations (:mod:`.array_ops`) and one
-per kernel family (:mod:`.kernel_ops`). Importing this package also gives :class:`cukernels.Tensor` its
-operators and array methods (``+ - * / ** @``, indexing, ``.T``, ``exp``, ``sum``, ``reshape``, ...), so that
+"""The differentiable functional API: autograd Functions over plain array operations (:mod:`.array_ops`) and, one
+module per kernel family mirroring ``cukernels/ops/`` (``rms_norm``, ``layer_norm``, ``softmax``, ``attention``,
+``cross_entropy``, ``linear_cross_entropy``, ``embedding``, ``rope``, ``activations``, ``dropout``), a Function per
+kernel op and the functional entry point the layers call. The names here are each module's ``__all__``.
+
+Each Function's forward calls ``ck.<op>`` and its backward ``ck.<op>_backward`` (on NumPy arrays these run the
+ops' reference paths, so both are checked on the CPU). Each functional entry point takes ``fused``: True runs
+the Function, False the composite of plain array Functions (:mod:`.array_ops`) with the same math, so a kernel's
+gain can be measured and its gradient cross-checked.
+
+A family module and its function share a name: ``F.rms_norm`` is the function; import from the module by its path
+(``from cukernels.functional.rms_norm import RMSNormF``). Importing this package also gives :class:`cukernels.Tensor`
+its operators and array methods (``+ - * / ** @``, indexing, ``.T``, ``exp``, ``sum``, ``reshape``, ...), so that
 ``autograd`` itself imports nothing above the ops.
 """
 from __future__ import annotations
 
-import numpy as np
-
+from .._public import reexport as _reexport
 from ..autograd import Tensor
-from . import array_ops, kernel_ops, loss_ops, norm_ops
-from .array_ops import (Add, Cast, Concat, Contiguous, Div, Erf, Exp, GetItem, Linear, Log, MaskedFill, Matmul, Mul,
-                        PackedLinear, PickLast, Pow, PowScalar, Reshape, Rsqrt, Sigmoid, Sub, Sum, Take, Tanh, Transpose,
-                        add, cast, concat, contiguous, div, erf, exp, gemm, getitem, joined_rows, linear, log,
-                        masked_fill, matmul, mean, mul, packed_linear, pow, reshape, rsqrt, sigmoid, silu, sub, sum,
-                        tanh, transpose)
-from .kernel_ops import (AttnSoftmaxF, CrossEntropyF, DropoutAddF, DropoutF, EmbeddingF, EmbeddingLowpF, FlashAttentionF,
-                         FlashAttentionPackedF, GeluF, LayerNormF,
-                         RMSNormF, RopeF, SoftmaxF, SparseEmbeddingF, SwiGLUF, SwiGLUPackedF, attn_softmax,
-                         cross_entropy, dropout, dropout_add, embedding, flash_attention,
-                         flash_attention_packed, gelu, layer_norm, rms_norm, rope, rotate_half,
-                         softmax, swiglu, swiglu_packed)
-from .loss_ops import LinearCrossEntropyF, linear_cross_entropy, linear_cross_entropy_ok
-from .norm_ops import AddRMSNormF, PickF, add_rms_norm
+from .array_ops import (Pow, add, cast, contiguous, div, exp, getitem, log, matmul, mean, mul, pow, reshape,  # _install
+                        sigmoid, sub, sum, tanh, transpose)
+
+__all__ = ["Tensor"] + _reexport(__name__, globals())  # every functional/<family>.py's __all__, array_ops' too
 
 
 def _shape_args(shape):
@@ -40,7 +39,7 @@ def _install():
     T.__rtruediv__ = lambda self, o: div(o, self)
     T.__neg__ = lambda self: mul(self, -1.0)
     T.__pow__ = lambda self, p: pow(self, p)
-    T.__rpow__ = lambda self, o: array_ops.Pow.apply(o, self)  # number ** Tensor: the exponent differentiated
+    T.__rpow__ = lambda self, o: Pow.apply(o, self)  # number ** Tensor: the exponent differentiated
     T.__matmul__ = lambda self, o: matmul(self, o)
     T.__getitem__ = lambda self, idx: getitem(self, idx)
     T.reshape = lambda self, *shape: reshape(self, _shape_args(shape))
@@ -58,4 +57,3 @@ def _install():
 
 _install()
 
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("np", "annotations")]

@@ -40,6 +40,38 @@ def _shape(a):
     return tuple(a.shape) if hasattr(a, "shape") else ()
 
 
+# ---- the composite (fused=False) paths check their arguments as the kernel ops do (issue 36); float64 stays
+# allowed there (the gradient-check oracle), everything else matches: eps, weight shapes, ids and positions.
+def _composite_norm_args(x, eps, **weights):
+    xd = _data(x)
+    if B._kind(xd) is None or not (xd.dtype.kind == "f" or xd.dtype == B.bfloat16) or xd.ndim < 1:
+        raise TypeError(f"x: expected a float array or Tensor [..., C]; got {B._got(x)}")
+    C = xd.shape[-1]
+    for name, w in weights.items():
+        wd = _data(w)
+        if B._kind(wd) is None or tuple(wd.shape) != (C,):
+            raise ValueError(f"{name}: expected shape ({C},) to match x's last axis; got "
+                             f"{tuple(wd.shape) if B._kind(wd) is not None else B._got(w)}")
+    B.check_real("eps", eps, min=0, min_open=True)
+
+
+def _composite_rows(name, ids, n, xp, err_word):
+    """Integer ``ids`` indexing ``n`` rows on a composite path: the NumPy path raises for one outside [0, n) (as
+    the kernel ops' reference does; NumPy would wrap a negative one silently); on CuPy they are clamped into
+    range and ``err_word`` is set, as the kernels do (device-side: no host read)."""
+    if B._kind(ids) is None or ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array; got {B._got(ids) if B._kind(ids) is None else ids.dtype}")
+    if xp is np:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise B.IdsOutOfRange(f"{name}: value {bad} is out of range for {n} rows (valid: 0..{n - 1})")
+        return ids
+    if err_word is not None:
+        bad = ((ids < 0) | (ids >= n)).any().astype(np.int32)
+        xp.bitwise_or(err_word, bad, out=err_word)
+    return xp.clip(ids, 0, n - 1)
+
+
 # ================================================================================================ GEMM
 def gemm(a, b, *, trans_a=False, trans_b=False, out=None, accumulate=False):
     """``op(a) @ op(b)``, batched over equal leading axes (or one operand 2-D), ``op`` transposing the last two
@@ -700,5 +732,12 @@ def packed_linear(x, ws, lows=None):
 
 def silu(x):
     return mul(x, sigmoid(x))
+
+
+__all__ = ["Add", "Sub", "Mul", "Div", "PowScalar", "Pow", "Exp", "Log", "Rsqrt", "Sigmoid", "Tanh", "Erf", "Sum",
+           "Cast", "MaskedFill", "Reshape", "Transpose", "Contiguous", "GetItem", "Concat", "Take", "PickLast",
+           "Matmul", "Linear", "PackedLinear", "gemm", "joined_rows", "add", "sub", "mul", "div", "exp", "log",
+           "rsqrt", "sigmoid", "tanh", "erf", "pow", "sum", "reshape", "transpose", "contiguous", "getitem", "concat",
+           "masked_fill", "matmul", "mean", "cast", "linear", "packed_linear", "silu"]
 
 

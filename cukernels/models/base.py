@@ -18,7 +18,6 @@ import numpy as np
 from .. import _backend as B
 from .. import functional as F
 from ..autograd import Tensor, no_grad
-from ..functional import loss_ops
 from ..io import hf_folder
 from ..io.checkpoint import CheckpointError, check_compatible
 from ..nn import (Attention, Dropout, KVCache, Module, Residual, StaticKVCache, autocast_input, init_context,
@@ -122,7 +121,7 @@ class CausalLM(GenerationMixin, Module):
 
     Loss path: a fused model (``fused`` on the model and on the head) with ``fused_head_loss`` (default True)
     computes the head and the loss together (``ck.linear_cross_entropy`` through
-    ``functional.loss_ops.LinearCrossEntropyF``: no [B*T, V] logits; the head weight's gradient is written
+    ``functional.linear_cross_entropy.LinearCrossEntropyF``: no [B*T, V] logits; the head weight's gradient is written
     into its ``.grad`` during the forward, so back-propagate such a loss, unscaled, or compute it under
     ``no_grad()``); otherwise the head's logits and then the fused cross-entropy in place.
 
@@ -335,9 +334,9 @@ class CausalLM(GenerationMixin, Module):
             return None
         x = autocast_input(x)
         wt, wl = weight_for_gemm(mod, w)
-        if not loss_ops.linear_cross_entropy_ok(x, wt, wl, b):
+        if not F.linear_cross_entropy_ok(x, wt, wl, b):
             return None
-        return loss_ops.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index)
+        return F.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index)
 
     def head(self, x):
         """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""

@@ -372,3 +372,6 @@ def gelu_backward(x, dy, *, approximate="tanh", out=None):
     if n:
         _launch("gelu_erf_bwd" if exact else "gelu_bwd", x.dtype, (x, dy, dx), n, vec_ok(x, dy, dx))
     return dx
+
+
+__all__ = ["gelu", "gelu_backward", "swiglu", "swiglu_backward", "swiglu_packed", "swiglu_packed_backward"]

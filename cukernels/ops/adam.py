@@ -747,3 +747,6 @@ def warmup_cosine(t, max_lr, min_lr, warmup, total):
     q = (t - warmup) / span if span > 0 else 1.0
     q = min(max(q, 0.0), 1.0)
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + np.cos(np.pi * q))
+
+
+__all__ = ["adam_error", "adam_step", "adam_step_rows", "clip_scale", "global_norm", "zero_rows"]

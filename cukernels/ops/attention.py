@@ -194,3 +194,6 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=True, scale=None
         kd((-(-Tk // BM), Hkv, Bsz), (THREADS, 1, 1),
            (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail), shared_mem=smd)
     return dq, dk, dv
+
+
+__all__ = ["flash_attention", "flash_attention_backward"]

@@ -325,3 +325,6 @@ def _rope_args(rope, Bsz, Tq, Tk, D):
 
 
 flash_attention_sm90_supported = supported
+
+
+__all__ = ["flash_attention_backward_sm90", "flash_attention_sm90", "flash_attention_sm90_supported"]

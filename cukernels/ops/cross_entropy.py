@@ -435,3 +435,6 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, reduction="mean",
     if reduction == "none":
         return loss_row, dx
     return _reduce(xp, loss_row, N, cnt), dx
+
+
+__all__ = ["cross_entropy", "cross_entropy_backward", "cross_entropy_error", "cross_entropy_fused"]

@@ -652,3 +652,6 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
                     np.int32(1 if splits == 1 else 0)),
                    shared_mem=smem, pdl=True)
     return o
+
+
+__all__ = ["decode_attention", "decode_attention_rope", "decode_attention_workspace", "kv_cache_write", "rope_kv_write"]

@@ -325,3 +325,6 @@ def dropout_add(x, residual, p, *, seed, offset=0, out=None, dtype=None):
     _run(f"dropout_add_{tags}_{'v' if vec else 's'}", (x, residual, y), n, E, vec,
             _kernel_rng_args(seed, offset, p))
     return y
+
+
+__all__ = ["dropout", "dropout_add", "dropout_backward"]

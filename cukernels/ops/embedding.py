@@ -445,3 +445,6 @@ class SparseRowGrad:
 
     def __repr__(self):
         return f"SparseRowGrad(vocab_size={self.vocab_size}, dim={self.dim}, dtype={self.dtype}, xp={self.xp.__name__})"
+
+
+__all__ = ["SparseRowGrad", "embedding", "embedding_backward", "embedding_error"]

@@ -381,3 +381,6 @@ def gemv(x, weight, *, bias=None, norm=None, norm_weight=None, norm_bias=None, e
        np.int32(depth)),
       smem, pdl=True)
     return out
+
+
+__all__ = ["gemv"]

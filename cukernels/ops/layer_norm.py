@@ -239,3 +239,6 @@ def layer_norm_backward(dy, x, gamma, mean, rstd, *, out=None):
     fin = get_function(FAMILY, f"ln_finalize_{B.DTYPE_TAG[gamma.dtype]}")
     fin(((C + 31) // 32, 2, 1), (32, 16, 1), (part, dgamma, dbeta, np.int32(nparts), np.int32(C)))
     return dx, dgamma, dbeta
+
+
+__all__ = ["layer_norm", "layer_norm_backward"]

@@ -343,3 +343,6 @@ def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight,
             s = s / count if count else 0.0
         loss = np.asarray(s, dtype=np.float32)
     return loss, dx, dw
+
+
+__all__ = ["linear_cross_entropy"]

@@ -292,3 +292,6 @@ def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None):
     B.check_dtype("h", h, B.FLOATS)  # (rms_norm_backward names it x)
     B.check_ndim("h", h, 1)
     return rms_norm_backward(dy, h, weight, rstd, dh=dh, out=out)
+
+
+__all__ = ["add_rms_norm", "add_rms_norm_backward", "rms_norm", "rms_norm_backward"]

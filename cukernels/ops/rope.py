@@ -286,3 +286,6 @@ def rope_backward(dy, cos, sin, *, positions=None, interleaved=False, out=None):
     rotation is orthogonal, ``<rope(x), y> == <x, rope_backward(y)>``.
     """
     return _rope("dy", dy, cos, sin, positions, B.check_bool("interleaved", interleaved), out, -1.0)
+
+
+__all__ = ["rope", "rope_backward", "rope_cache"]

@@ -456,3 +456,6 @@ def _greedy(logits, res, Bsz, V, pen, inv_pen, use_pen, prev_tokens, prev_len, p
                    (_launch.ptr(logits), np.int64(logits.strides[0] // logits.itemsize), np.int32(V), _launch.ptr(res),
                     ws, np.int32(WS_SLOTS), np.int32(S), pen, inv_pen, *pen_args), smem, pdl=True)
     return True
+
+
+__all__ = ["sample_tokens", "sample_workspace"]

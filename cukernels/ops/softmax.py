@@ -351,3 +351,6 @@ def attn_softmax_backward(probs, dprobs, *, scale=1.0, out=None):
     """
     scale = B.check_f32("scale", scale)
     return _softmax_backward(probs, dprobs, float(scale), out, ("probs", "dprobs"))
+
+
+__all__ = ["attn_softmax", "attn_softmax_backward", "softmax", "softmax_backward"]

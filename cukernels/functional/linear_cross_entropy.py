@@ -1,4 +1,5 @@
-"""The fused LM head + loss as an autograd Function: ``LinearCrossEntropyF`` over ``ck.linear_cross_entropy``.
+"""The fused LM head + loss as an autograd Function: ``LinearCrossEntropyF`` over ``ck.linear_cross_entropy``
+(ops/linear_cross_entropy.py).
 
 Why: the unfused head writes all N x V logits (LLaMA-3.2-1B at B8 x T1024: 8192 x 128256 bf16 = 2.1 GB) and
 the fused cross-entropy turns them into dlogits in place; ``ck.linear_cross_entropy`` walks the rows in chunks
@@ -152,3 +153,6 @@ def linear_cross_entropy_ok(x, w, w_lowp=None, bias=None) -> bool:
     if w_lowp is not None:
         return w_lowp.dtype == xd.dtype and tuple(w_lowp.shape) == tuple(wd.shape)
     return wd.dtype in B.FLOATS  # cast once per call to x's dtype when they differ
+
+
+__all__ = ["LinearCrossEntropyF", "linear_cross_entropy", "linear_cross_entropy_ok"]

@@ -1,8 +1,10 @@
-"""Differentiable residual-add + norm: ``add_rms_norm(x, r, w, eps) -> (y, h)``, ``h = x + r``, ``y = rms_norm(h)``.
+"""RMSNorm as autograd Functions: :func:`rms_norm` (``RMSNormF`` over ``ck.rms_norm`` / ``ck.rms_norm_backward``) and
+the residual add + norm :func:`add_rms_norm` (``ck.add_rms_norm``): ops/rms_norm.py, kernels_cu/rms_norm.cu.
 
-The tape autograd (:mod:`cukernels.autograd`) gives a Function exactly one output Tensor, and runs a node only
-when a gradient reached its output. A fused op with two outputs (y and h) whose backward needs *both* incoming
-gradients (``dx = dh + rms_norm_backward(dy)`` in one kernel pass) is built from three nodes:
+``add_rms_norm(x, r, w, eps) -> (y, h)``, ``h = x + r``, ``y = rms_norm(h)``. The tape autograd
+(:mod:`cukernels.autograd`) gives a Function exactly one output Tensor, and runs a node only when a gradient reached
+its output. A fused op with two outputs (y and h) whose backward needs *both* incoming gradients
+(``dx = dh + rms_norm_backward(dy)`` in one kernel pass) is built from three nodes:
 
 * :class:`AddRMSNormF` (inputs x, r, w) runs the fused forward kernel and outputs a hidden *pair* Tensor. Its
   data is h's array (any array would do: nobody outside this module sees the pair). Its backward runs once,
@@ -21,10 +23,39 @@ Nothing here touches the tape's internals: it uses Function.apply / ctx only.
 """
 from __future__ import annotations
 
+import numpy as np
+
+from .. import _backend as B
 from ..autograd import Function
 from ..ops.rms_norm import add_rms_norm as _add_rms, add_rms_norm_backward as _add_rms_bwd
-from .array_ops import _contig, _data, add
-from .kernel_ops import rms_norm
+from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
+from .array_ops import _composite_norm_args, _contig, _data, add, cast, mean, mul, pow, rsqrt
+
+
+class RMSNormF(Function):
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = _rms(x, w, eps, return_rstd=True)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, rstd = ctx.saved_tensors
+        dx, dw = _rms_bwd(_contig(g, x.dtype), x, w, rstd)
+        return dx, dw, None
+
+
+def rms_norm(x, w, eps=1e-6, fused=True):
+    """RMSNorm over the last axis. fused -> ck.rms_norm; else pow/mean/rsqrt/mul in fp32."""
+    if fused:
+        return RMSNormF.apply(x, w, eps)
+    _composite_norm_args(x, eps, weight=w)
+    dt = _data(x).dtype
+    xf = cast(x, np.float32) if dt == B.bfloat16 else x
+    r = rsqrt(add(mean(pow(xf, 2), axis=-1, keepdims=True), eps))
+    wf = cast(w, _data(xf).dtype)
+    return cast(mul(mul(xf, r), wf), dt)
 
 
 class _Pair:
@@ -110,4 +141,4 @@ def add_rms_norm(x, r, w, eps=1e-6, fused=True):
     return rms_norm(h, w, eps, fused=fused), h
 
 
-__all__ = ["AddRMSNormF", "PickF", "add_rms_norm"]
+__all__ = ['RMSNormF', 'AddRMSNormF', 'PickF', 'rms_norm', 'add_rms_norm']
