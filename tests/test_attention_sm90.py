@@ -21,11 +21,12 @@ from helpers import cp, to_host
 
 BF16 = ck.bfloat16
 CU = Path(__file__).resolve().parent.parent / "kernels_cu" / "attention_sm90.cu"
+HOPPER = CU.parent / "common" / "hopper.cuh"  # the generic mbarrier / wgmma / descriptor / swizzle primitives
 
 # ------------------------------------------------------------------------------------------------ model
-# Every function below mirrors one piece of attention_sm90.cu (named in its docstring), except hw_addr and the
-# fragment layouts acc_pos / a_pos, which are the hardware's side (PTX ISA: "Matrix Descriptor", "Shared Memory
-# Matrix Layout" with 128-byte swizzling, "Register Fragments" of wgmma .m64nNk16 for .f32 / .bf16).
+# Every function below mirrors one piece of attention_sm90.cu or common/hopper.cuh (named in its docstring), except
+# hw_addr and the fragment layouts acc_pos / a_pos, which are the hardware's side (PTX ISA: "Matrix Descriptor",
+# "Shared Memory Matrix Layout" with 128-byte swizzling, "Register Fragments" of wgmma .m64nNk16 for .f32 / .bf16).
 WG = 128
 BM = 128
 
@@ -217,7 +218,7 @@ def test_simulated_cta_reproduces_the_products(rng, D, NB):
 def test_descriptor_offsets_add_in_the_address_field(D, N):
     """desc_plus: a k-step's descriptor is the first one plus (byte offset >> 4); for every tile the kernels place
     (any 16-byte aligned base below the 227 KB of shared memory) that equals make_desc of the offset address."""
-    src = CU.read_text()
+    src = HOPPER.read_text()
     assert "  return d + (bytes >> 4);\n}" in src
     for base in (0, 1024, 0x20000, 227 * 1024 - 2 * N * D * 2):
         for lbo in (16, N * 128):
