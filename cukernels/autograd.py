@@ -104,6 +104,9 @@ class Tensor:
         self.shadow_wait = None  # set by an optimizer while the shadow's update is in flight (amp.lowp_weight)
         self.sparse_grad = None
         self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
+        # Bumped by every zero_grad (nn.Module's, the optimizers'): a Function that wrote .grad during its forward
+        # (the fused LM head) checks it in backward, so a zero_grad() between the two is an error, not a lost gradient.
+        self.grad_epoch = 0
         self._node = None  # (Function class, ctx) for a non-leaf; _FREED once a backward released it
         self._ready_hooks = None  # gradient-ready hooks (register_grad_ready_hook), in registration order
 

@@ -293,3 +293,27 @@ def test_composite_functions_validate_as_the_fused_ones(call, exc, match, fused)
 
     with pytest.raises(exc, match=match):
         call(T, fused)
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "module", "lazy"])
+def test_zero_grad_between_forward_and_backward_is_an_error(zero):
+    """The fused LM head + loss writes the head weight's gradient during the forward; a zero_grad() before the
+    backward used to discard it silently (the head never learned). Now the backward says what to do; the right
+    order (zero_grad before the forward) still trains."""
+    rng = np.random.default_rng(0)
+    model = ck.Llama(ck.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, max_position_embeddings=32))
+    opt = ck.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = rng.integers(0, 64, (2, 9))
+    opt.zero_grad()
+    model(ids[:, :-1], ids[:, 1:]).backward()  # the .grad buffers exist from here on
+    opt.step()
+    loss = model(ids[:, :-1], ids[:, 1:])
+    {"optimizer": opt.zero_grad, "module": model.zero_grad, "lazy": lambda: opt.zero_grad(lazy=True)}[zero]()
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) ran between the forward and this backward"):
+        loss.backward()
+    opt.zero_grad()
+    loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    head = [p for p in model.parameters() if p.grad is not None and p.grad.shape == (64, 32)]
+    assert head and all(np.abs(p.grad).sum() > 0 for p in head)

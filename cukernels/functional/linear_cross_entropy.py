@@ -106,12 +106,20 @@ class LinearCrossEntropyF(Function):
                 ctx.dw, ctx.dw_fresh = dw, True  # returned by backward
             else:
                 ctx.dw, ctx.dw_added = buf, acc  # already in .grad
+                ctx.w_tensor, ctx.w_epoch = ctx.inputs[1], ctx.inputs[1].grad_epoch
         return loss
 
     @staticmethod
     def backward(ctx, g):
         dx, dw = ctx.dx, ctx.dw
         ctx.dx = None
+        wt = getattr(ctx, "w_tensor", None)
+        if wt is not None and wt.grad_epoch != ctx.w_epoch:
+            name = getattr(wt, "name", None) or "the head weight"
+            raise RuntimeError(
+                f"{name}: zero_grad() ran between the forward and this backward, and the fused head + loss had "
+                f"already written this weight's gradient during the forward: call zero_grad() before the forward "
+                f"(or after the optimizer step), as the trainer does")
         if not ctx.seed_one:
             xp = _xp(g)
             gf = g.astype(np.float32) if g.dtype != np.float32 else g

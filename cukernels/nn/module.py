@@ -178,6 +178,7 @@ class Module:
 
     def zero_grad(self):
         for p in self.parameters():
+            p.grad_epoch += 1
             if p.grad is not None:
                 p.grad[...] = 0
             if p.sparse_grad is not None:

@@ -701,6 +701,9 @@ class AdamW:
                 self._zero(g.G)
             for _, sg in g.sparse_grads:
                 sg.zero()  # clears the listed rows, empties the list, new generation
+            for s in g.slots:
+                if s.obj is not None and hasattr(s.obj, "grad_epoch"):
+                    s.obj.grad_epoch += 1
         self._new_step()
 
     def flush_stale(self):

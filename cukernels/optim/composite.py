@@ -71,6 +71,8 @@ class CompositeAdamW:
     def zero_grad(self, lazy=False):
         """Fill every gradient with 0 (``lazy`` is AdamW's; the baseline always zeroes)."""
         for p in self.params:
+            if hasattr(p, "grad_epoch"):
+                p.grad_epoch += 1
             if p.grad is not None:
                 p.grad.fill(0)
 
