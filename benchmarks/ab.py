@@ -21,6 +21,8 @@ PACKAGES = ("cukernels.ops", "cukernels.nn", "cukernels.optim", "cukernels")
 # the package path) -> the setting's name.
 MOVED = {
     "_launch.PDL": "pdl", "_launch.CARVEOUT": "pdl_carveout",
+    "zero.ADAM_OCCUPANCY": "zero_adam_occupancy", "zero.EAGER_GATHERS": "zero_eager_gathers",
+    "zero.CAST_ON_COMPUTE_STREAM": "zero_cast_on_compute_stream", "zero.SIDE_PRIORITY": "zero_side_priority",
     "attention.WGMMA": "attention_wgmma",
     "attention_sm90.VARIANT": "attention_sm90_variant", "attention_sm90.BWD_VARIANT": "attention_sm90_bwd_variant",
     "attention_sm90.BWD_DQ": "attention_sm90_bwd_dq", "attention_sm90.PERSISTENT": "attention_sm90_persistent",

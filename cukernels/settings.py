@@ -244,6 +244,18 @@ FIELDS = (
        min=2, max=4),
     _F("rms_norm_pipe_stages_f32", 3, int, "ops/rms_norm.py",
        "the same for fp32 rows (3: 2-3 % faster than 2 at 8192 x 2048)", min=2, max=4),
+    # ZeRO-1 (several ranks only)
+    _F("zero_adam_occupancy", 1.0, float, "optim/adamw.py",
+       "waves of blocks in the AdamW update's grid while collectives run beside it (sm_margin 0, > 1 rank); 1 = one "
+       "persistent wave", min=0.0),
+    _F("zero_eager_gathers", 1, int, "optim/adamw.py",
+       "with overlap_gather, buckets (the first in forward order) step() still all-gathers itself; 2 x H200 "
+       "B8xT1024: 126.9 ms at 0 against 125.4 at 1", min=0),
+    _F("zero_cast_on_compute_stream", True, bool, "optim/adamw.py",
+       "bf16 wire: each bucket's fp32 -> bf16 cast on the compute stream (True) or the side stream; 2 x H200 "
+       "B8xT1024 126.44 against 128.14 ms"),
+    _F("zero_side_priority", -100, int, "optim/adamw.py",
+       "the collectives' side stream priority (-100 is clamped to the device's highest)"),
 )
 del _F
 

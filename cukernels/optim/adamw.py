@@ -44,7 +44,7 @@ in a world of one, 16 (fp32 wire), 17 (bf16 wire) or 13 (bf16 gradients) on each
 1. **reduce-scatter** each bucket's gradient (``avg`` over ranks by default: NCCL's pre-multiplied sum; ``sum``
    with ``average=False``) into ``GS``: fp32 on the wire, or cast to bf16 first (``wire_dtype=ck.bfloat16``: half
    the bytes; the reduced bf16 gradient is what Adam reads, widened in registers; the cast runs on the current
-   stream, the collective on the side stream: ``zero.CAST_ON_COMPUTE_STREAM``). With :meth:`attach_grad_hooks` a
+   stream, the collective on the side stream: ``ck.settings.zero_cast_on_compute_stream``). With :meth:`attach_grad_hooks` a
    bucket is sent as soon as the backward has finished every parameter in it, on a side stream ordered by CUDA
    events, so the communication hides behind the rest of the backward; otherwise all buckets go at the first of
    :meth:`grad_norm` / :meth:`step`. Buckets go in one fixed order (the reverse of the parameter order, the order
@@ -54,7 +54,7 @@ in a world of one, 16 (fp32 wire), 17 (bf16 wire) or 13 (bf16 gradients) on each
 3. **AdamW** (``ck.adam_step``) on the owned piece of every bucket: fp32 master, moments, bf16 shadow piece.
 4. **all-gather** the updated pieces: the bf16 shadow of every group and the fp32 parameters of the
    ``gather_fp32`` groups, bucket by bucket on the side stream (bucket k's all-gather overlaps bucket k+1's Adam).
-   With ``overlap_gather=True`` only the first ``zero.EAGER_GATHERS`` bucket(s) in forward order (and the fp32
+   With ``overlap_gather=True`` only the first ``ck.settings.zero_eager_gathers`` bucket(s) in forward order (and the fp32
    groups) are gathered here; the other shadows' all-gathers are queued when the next forward first reads a
    shadow, and each layer waits only for its own bucket (``param.shadow_wait``, honoured by
    ``ck.amp.lowp_weight``), so they run under the forward's GEMMs (2 x H200, LLaMA-3.2-1B, B8xT1024: 127.4 ->
@@ -90,6 +90,7 @@ import numpy as np
 
 from .. import _backend as B
 from .. import blas
+from ..settings import settings
 from ..distributed import ProcessGroup, SingleGroup, get_group, is_initialized
 from ..ops import adam as _A
 from ..ops.elementwise import cast as _cast
@@ -790,7 +791,7 @@ class AdamW:
             # Captured graphs keep it per node (cukernels.graph instantiates with node priorities).
             # (CuPy has no cudaDeviceGetStreamPriorityRange; CUDA clamps a priority outside the device's range
             # to the nearest end, so -100 is the greatest, -5 on Hopper.)
-            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=Z.SIDE_PRIORITY)
+            self._comm = self.xp.cuda.Stream(non_blocking=True, priority=settings.zero_side_priority)
         return self._comm
 
     def _fork(self):
@@ -825,12 +826,12 @@ class AdamW:
         if b.stop == b.start or self.world_size == 1:
             return
         send = g.G[b.start:b.stop]
-        if g.W is not None and Z.CAST_ON_COMPUTE_STREAM:  # the bf16 wire copy made in line with the backward
+        if g.W is not None and settings.zero_cast_on_compute_stream:  # the bf16 wire copy made in line with the backward
             send = _cast(send, B.bfloat16, out=g.W[b.start:b.stop])
         side = self._fork()
         self._margin_on()
         with side if side is not None else contextlib.nullcontext():
-            if g.W is not None and not Z.CAST_ON_COMPUTE_STREAM:
+            if g.W is not None and not settings.zero_cast_on_compute_stream:
                 send = _cast(send, B.bfloat16, out=g.W[b.start:b.stop])
             self.group.reduce_scatter(send, g.GS[b.shard_offset:b.shard_offset + b.piece],
                                       "avg" if self.average else "sum")
@@ -962,9 +963,9 @@ class AdamW:
         dense = dict(kw)
         if self._side() is not None:  # the grid leaves room for the all-gathers that run beside the update
             dense["occupancy"] = (max(0.05, 1.0 - self.sm_margin / B.sm_count()) if self.sm_margin
-                                  else Z.ADAM_OCCUPANCY)
+                                  else settings.zero_adam_occupancy)
         r = self.rank
-        eager = Z.EAGER_GATHERS
+        eager = settings.zero_eager_gathers
         for gi, bi in self._fwd_order if self.overlap_gather else self._order:
             g = self._groups[gi]
             b = g.layout.buckets[bi]

@@ -18,7 +18,7 @@ what ``state_dict()`` returned before issue 34) plus the parameters; every ``loa
 shards of any world size, a world of one's shard, or the full format (:func:`full_state`). So 2 -> 1, 1 -> 2 and
 2 -> 3 resume with the same parameters and moments.
 
-The switches below are read at each use (``benchmarks/ab.py``: ``--ab zero.EAGER_GATHERS=0``).
+Its A/B switches are ``ck.settings.zero_*`` (``benchmarks/ab.py``: ``--ab zero_eager_gathers=0``).
 """
 from __future__ import annotations
 
@@ -33,19 +33,8 @@ SHARD_KIND = "AdamW.shard"
 SHARD_KINDS = (SHARD_KIND, "ZeroAdamW.shard")  # (the second: the shards written before issue 34)
 FULL_KIND = "AdamW"
 
-# Waves of blocks in the AdamW update's grid while collectives run beside it (``ck.adam_step(occupancy=)``; used
-# when sm_margin is 0 and there is more than one rank). 1 = one persistent wave.
-ADAM_OCCUPANCY = 1.0
-# With overlap_gather: how many buckets (the first in forward order: the embedding's at the LLaMA shape) step()
-# still all-gathers itself, beside the rest of the update, so the next forward does not start by waiting for it.
-EAGER_GATHERS = 1
-# bf16 wire: where each bucket's fp32 -> bf16 cast runs. True: on the current stream when the bucket is complete
-# (the side stream carries only the collectives, and the cast's blocks do not cut into the backward's persistent
-# GEMMs from a high-priority stream); False: on the side stream before its reduce-scatter. Session 7, 2 x H200,
-# same-process A/B: B4xT64 23.49 -> 22.84 ms, B8xT1024 128.14 -> 126.44 ms.
-CAST_ON_COMPUTE_STREAM = True
-# The side stream's priority (see AdamW._side): -100 is clamped to the device's highest.
-SIDE_PRIORITY = -100
+# The ZeRO A/B switches are ck.settings' zero_* fields (zero_adam_occupancy, zero_eager_gathers,
+# zero_cast_on_compute_stream, zero_side_priority), read at each use.
 
 
 # ---------------------------------------------------------------------------------------------- layout
