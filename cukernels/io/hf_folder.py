@@ -23,6 +23,9 @@ from .atomic import write_json
 SAFE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+# the special-token ids of config.json; a folder written here always carries all three (null when a model has none),
+# so transformers never falls back to its class defaults (GPT-2's 50256 on a 256-token model, LLaMA's 1 and 2)
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class HFFormatError(ValueError):
@@ -60,6 +63,33 @@ def read_config(path) -> tuple[dict, str]:
     if not isinstance(d, dict):
         raise HFFormatError(f"{cj}: expected a JSON object")
     return d, str(cj)
+
+
+def _id_error(name, v, vocab_size):
+    def ok(i):
+        return isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) and 0 <= i < vocab_size
+    if v is None or ok(v):
+        return None
+    if name == "eos_token_id" and isinstance(v, (list, tuple)) and v and all(ok(i) for i in v):
+        return None  # (several end tokens: Llama-3.1's [128001, 128008, 128009])
+    return (f"{name}: expected null or a token id in [0, {vocab_size})" + (" (or a list of them)" if
+            name == "eos_token_id" else "") + f"; got {v!r}")
+
+
+def check_special_ids(where, config):
+    """ValueError naming the field unless each of ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a model
+    config is None or an id of its vocabulary (``eos_token_id`` may be a list)."""
+    for k in SPECIAL_IDS:
+        err = _id_error(k, getattr(config, k, None), config.vocab_size)
+        if err:
+            raise ValueError(f"{where}.{err}")
+
+
+def read_special_ids(d: dict, vocab_size) -> dict:
+    """The special-token ids of a ``config.json`` dict that fit its vocabulary (an id outside it is dropped, not
+    an error: the ids are metadata, and the weights still load)."""
+    return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in SPECIAL_IDS
+            if k in d and _id_error(k, d[k], vocab_size) is None}
 
 
 class _Union(Mapping):
@@ -122,7 +152,8 @@ def save_folder(path, config: dict, specs: dict, get, *, max_shard_size=None):
     """Write ``config.json`` and the weights into folder ``path``: ``specs`` {name: (shape, dtype)} as they will
     be stored, ``get(name)`` producing each tensor (NumPy or CuPy) when it is written. One ``model.safetensors``,
     or shards of at most ``max_shard_size`` bytes plus the index. Stale weight files of an earlier save are
-    removed first."""
+    removed first. ``config.json`` always carries ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (null
+    where ``config`` has none)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     nbytes = {k: int(np.prod(s)) * np.dtype(d).itemsize for k, (s, d) in specs.items()}
@@ -148,9 +179,12 @@ def save_folder(path, config: dict, specs: dict, get, *, max_shard_size=None):
             st.write_specs(folder / fname, {k: specs[k] for k in names}, get, meta)
             wm.update({k: fname for k in names})
         write_json(folder / INDEX, {"metadata": {"total_size": total}, "weight_map": wm})
+    config = dict(config)
+    for k in SPECIAL_IDS:  # explicit nulls: transformers assumes its class defaults for missing ids, and warns
+        config.setdefault(k, None)
     write_json(folder / CONFIG, config)
     return folder
 
 
-__all__ = ["HFFormatError", "SAFE", "INDEX", "CONFIG", "read_config", "read_weights", "save_folder",
-           "folder_of", "is_hf_folder", "weights_path"]
+__all__ = ["HFFormatError", "SAFE", "INDEX", "CONFIG", "SPECIAL_IDS", "read_config", "read_weights", "save_folder",
+           "folder_of", "is_hf_folder", "weights_path", "check_special_ids", "read_special_ids"]

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from .._backend import bfloat16
-from ..io.hf_folder import HFFormatError
+from ..io.hf_folder import SPECIAL_IDS, HFFormatError, check_special_ids, read_special_ids
 from ..nn import Attention, Dropout, DropoutRNG, Embedding, LayerNorm, Linear, Module, ModuleList, decode
 from .. import functional as F
 from .base import CausalLM, ModelConfig, check_int, check_real, register
@@ -46,6 +46,9 @@ class GPT2Config(ModelConfig):
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    bos_token_id: Optional[int] = None  # (to_hf: 50256, GPT-2's <|endoftext|>, for a GPT-2-sized vocabulary)
+    eos_token_id: Optional[int] = None  # (or a list of ids)
+    pad_token_id: Optional[int] = None
 
     def validate(self):
         w = "GPT2Config"
@@ -67,6 +70,7 @@ class GPT2Config(ModelConfig):
         check_real(w, "initializer_range", self.initializer_range)
         if not isinstance(self.tie_word_embeddings, (bool, np.bool_)):
             raise TypeError(f"{w}.tie_word_embeddings: expected true or false; got {self.tie_word_embeddings!r}")
+        check_special_ids(w, self)
 
     @property
     def ffn(self):
@@ -81,7 +85,7 @@ class GPT2Config(ModelConfig):
         missing = [k for k in ("vocab_size", "n_embd", "n_layer", "n_head") if k not in d]
         if missing:
             raise HFFormatError(f"{where}: missing fields {missing}")
-        d = dict(d)
+        d = dict({k: v for k, v in d.items() if k not in SPECIAL_IDS}, **read_special_ids(d, d["vocab_size"]))
         if d.get("n_inner") is None:
             d.pop("n_inner", None)
         try:
@@ -93,7 +97,8 @@ class GPT2Config(ModelConfig):
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 **{k: getattr(self, k) for k in self.field_names()},
                 "scale_attn_weights": True, "use_cache": True,
-                **({"bos_token_id": 50256, "eos_token_id": 50256} if self.vocab_size > 50256 else {}),
+                **({"bos_token_id": 50256, "eos_token_id": 50256} if self.vocab_size > 50256 and
+                   self.bos_token_id is None and self.eos_token_id is None else {}),
                 "torch_dtype": "bfloat16" if np.dtype(dtype) == bfloat16 else np.dtype(dtype).name}
 
 

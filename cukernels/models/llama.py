@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .._backend import bfloat16
-from ..io.hf_folder import HFFormatError
+from ..io.hf_folder import SPECIAL_IDS, HFFormatError, check_special_ids, read_special_ids
 from ..nn import Attention, Embedding, Linear, Module, ModuleList, Residual, RMSNorm, SwiGLUMLP, decode
 from ..ops.rope import _check_scaling as check_rope_scaling
 from ..ops.rope import rope_cache
@@ -41,6 +41,9 @@ class LlamaConfig(ModelConfig):
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None  # (or a list of ids)
+    pad_token_id: Optional[int] = None
 
     def validate(self):
         w = "LlamaConfig"
@@ -68,6 +71,7 @@ class LlamaConfig(ModelConfig):
             raise TypeError(f"{w}.tie_word_embeddings: expected true or false; got {self.tie_word_embeddings!r}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise TypeError(f"{w}.rope_scaling: expected a dict or None; got {type(self.rope_scaling).__name__}")
+        check_special_ids(w, self)
         try:  # at construction (it was refused only at the first forward, when the rope tables were built)
             check_rope_scaling(self.rope_scaling)
         except (TypeError, ValueError) as e:
@@ -103,7 +107,8 @@ class LlamaConfig(ModelConfig):
                                "num_attention_heads") if k not in d]
         if missing:
             raise HFFormatError(f"{where}: missing fields {missing}")
-        d = dict(d, rope_scaling=rs)
+        d = dict({k: v for k, v in d.items() if k not in SPECIAL_IDS}, rope_scaling=rs,
+                 **read_special_ids(d, d["vocab_size"]))
         for k in ("head_dim", "num_key_value_heads"):
             if d.get(k) is None:
                 d.pop(k, None)
@@ -119,7 +124,7 @@ class LlamaConfig(ModelConfig):
             **{k: getattr(self, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                              "num_attention_heads", "num_key_value_heads", "head_dim",
                                              "max_position_embeddings", "initializer_range", "rms_norm_eps",
-                                             "rope_theta", "rope_scaling", "tie_word_embeddings")},
+                                             "rope_theta", "rope_scaling", "tie_word_embeddings", *SPECIAL_IDS)},
             "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
             "use_cache": True,
             "torch_dtype": "bfloat16" if np.dtype(dtype) == bfloat16 else np.dtype(dtype).name,
