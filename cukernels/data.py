@@ -1,5 +1,9 @@
-"""Training data: a byte-level tokenizer, the tinyshakespeare split, llm.c token files, and the samplers (a
-sequential cursor, seeded random windows), each taking its rank's rows of a global batch under data parallelism.
+"""Training data: the tinyshakespeare split, llm.c token files, and the samplers (a sequential cursor, seeded random
+windows), each taking its rank's rows of a global batch under data parallelism. (``ByteTokenizer`` is
+:class:`cukernels.tokenizer.ByteTokenizer`, kept importable from here.)
+
+The example configs and the tiny runs' text ship with the package (``cukernels/examples/``) and sit in a checkout's
+``examples/``: :func:`example_path` finds either, so ``data.path: null`` works from an installed package in any folder.
 
 llm.c token files (the format the seed trained on): a header of 256 int32 (1024 bytes) -- ``[0]`` magic,
 ``[1]`` version, ``[2]`` token count, the rest zero -- followed by the tokens:
@@ -19,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .tokenizer import ByteTokenizer  # noqa: F401  (the trainer's text runs' tokenizer; one class, in tokenizer.py)
+
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 FORMATS = {  # kind -> (magic, version, token dtype)
@@ -27,27 +33,32 @@ FORMATS = {  # kind -> (magic, version, token dtype)
 }
 _BY_MAGIC = {m: (k, v, d) for k, (m, v, d) in FORMATS.items()}
 
-DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
-                            "tinyshakespeare.txt")
+_PKG = Path(__file__).resolve().parent
+# where the examples are: shipped inside the installed package (setup.cfg maps examples/configs and examples/data
+# to cukernels/examples/...), else beside the package in a source checkout
+EXAMPLE_ROOTS = (_PKG / "examples", _PKG.parent / "examples")
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab_size 256, lossless for any text."""
+def example_path(*parts) -> Path:
+    """A file or folder of the examples (``example_path("configs", "tiny.yaml")``): the installed package's copy
+    (``cukernels/examples/...``), else the checkout's ``examples/...``. The first candidate when neither exists."""
+    for root in EXAMPLE_ROOTS:
+        p = root.joinpath(*parts)
+        if p.exists():
+            return p
+    return EXAMPLE_ROOTS[0].joinpath(*parts)
 
-    vocab_size = 256
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids) -> str:
-        ids = ids.get() if hasattr(ids, "get") else np.asarray(ids)
-        return bytes(np.asarray(ids, dtype=np.int64).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+DEFAULT_TEXT = str(example_path("data", "tinyshakespeare.txt"))
 
 
 def load_text_tokens(path=None, val_fraction=0.1):
     """Byte tokens of a text file (tinyshakespeare by default) split into (train, val): the last
     ``val_fraction`` of the file is the held-out split. Returns two uint8 arrays."""
     path = path or DEFAULT_TEXT
+    if not os.path.isfile(path):
+        raise ValueError(f"data.path: no such file: {path}" + ("" if path != DEFAULT_TEXT else
+                         " (the default text is missing from this install: give data.path=FILE)"))
     with open(path, "rb") as f:
         data = np.frombuffer(f.read(), dtype=np.uint8)
     if not 0.0 < val_fraction < 1.0:

@@ -47,6 +47,7 @@ SECTIONS = [
     ("cukernels.io.atomic", "atomic file writes"),
     ("cukernels.models", "the model registry and the families"),
     ("cukernels.generation", "sampling and decoding for any registered model"),
+    ("cukernels.export", "a run or checkpoint as a Hugging Face folder (python -m cukernels.export)"),
     ("cukernels.graph", "CUDA-graph capture of a whole step"),
     ("cukernels.distributed", "process groups and NCCL collectives"),
 ]

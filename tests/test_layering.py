@@ -1,8 +1,9 @@
 """The package's layers stay true: every import (lazy ones inside functions included) goes to the same layer
 own package or to a lower layer, and there is no import cycle.
 
-    runtime (_backend, _loader, _nvrtc, _public, build, graph, data, tokenizer, prepare, settings)  <  ops (+ blas, distributed)  <  autograd, amp
-      <  functional  <  nn, optim, io  <  models  <  generation  <  train  <  run (the launcher)
+    runtime (_backend, _cli, _loader, _nvrtc, _public, build, graph, data, tokenizer, prepare, settings)
+      <  ops (+ blas, distributed)  <  autograd, amp  <  functional  <  nn, optim, io  <  models  <  generation
+      <  export, sample (the export and generator command lines)  <  train  <  run (the launcher)
       <  the package root (its __init__ only re-exports)
 """
 import ast
@@ -13,13 +14,14 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "cukernels"
 
 LAYERS = [
-    {"_backend", "_loader", "_nvrtc", "_public", "build", "graph", "data", "tokenizer", "prepare", "settings"},
+    {"_backend", "_cli", "_loader", "_nvrtc", "_public", "build", "graph", "data", "tokenizer", "prepare", "settings"},
     {"ops", "blas", "distributed"},
     {"autograd", "amp"},
     {"functional"},
     {"nn", "optim", "io"},
     {"models"},
     {"generation"},
+    {"export", "sample"},
     {"train"},
     {"run"},
 ]

@@ -366,7 +366,7 @@ def test_run_errors_name_the_problem(tmp_path, monkeypatch):
         ranks(3, tmp_path / "a", ["total_batch_size=64"])
     with pytest.raises(ConfigError, match="distributed: needs fused: true"):
         ranks(2, tmp_path / "b", ["fused=false"])
-    with pytest.raises(SystemExit, match="graph: true needs the GPU"):
+    with pytest.raises(ConfigError, match="graph: true needs the GPU"):
         ranks(2, tmp_path / "c", ["graph=true"])
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -374,7 +374,7 @@ def test_run_errors_name_the_problem(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match="distributed: false, but this process is rank 1 of 2"):
         one(tmp_path / "d", ["distributed=false"])
-    with pytest.raises(SystemExit, match="2 ranks need one GPU each"):
+    with pytest.raises(ConfigError, match="2 ranks need one GPU each"):
         one(tmp_path / "e", [])
 
 

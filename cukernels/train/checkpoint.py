@@ -36,7 +36,7 @@ import numpy as np
 
 from ..io import checkpoint as C
 from ..optim.zero import SHARD_KIND, SHARD_KINDS, consolidate_state, make_shard
-from .config import RESUME_FREE, ZERO_RESUME_FREE
+from .config import RESUME_FREE, ZERO_RESUME_FREE, lr_schedule, schedule_steps
 from .config import defaults as config_defaults
 
 SHARD_RE = re.compile(r"^step_(\d+)\.rank(\d+)-of-(\d+)\.zero$")
@@ -191,6 +191,39 @@ def _check(path, arrays, meta, shards, run):
         consolidate_state([sh for sh, _ in shards], lazy=True)  # slices tile every parameter, one step
     except ValueError as e:
         raise C.CheckpointError(f"{path}: its optimizer shards disagree: {e}") from None
+
+
+def resume_schedule(cfg, path, say):
+    """The config a run resuming ``path`` trains with: ``lr_decay_steps: null`` takes the checkpoint's schedule
+    length (its ``lr_decay_steps``, or the ``max_steps`` it ran with), so a raised ``max_steps`` continues at the
+    final lr instead of stretching the cosine (which would raise the lr again); said in a note. An explicit
+    ``lr_decay_steps`` that moves the lr at the resumed step is said in a warning, with both values. Reads the
+    checkpoint's header only (:func:`load` checks the file)."""
+    meta = header_meta(path)
+    saved = (meta or {}).get("config")
+    if not isinstance(saved, dict) or not isinstance(saved.get("max_steps"), int):
+        return cfg
+    step, was = int(meta.get("step") or 0), schedule_steps(saved)
+    c = cfg.as_dict()
+    if c.get("lr_decay_steps") is None:
+        if was == c["max_steps"]:
+            return cfg
+        final = c["lr"] * c["min_lr_ratio"]
+        beyond = (f"; steps {was + 1}-{c['max_steps']} run at the final lr {final:.2e}" if c["max_steps"] > was
+                  else "")
+        say(f"note: max_steps {saved['max_steps']} -> {c['max_steps']}: the lr schedule keeps the checkpoint's "
+            f"length of {was} steps{beyond} (lr_decay_steps={c['max_steps']} stretches the cosine instead)")
+        return cfg.with_keys(lr_decay_steps=was)
+    now = schedule_steps(c)
+    if now != was:
+        def lr(d, n):
+            return float(lr_schedule(d["lr"], n, d["warmup_steps"], d["min_lr_ratio"]).lr_at(step + 1))
+        before, after = lr({**c, **saved}, was), lr(c, now)
+        if after != before:
+            say(f"warning: lr_decay_steps {was} -> {now}: at step {step} the learning rate "
+                f"{'rises' if after > before else 'drops'} from {before:.2e} to {after:.2e} (lr_decay_steps={was} "
+                f"keeps the checkpoint's schedule)")
+    return cfg
 
 
 def _warn_changes(path, meta, cfg, opt, say):

@@ -1,11 +1,13 @@
 """The training configuration: every key, its type, its default and what it means, in one table.
 
-A config is YAML (``--config file.yaml``) plus ``key=value`` overrides (``model.hidden_size=256``, ``lr=3e-3``);
-:func:`load_config` merges them over the defaults and checks everything before a run starts: an unknown or
-misspelled key is an error that names it and the closest key (``max_step`` -> ``max_steps``), a wrong type or an
-invalid choice is a one-line error naming the key (:class:`ConfigError`). The ``model`` section is the model
-family's own config (``model.type``, default ``llama``; its fields are Hugging Face's and are checked by that
-config class). The resolved config is written as ``<out_dir>/config.yaml`` next to the log.
+A config is YAML (``--config file.yaml``, or the name of a shipped config: ``--config tiny``) plus ``key=value``
+overrides (``model.hidden_size=256``, ``lr=3e-3``); :func:`load_config` merges them over the defaults and checks
+everything before a run starts: an unknown or misspelled key is an error that names it and the closest key
+(``max_step`` -> ``max_steps``), a wrong type or an invalid choice is a one-line error naming the key
+(:class:`ConfigError`). Numbers are read as YAML 1.2 reads them (``3e-3`` is a number; YAML 1.1 made it a string).
+The ``model`` section is the model family's own config (``model.type``, default ``llama``; its fields are Hugging
+Face's and are checked by that config class). The resolved config is written as ``<out_dir>/config.yaml`` next to
+the log.
 """
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import copy
 import dataclasses
 import numbers
 import os
+import re
+import textwrap
 import types
 from typing import Any, Callable, Optional
 
 import yaml
 
+from ..data import example_path
 from ..models import REGISTRY
 from ..models.base import suggest
 from ..optim import WarmupCosine
@@ -35,6 +40,7 @@ class Key:
     choices: tuple = ()
     check: Optional[Callable] = None  # value -> error text or None
     optional: bool = False          # None allowed
+    aliases: tuple = ()             # (alias, choice) pairs a choice also answers to (device: cuda -> gpu)
 
 
 def _ge(lo):
@@ -52,8 +58,8 @@ def _unit(v):
 DATA = {
     "kind": Key("text", "text: tinyshakespeare-style UTF-8 bytes (vocab 256); llmc: an llm.c token file",
                 "choice", ("text", "llmc")),
-    "path": Key(None, "the text file (default: examples/data/tinyshakespeare.txt) or the llm.c train token file",
-                optional=True),
+    "path": Key(None, "the text file (default: tinyshakespeare, shipped with the package) or the llm.c train token "
+                      "file; relative paths are from the current folder", optional=True),
     "val_path": Key(None, "llm.c validation token file (default: the last val_fraction of the train tokens)",
                     optional=True),
     "val_fraction": Key(0.1, "fraction of the tokens held out for validation", "float",
@@ -80,9 +86,11 @@ ZERO = {
 }
 
 SCHEMA = {
-    "model": Key({}, "the model family's config: type (default llama) and its Hugging Face fields", "section"),
+    "model": Key({}, "the model family's config: model.type and that family's Hugging Face fields; a field not given "
+                     "takes the family's default (LLaMA's are the 7B shape: a config gives the sizes)", "section"),
     "data": Key(None, "training data (its keys: " + ", ".join(DATA) + ")", "section"),
-    "device": Key("auto", "cpu (NumPy reference path), gpu (CUDA kernels) or auto", "choice", ("cpu", "gpu", "auto")),
+    "device": Key("auto", "cpu (NumPy reference path), gpu (CUDA kernels; also cuda) or auto", "choice",
+                  ("cpu", "gpu", "auto"), aliases=(("cuda", "gpu"),)),
     "fused": Key(True, "kernels (true) or the composite of plain array ops (false, the baseline); "
                        "use_fused_kernel is the same key (the fused-softmax/LayerNorm write-up's name)", "bool"),
     "autocast": Key(None, "bf16: bf16 GEMMs over fp32 master weights; null: fp32", "choice", ("bf16",), optional=True),
@@ -93,6 +101,10 @@ SCHEMA = {
                                   "accumulation makes up the rest); default batch_size * seq_len", "int",
                             check=_gt(0), optional=True),
     "max_steps": Key(100, "optimizer steps", "int", check=_ge(0)),
+    "lr_decay_steps": Key(None, "length of the lr schedule (warmup + cosine) in steps; null: max_steps, and on "
+                                "--resume the checkpoint's length, so a raised max_steps continues at the final lr "
+                                "instead of stretching the cosine (the lr never rises again unasked)", "int",
+                          check=_ge(1), optional=True),
     "lr": Key(1e-3, "peak learning rate (linear warmup, then cosine decay)", "float", check=_ge(0)),
     "min_lr_ratio": Key(0.1, "the cosine ends at lr * min_lr_ratio", "float", check=_unit),
     "warmup_steps": Key(10, "linear warmup steps", "int", check=_ge(0)),
@@ -129,8 +141,10 @@ SCHEMA = {
 }
 
 # Keys that may differ between a checkpoint and the run resuming it without touching the trajectory.
+# (max_steps: the schedule's length is lr_decay_steps, kept from the checkpoint unless the config sets it.)
 RESUME_FREE = {"out_dir", "ckpt_dir", "ckpt_every", "ckpt_final", "keep_last", "resume", "log_every", "log_format",
-               "plot", "eval_every", "eval_steps", "progress", "sample_chars", "distributed"}
+               "plot", "eval_every", "eval_steps", "progress", "sample_chars", "distributed", "max_steps",
+               "lr_decay_steps"}
 # zero settings that do not change the arithmetic of a step (the wire dtype does)
 ZERO_RESUME_FREE = {"bucket_elems", "overlap", "overlap_gather"}
 
@@ -143,11 +157,25 @@ def defaults() -> dict:
     return cfg
 
 
+def _model_fields(width=116) -> list:
+    """``model.<field>`` of every registered family, with its defaults (the Hugging Face config fields)."""
+    out = [f"  model.{'type':10s} {repr('llama'):>14}  the model family: {', '.join(sorted(REGISTRY))}; then its "
+           f"fields (Hugging Face names) and their defaults:"]
+    for mt in sorted(REGISTRY):
+        cls = REGISTRY[mt].config_class
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls))
+        out += textwrap.wrap(fields, width, initial_indent=f"    {mt}: ", subsequent_indent="      ")
+    return out
+
+
 def describe() -> str:
-    """Every key with its default and meaning (``python -m cukernels.train --help-config``)."""
+    """Every key with its default and meaning, the model fields of each family included (the trainer's
+    ``--help``; docs/training.md's table)."""
     out = []
     for k, v in SCHEMA.items():
         out.append(f"{k:18s} {v.default!r:>14}  {v.doc}")
+        if k == "model":
+            out += _model_fields()
         if k == "data":
             out += [f"  data.{dk:11s} {dv.default!r:>14}  {dv.doc}" for dk, dv in DATA.items()]
         if k == "zero":
@@ -177,6 +205,7 @@ def _check(path, spec: Key, v):
         if not isinstance(v, bool):
             raise ConfigError(f"{path}: expected true or false; got {v!r}")
     elif spec.kind == "choice":
+        v = dict(spec.aliases).get(v, v) if isinstance(v, str) else v
         if v not in spec.choices:
             opts = list(spec.choices) + (["null"] if spec.optional else [])
             raise ConfigError(f"{path}: expected one of {opts}; got {v!r}{suggest(v, spec.choices)}")
@@ -293,17 +322,22 @@ def zero_wire(cfg) -> str:
     return ("bf16" if cfg["autocast"] else "fp32") if w == "auto" else w
 
 
-def lr_schedule(lr, max_steps, warmup_steps, min_lr_ratio):
-    """The run's lr schedule: linear warmup to ``lr`` over ``warmup_steps`` (at most ``max_steps``), then cosine
-    down to ``lr * min_lr_ratio`` at ``max_steps`` -- computed on the device by the fused optimizer's step, on the
-    host by the composite one and for the log."""
-    return WarmupCosine(lr, max_steps, min(warmup_steps, max_steps), lr * min_lr_ratio)
+def lr_schedule(lr, steps, warmup_steps, min_lr_ratio):
+    """The run's lr schedule: linear warmup to ``lr`` over ``warmup_steps`` (at most ``steps``), then cosine down to
+    ``lr * min_lr_ratio`` at ``steps`` (``lr_decay_steps``, default ``max_steps``), held there after -- computed on
+    the device by the fused optimizer's step, on the host by the composite one and for the log."""
+    return WarmupCosine(lr, steps, min(warmup_steps, steps), lr * min_lr_ratio)
+
+
+def schedule_steps(cfg) -> int:
+    """The schedule's length of a config dict: ``lr_decay_steps``, else ``max_steps``."""
+    return cfg.get("lr_decay_steps") or cfg["max_steps"]
 
 
 def lr_at(step, cfg):
     """The lr of step ``step`` (0-based: the optimizer's step ``t = step + 1``) under ``cfg``'s schedule (a config
-    dict with lr, max_steps, warmup_steps and min_lr_ratio)."""
-    return float(lr_schedule(cfg["lr"], cfg["max_steps"], cfg["warmup_steps"], cfg["min_lr_ratio"]).lr_at(step + 1))
+    dict with lr, max_steps, warmup_steps, min_lr_ratio and optionally lr_decay_steps)."""
+    return float(lr_schedule(cfg["lr"], schedule_steps(cfg), cfg["warmup_steps"], cfg["min_lr_ratio"]).lr_at(step + 1))
 
 
 # ---------------------------------------------------------------------------------------------- typed sections
@@ -352,12 +386,13 @@ class OptimConfig:
     warmup_steps: int
     min_lr_ratio: float
     max_steps: int
+    lr_decay_steps: Optional[int]
     autocast: bool
     zero: ZeroConfig
 
     def schedule(self):
-        """The lr schedule of these keys (:func:`lr_schedule`)."""
-        return lr_schedule(self.lr, self.max_steps, self.warmup_steps, self.min_lr_ratio)
+        """The lr schedule of these keys (:func:`lr_schedule`; its length ``lr_decay_steps`` or ``max_steps``)."""
+        return lr_schedule(self.lr, self.lr_decay_steps or self.max_steps, self.warmup_steps, self.min_lr_ratio)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,35 +451,71 @@ class TrainConfig:
         return dataclasses.replace(self, model=types.MappingProxyType(dict(model)),
                                    _source=dict(self._source, model=dict(model)))
 
+    def with_keys(self, **keys) -> "TrainConfig":
+        """The same config with these top-level keys changed (already checked values): a new object."""
+        return TrainConfig.from_dict(dict(self._source, **keys))
+
     def as_dict(self) -> dict:
         """The config as validated (a fresh copy), the model section as resolved."""
         return copy.deepcopy(self._source)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading numbers as YAML 1.2 does: ``3e-3`` and ``1e5`` (no dot) are floats, not the
+    strings YAML 1.1 makes of them."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def read_yaml(text):
+    """YAML text (or an open file) as Python values, numbers as YAML 1.2 reads them (:class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _parse_override(o):
     if "=" not in o:
         raise ConfigError(f"override {o!r}: expected key=value (e.g. max_steps=500)")
     k, v = o.split("=", 1)
-    v = yaml.safe_load(v) if v.strip() else None
-    if isinstance(v, str):  # YAML 1.1 reads "3e-3" (no dot) as a string: take it as the number meant
-        try:
-            v = float(v)
-        except ValueError:
-            pass
+    try:
+        v = read_yaml(v) if v.strip() else None
+    except yaml.YAMLError:
+        v = v.strip()  # not YAML (an unbalanced bracket, ...): the string, checked against the key's type
     return k.strip(), v
 
 
+def shipped_configs() -> dict:
+    """``{name: path}`` of the example configs (``tiny``, ``small``, ...) shipped with the package or in the
+    checkout's ``examples/configs/``."""
+    folder = example_path("configs")
+    return {p.stem: str(p) for p in sorted(folder.glob("*.yaml"), key=lambda p: p.stem)} if folder.is_dir() else {}
+
+
+def config_path(name) -> str:
+    """The file ``--config`` names: a path, or the name of a shipped config (``tiny``, ``small.yaml``)."""
+    if os.path.isfile(name):
+        return name
+    known = shipped_configs()
+    stem = os.path.basename(str(name))[:-5] if str(name).endswith(".yaml") else str(name)
+    if os.sep not in str(name).rstrip(os.sep) and stem in known:
+        return known[stem]
+    raise ConfigError(f"--config {name}: no such file; a path to a YAML file or one of the shipped configs: "
+                      f"{', '.join(known) or '(none found)'}")
+
+
 def load_config(path=None, overrides=()) -> dict:
-    """Defaults <- the YAML file <- ``key=value`` overrides, checked (ConfigError names the key)."""
+    """Defaults <- the YAML file (a path, or a shipped config's name: ``tiny``) <- ``key=value`` overrides,
+    checked (ConfigError names the key)."""
     cfg = defaults()
     if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: no such file")
+        path = config_path(path)
         with open(path) as f:
             try:
-                user = yaml.safe_load(f) or {}
+                user = read_yaml(f) or {}
             except yaml.YAMLError as e:
-                raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+                raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
         if not isinstance(user, dict):
             raise ConfigError(f"--config {path}: expected a mapping of keys; got {type(user).__name__}")
         for k, v in user.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -26,12 +27,14 @@ import numpy as np
 from .. import _backend as B
 from ..amp import attach_shadows, autocast
 from ..autograd import no_grad
-from ..data import ByteTokenizer, RandomWindows, TokenLoader, train_val_tokens
+from ..data import RandomWindows, TokenLoader, train_val_tokens
 from ..distributed import ProcessGroup, SingleGroup, destroy_process_group, from_environ, init_process_group
 from ..generation import generate, load_model
 from ..graph import CapturedStep
 from ..models import model_class
+from ..nn import init_context
 from ..optim import AdamW, CompositeAdamW
+from ..tokenizer import ByteTokenizer
 from . import checkpoint
 from .config import ConfigError, TrainConfig, check_world, lr_at, save_yaml
 from .console import Console, Logger
@@ -43,7 +46,7 @@ def pick_xp(device):
     if device == "cpu" or (device == "auto" and not B.gpu_available()):
         return np
     if not B.gpu_available():
-        raise SystemExit("device: gpu asked for, but CuPy sees no CUDA device (device=cpu runs the NumPy path)")
+        raise ConfigError("device: gpu asked for, but CuPy sees no CUDA device (device=cpu runs the NumPy path)")
     import cupy
     return cupy
 
@@ -58,13 +61,13 @@ def setup_group(cfg, xp, group=None):
         if not isinstance(group, ProcessGroup):
             raise TypeError(f"group: expected a cukernels.distributed ProcessGroup; got {type(group).__name__}")
         if group.xp is not xp:
-            raise SystemExit(f"device: the {group.backend!r} group works on {group.xp.__name__} arrays; this run "
+            raise ConfigError(f"device: the {group.backend!r} group works on {group.xp.__name__} arrays; this run "
                              f"computes on {xp.__name__} (device={cfg.device})")
         return group, False
     try:
         env = from_environ()
     except ValueError as e:
-        raise SystemExit(f"distributed: the launcher's environment is not usable: {e}") from None
+        raise ConfigError(f"distributed: the launcher's environment is not usable: {e}") from None
     if env.world_size == 1:
         return SingleGroup(xp), False
     if cfg.distributed is False:
@@ -72,7 +75,7 @@ def setup_group(cfg, xp, group=None):
                           f"({env.source}): every rank would train alone into the same out_dir; set "
                           f"distributed: auto (or true), or start one process")
     if xp is np:
-        raise SystemExit(f"distributed: {env.world_size} ranks need one GPU each (NCCL); the NumPy path has no "
+        raise ConfigError(f"distributed: {env.world_size} ranks need one GPU each (NCCL); the NumPy path has no "
                          f"multi-process backend (CPU tests run the ranks as threads: train(cfg, group=FakeGroup "
                          f"rank))")
     return init_process_group(), True
@@ -87,7 +90,7 @@ def build_model(cfg, xp):
     if not cfg.init_from:
         return cls(cls.config_class.from_dict(m), seed=cfg.seed, **kw), None, dict(cfg.model)
     if not os.path.exists(cfg.init_from):
-        raise SystemExit(f"init_from: no such file or folder: {cfg.init_from}")
+        raise ConfigError(f"init_from: no such file or folder: {cfg.init_from}")
     model, what = load_model(cfg.init_from, xp=xp, fused=cfg.fused)
     if cfg.sparse_embedding:
         model = type(model)(model.config, seed=cfg.seed, **kw).load_state_dict(model.state_dict())
@@ -97,6 +100,61 @@ def build_model(cfg, xp):
     if clash:
         note += " (its config overrides model." + ", model.".join(f"{k}={v!r}" for k, v in clash.items()) + ")"
     return model, note, dict(mine, type=model.model_type)
+
+
+def check_out_dir(cfg):
+    """``out_dir`` and the checkpoint folder exist (made here) and take a file; ConfigError naming the key."""
+    for key, folder in (("out_dir", cfg.out_dir), ("ckpt_dir", cfg.ckpt.folder)):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot write into {folder!r} ({e.strerror or e}); give a folder this user "
+                              f"can write (out_dir=runs/NAME)") from None
+
+
+def _host_memory():
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(cfg):
+    """On the NumPy path, the model's fp32 weights, gradients and AdamW moments (16 bytes a parameter) must fit the
+    host's available memory (counted on an uninitialised build, which touches no memory): a run that cannot fit
+    stops here with the sizes, not later through the kernel's out-of-memory killer, with no message."""
+    avail = _host_memory()
+    if cfg.init_from or avail is None:
+        return
+    m = dict(cfg.model)
+    cls = model_class(m.pop("type", "llama"))
+    with init_context(empty=True):
+        n = cls(cls.config_class.from_dict(m), xp=np, fused=cfg.fused).num_parameters()
+    need = 16 * n
+    if need > avail:
+        raise ConfigError(f"model: {n / 1e9:.2f}B parameters need about {need / 2**30:.1f} GiB on the CPU (fp32 "
+                          f"weights, gradients and AdamW moments, before activations); {avail / 2**30:.1f} GiB are "
+                          f"available: give smaller model.* sizes (the tiny config: --config tiny)")
+
+
+def check_model_fits(cfg, model, train_tok, val_tok):
+    """Before the first step: the data's token ids fit the vocabulary and ``seq_len`` fits the positions."""
+    top = int(max(train_tok.max(), val_tok.max()))
+    if top >= model.config.vocab_size:
+        raise ConfigError(f"data: token id {top} does not fit model.vocab_size {model.config.vocab_size} (the "
+                          f"tokenizer of data.path has more tokens than the model: raise model.vocab_size)")
+    P, T = model.max_positions(), cfg.data.seq_len
+    if T > P:
+        field = "n_positions" if model.model_type == "gpt2" else "max_position_embeddings"
+        raise ConfigError(f"seq_len: {T} tokens a sequence exceed the model's {P} positions (model.{field}); "
+                          f"lower seq_len or raise model.{field}")
 
 
 def make_optimizer(o, model, group, tokens):
@@ -213,7 +271,7 @@ def setup_graph(run):
     if not cfg.graph:
         return
     if xp is np or not cfg.fused:
-        raise SystemExit("graph: true needs the GPU and fused: true (the composite optimizer keeps host state)")
+        raise ConfigError("graph: true needs the GPU and fused: true (the composite optimizer keeps host state)")
     shape = (run.accum, cfg.data.batch_size, cfg.data.seq_len)
     run.ids_buf, run.tgt_buf = xp.zeros(shape, dtype=np.int32), xp.zeros(shape, dtype=np.int32)
     batches = [(run.ids_buf[i], run.tgt_buf[i]) for i in range(run.accum)]
@@ -240,6 +298,7 @@ def train(cfg, quiet=False, stop_after=None, console=None, group=None):
     process on the NumPy path. Every rank returns the same rows (losses averaged over the ranks); only rank 0 prints
     and writes files."""
     cfg = cfg if isinstance(cfg, TrainConfig) else TrainConfig.from_dict(cfg)
+    check_out_dir(cfg)
     xp = pick_xp(cfg.device)
     group, owned = setup_group(cfg, xp, group)
     try:
@@ -255,6 +314,15 @@ def _train(cfg, xp, group, quiet, stop_after, console):
     con = console if (console is not None and rank == 0) else Console(cfg.progress, quiet=quiet or rank != 0)
     tbs, accum = check_world(cfg, world)
     resume = checkpoint.resolve(cfg.ckpt.resume, cfg.ckpt.folder)  # (a missing checkpoint fails before the build)
+    if resume:  # a changed max_steps keeps the checkpoint's schedule (lr_decay_steps: null)
+        cfg = checkpoint.resume_schedule(cfg, resume, con.say)
+    d = cfg.data
+    try:  # the data before the model: a missing file fails before a large build
+        train_tok, val_tok = train_val_tokens(d.kind, d.path, d.val_path, d.val_fraction, d.batch_size * d.seq_len + 1)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if xp is np:
+        check_host_memory(cfg)
     if xp is not np:
         xp.random.seed(cfg.seed)
     # On a GPU the model is built in a memory pool of its own, released once the optimizer has copied the
@@ -264,6 +332,7 @@ def _train(cfg, xp, group, quiet, stop_after, console):
     with xp.cuda.using_allocator(build_pool.malloc) if build_pool is not None else contextlib.nullcontext():
         model, init_note, model_section = build_model(cfg, xp)
     cfg = cfg.with_model(model_section)
+    check_model_fits(cfg, model, train_tok, val_tok)
     if build_pool is not None:
         model.__dict__["_build_pool"] = build_pool  # (its non-parameter arrays live there: keep it alive)
     if cfg.sparse_embedding and not getattr(model.config, "tie_word_embeddings", False):
@@ -273,14 +342,6 @@ def _train(cfg, xp, group, quiet, stop_after, console):
         gc.collect()  # blocks the step (its own graph pool) never reuses: 5.6 GiB at the 1B shape (session 4)
         build_pool.free_all_blocks()
         xp.get_default_memory_pool().free_all_blocks()
-    d = cfg.data
-    try:
-        train_tok, val_tok = train_val_tokens(d.kind, d.path, d.val_path, d.val_fraction, d.batch_size * d.seq_len + 1)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    top = int(max(train_tok.max(), val_tok.max()))
-    if top >= model.config.vocab_size:
-        raise ConfigError(f"data: token id {top} does not fit model.vocab_size {model.config.vocab_size}")
     per_rank = dict(rank=rank, world_size=world)
     tl = (RandomWindows(train_tok, d.batch_size, d.seq_len, xp, d.seed, **per_rank) if d.sampling == "random"
           else TokenLoader(train_tok, d.batch_size, d.seq_len, xp, **per_rank))
