@@ -13,7 +13,7 @@ import pytest
 
 import cukernels as ck
 from cukernels import export, sample
-from cukernels.train import cli, config, load_config, trainer
+from cukernels.train import cli, config, load_config, preflight, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
@@ -84,7 +84,7 @@ def test_gpt2_positions_and_out_dir_and_memory(tmp_path, capsys, monkeypatch):
     assert cli.main(["--config", TINY, f"out_dir={tmp_path / 'file'}"]) == 2
     _one_line_error(capsys, f"out_dir: cannot write into '{tmp_path / 'file'}'")
     # a model that cannot fit the host's memory on the NumPy path: one line, not the out-of-memory killer
-    monkeypatch.setattr(trainer, "_host_memory", lambda: 24 * 2**30)
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 24 * 2**30)
     f = tmp_path / "seven_b.yaml"
     f.write_text("device: cpu\n")  # model: {} -- LLaMA's defaults, the 7B shape
     assert cli.main(["--config", str(f), f"out_dir={tmp_path / 'b'}"]) == 2
