@@ -262,7 +262,7 @@ def test_gpu_pipelined_backward_shapes(rng, rows, C, dtype):
         assert np.array_equal(to_host(u).view(np.uint8), to_host(v).view(np.uint8)), "bit-identical reruns"
 
 
-# Issue 17, session 14: the one-warp-a-row backward (ln_bwd_warp) on bf16 rows of 65..128 packs (C 520..1024), and the
+# The one-warp-a-row backward (ln_bwd_warp) on bf16 rows of 65..128 packs (C 520..1024), and the
 # rows just outside (512, 1032: the pipelined kernel), for rows from fewer than a block's warps to a grid capped at 4
 # waves (8195 rows at one row a warp: the warps loop), both parameter dtypes, the bf16 gamma misaligned (element loads
 # while staging it; x and dy still 16-byte); the same inputs through ln_bwd_pipe (layer_norm_bwd_kernel "pipe") too.

@@ -537,7 +537,8 @@ class PackedLinear(Function):
     forward product, one input gradient over K = sum of out_i (no per-projection dX and no adds of them), one
     weight gradient into the n ``.grad`` buffers when they are adjacent too. At B4xT64 on the LLaMA-1B shape the
     q / k / v GEMMs are 6-7 us each, latency-bound at M = 256, and the two input-gradient adds of a layer read
-    and write [N, hidden] twice (NOTES, session 11). Otherwise each W_i is its own GEMM on a column slice of y
+    and write [N, hidden] twice (`python benchmarks/bench_train.py --configs b4t64 --ab
+    "pack_projections=0"`). Otherwise each W_i is its own GEMM on a column slice of y
     (ldc = the packed width) and the input gradients accumulate with beta = 1: never a copy of the weights.
     """
 

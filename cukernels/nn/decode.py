@@ -36,9 +36,10 @@ from ..ops.gemv import gemv
 from ..settings import settings
 from .layers import LayerNorm, RMSNorm
 
-# Rows the fused step takes (ck.settings.decode_max_rows, read by CausalLM._fast_decode_ok). Measured on the H200
-# (session 4): at B = 1 the fused step runs 1.255 ms against the
-# generic forward's 1.754 (LLaMA-1B); at B = 8, ck.gemv streams the weights at 12-31 % of copy bandwidth (its
+# Rows the fused step takes (ck.settings.decode_max_rows, read by CausalLM._fast_decode_ok). Measured on one H200
+# (`python benchmarks/bench_generate.py --model llama --batches 1,8 --prompts 128 --generic`): at B = 1 the fused step
+# runs 1.255 ms against the generic forward's 1.754 (LLaMA-1B); at B = 8, ck.gemv streams the weights at 12-31 % of
+# copy bandwidth (its
 # per-row FMA and shared-memory work) and the step took 2.85 ms against 1.86 through cuBLAS: so batch 1 only.
 # Rotary + cache append + attention in one kernel (ck.decode_attention_rope); ck.settings.decode_fused_attention =
 # False: ck.rope_kv_write then ck.decode_attention, bit-identical (the A/B of benchmarks/bench_generate.py --ab

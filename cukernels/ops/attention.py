@@ -107,9 +107,10 @@ _SM90 = {}  # device id -> whether it runs the sm_90a kernels
 def _use_sm90(km, D) -> bool:
     """The backend of a CuPy call, chosen here and only here: the wgmma kernels of ops/attention_sm90.py on a
     compute capability 9.0 GPU (H100 / H200) for calls without a key mask at head_dim 64 / 128, unless
-    ``ck.settings.attention_wgmma`` is off; else the mma.sync kernels of this module. Measured on the H200
-    (session 4, B8xT1024 H32/8 D64 causal): fwd+bwd 0.580 ms against 0.818 for the mma.sync kernels, 1.39x; 1.60x
-    at B2xT4096. Both write the same lse format, so either forward pairs with either backward."""
+    ``ck.settings.attention_wgmma`` is off; else the mma.sync kernels of this module. Measured on one H200 (``python
+    benchmarks/bench_ops.py --quick --only attention_sm90``, B8xT1024 H32/8 D64 causal): fwd+bwd 0.580 ms against 0.818
+    for the mma.sync kernels, 1.39x; 1.60x at B2xT4096. Both write the same lse format, so either forward pairs with
+    either backward."""
     if not settings.attention_wgmma or km is not None or D not in _sm90.HEAD_DIMS:
         return False
     import cupy

@@ -31,8 +31,8 @@ HEAD_DIMS = tuple(CONFIG)
 # alternation; "_wg3" = three consumer warpgroups on 192-row work tiles with the overlap loop (FlashAttention-3's shape
 # at head_dim 64; D = 64 only: other head_dims run "" under it). All are tested. The backward kernels have a pair
 # (ping-pong turns around their serial loops, or none): ck.settings.attention_sm90_bwd_variant.
-# ck.settings.attention_sm90_variant = "auto" (the default) picks per call, from session 10's same-run measurements (run
-# F, one H200, 8192 tokens a call, dev/attention_sweep.py): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys
+# ck.settings.attention_sm90_variant = "auto" (the default) picks per call, from same-run measurements
+# (one H200, 8192 tokens a call, `python dev/attention_sweep.py`): at head_dim 64 "_overlap" below WG3_MIN_SEQ keys
 # (WG3_MIN_SEQ_FULL without the causal mask) and "_wg3" from there (causal T1024: _overlap 126 us, ping-pong 135, _wg3
 # 138; T2048: _wg3 198, ping-pong 213, _overlap 215; T4096: _wg3 345, ping-pong 369, _overlap 395; full attention _wg3
 # wins from T512: 107 against 110); at head_dim 128 "_serial" (T1024 causal 120 against the ping-pong's 131 us, T4096
@@ -55,7 +55,8 @@ BWD_CONFIG = {64: (64, 4, 64, 4, 2, 2), 128: (64, 3, 32, 4, 1, 2)}
 # The backward's dq at head_dim 64 (ck.settings.attention_sm90_bwd_dq): "fused" = the five-product backward
 # (attn_sm90_bwd_delta, then dkdvq: dkdv also multiplies each pair's dS by K and its dQ writer warps bulk-add it into an
 # fp32 dq accumulator in a fixed order under per-query-tile semaphores, then dq_convert); "kernel" = the two-kernel
-# backward (the dq kernel recomputes S and dP: 7 products a pair). Session 13, run F (one H200, same run): B8xT1024
+# backward (the dq kernel recomputes S and dP: 7 products a pair). One H200, same run (`python benchmarks/bench_ops.py
+# --quick --only attention_sm90 --ab "attention_sm90_bwd_dq=kernel"`): B8xT1024
 # H32/8 causal backward 0.329 ms fused against 0.375 ms, B2xT4096 1.006 against 1.179. Head_dim 128 always takes the two
 # kernels (its 32-query dkdv tiles are below wgmma's 64-row A operand).
 FUSED_DQ_DIMS = (64,)

@@ -214,8 +214,9 @@ def _check_dloss(xp, dloss, reduction, shape):
 # The fused kernel's pass 2 reads its row for the last time and writes dx that this kernel never reads again: with
 # ck.settings.ce_cache_hints both go to L2 as evict-first (ld / st .cs), so the rows still waiting for their pass 2 stay
 # in L2 (132 rows of 256 KB in flight at V = 128256 bf16: 34 MB read + 34 MB written against 50 MB). Measured on the
-# H200 (session 15, same process): 4096 x 128256 bf16 0.727 ms against 0.810, 8192 x 50257 0.595 against 0.647; the same
-# bits. False = plain loads / stores (the A/B row).
+# H200 in one process (`python benchmarks/bench_ops.py --only cross_entropy --ab "ce_cache_hints=0"`): 4096 x 128256
+# bf16 0.727 ms against 0.810, 8192 x 50257 0.595 against 0.647; the same bits. False = plain loads / stores (the A/B
+# row).
 
 
 def _threads(V: int, itemsize: int) -> int:

@@ -124,16 +124,17 @@ def layer_norm(x, gamma, beta, eps=1e-5, *, return_stats=False, out=None):
 
 
 # Pipelined backward (ln_bwd_pipe): ck.settings.layer_norm_pipe_threads threads a block (256: three blocks an SM,
-# 3 x SMs partial rows; 512: one; a row of 512 threads takes 512), layer_norm_pipe_stages cp.async row groups in
-# flight a block (2..4, fewer where the blocks would not fit an SM; session 8, 8192 x 2048: 2 stages 2-3 % faster
-# than 3, 4 slower). Rows of fewer than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register kernel: with
+# 3 x SMs partial rows; 512: one; a row of 512 threads takes 512), layer_norm_pipe_stages cp.async row groups in flight
+# a block (2..4, fewer where the blocks would not fit an SM; `python dev/tune_norm_backward.py`, 8192 x 2048: 2 stages
+# 2-3 % faster than 3, 4 slower). Rows of fewer than 32 threads (C <= 32 bf16 / 16 fp32 elements) keep the register
+# kernel: with
 # up to 512 row slots a block, the final in-order combine of the slots' dgamma/dbeta would be a long serial loop
 # (layer_norm_pipe_min_tpr).
 
-# One warp a row (ln_bwd_warp, session 14): bf16 rows of 65..128 16-byte packs (C 520..1024, GPT-2's 768) take it
+# One warp a row (ln_bwd_warp): bf16 rows of 65..128 16-byte packs (C 520..1024, GPT-2's 768) take it
 # instead of ln_bwd_pipe: WARP_WARPS warps a block (the kernel's __launch_bounds__: 4, four blocks an SM), each warp
 # ck.settings.layer_norm_warp_rows rows (ceil(rows / 16) blocks, capped at 4 waves: the partial rows stay <= 4 x 4 x SMs
-# x C floats a kind, and the warps loop). At 8192 x 768: 18.2 us against 22.1 (run E). layer_norm_bwd_kernel "pipe"
+# x C floats a kind, and the warps loop). At 8192 x 768 on one H200: 18.2 us against 22.1. layer_norm_bwd_kernel "pipe"
 # keeps ln_bwd_pipe for those rows too (the A/B row: --ab "layer_norm_bwd_kernel=pipe").
 WARP_WARPS = 4
 

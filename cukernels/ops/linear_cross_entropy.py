@@ -61,8 +61,9 @@ ROW_QUANTUM = 128  # chunk rows are a multiple of this (GEMM tile height / dW GE
 
 
 # ck.settings.lce_stage_weight: stage a weight whose row count leaves its logits rows unaligned (V % 8 for bf16, % 4
-# for fp32) into a zero-padded copy with rows to a multiple of 64 (False = use it as it is, the A/B row: session 16
-# measured 13.6 ms for GPT-2's unpadded 8192 x 768 x 50257 against 3.5 ms with a padded weight).
+# for fp32) into a zero-padded copy with rows to a multiple of 64 (False = use it as it is, the A/B row: one H200,
+# `python benchmarks/bench_ops.py --quick --only linear_cross_entropy --ab "lce_stage_weight=0"`: 13.6 ms for GPT-2's
+# unpadded 8192 x 768 x 50257 against 3.5 ms with a padded weight).
 
 
 def chunk_rows_for(N: int, V: int, itemsize: int, budget: int | None = None) -> int:

@@ -166,8 +166,8 @@ def _same_memory(a, b):
 # kernels' bounds (the RMS_PIPE lines of rms_norm.cu; ck.settings.rms_norm_pipe_threads lowers them). VPT <= 2: 512
 # threads (64 registers, 2 blocks per SM); VPT 4: 256 threads (up to 128 registers).
 # ck.settings.rms_norm_pipe_stages_bf16 / _f32: cp.async row groups in flight a block (2..4; fewer where two blocks
-# would not fit an SM) by element size: session 8 at 8192 x 2048, bf16 2 stages (3 or 4: 6-8 % slower), fp32 3 (2-3 %
-# faster than 2).
+# would not fit an SM) by element size (`python dev/tune_norm_backward.py`, 8192 x 2048): bf16 2 stages (3 or 4: 6-8 %
+# slower), fp32 3 (2-3 % faster than 2).
 PIPE_THREADS = {1: 512, 2: 512, 4: 256}
 
 

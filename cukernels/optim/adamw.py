@@ -693,8 +693,9 @@ class AdamW:
                 elif not g.sparse_grads:
                     self._zero(g.G)
             elif lazy and all(s.obj is not None for s in g.slots):
-                # (session 7: the sparse embedding shares the 2-D group across ranks, and zeroing that whole group
-                # cost a 1.33 ms memset of 5.6 GB a step and turned every weight-gradient GEMM into beta = 1)
+                # (2 x H200, `python benchmarks/bench_train.py --configs b8t1024 --nproc 2 --timeline DIR`: the sparse
+                # embedding shares the 2-D group across ranks, and zeroing that whole group cost a 1.33 ms memset of
+                # 5.6 GB a step and turned every weight-gradient GEMM into beta = 1)
                 for s in g.slots:
                     if id(s) not in attached:
                         s.obj.grad_stale = True

@@ -222,7 +222,7 @@ def _train(cfg, xp, group, quiet, stop_after, console):
         model.input_embedding().weight._sparse_rows = True
     opt = make_optimizer(cfg.optim, model, group, tbs // world)
     if xp is not np:  # the model's own parameter arrays, now copied into the optimizer's flat buffers, are free
-        gc.collect()  # blocks the step (its own graph pool) never reuses: 5.6 GiB at the 1B shape (session 4)
+        gc.collect()  # blocks the step (its own graph pool) never reuses: 5.6 GiB at the 1B shape (bench_train's memory rows)
         build_pool.free_all_blocks()
         xp.get_default_memory_pool().free_all_blocks()
     per_rank = dict(rank=rank, world_size=world)

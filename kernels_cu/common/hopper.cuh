@@ -70,9 +70,10 @@ __device__ __forceinline__ unsigned long long make_desc(unsigned addr, unsigned 
          ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 // The descriptor of a k-step: the first one plus a compile-time byte offset >> 4 in the start-address field (bits
-// 0-13; shared addresses stay below 2^18, so the add never carries out of it): one 64-bit add each instead of
-// building every descriptor from its address (attention_sm90.cu, run C's SASS: ~8 uniform-datapath instructions a
-// wgmma, issued between a warpgroup's turn and its last wgmma, i.e. while the other warpgroup waits for the turn).
+// 0-13; shared addresses stay below 2^18, so the add never carries out of it): one 64-bit add each instead of building
+// every descriptor from its address (attention_sm90.cu's SASS, `cuobjdump --dump-sass`: ~8 uniform-datapath
+// instructions a wgmma, issued between a warpgroup's turn and its last wgmma, i.e. while the other warpgroup waits for
+// the turn).
 __device__ __forceinline__ unsigned long long desc_plus(unsigned long long d, unsigned bytes) {
   return d + (bytes >> 4);
 }
