@@ -510,16 +510,20 @@ class IdsOutOfRange(ValueError, IndexError):
     policy says; also an IndexError, which is what the embedding raised before."""
 
 
+def _check_int_ids(name, a, noun="token ids"):
+    check_array(name, a)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer {noun}; got dtype {a.dtype}"
+                        + (" (float ids are not truncated: cast them yourself)" if a.dtype.kind == "f" else ""))
+
+
 def check_token_ids(name, ids, vocab_size=None, *, low=0, high=None, what=None):
     """Integer ``ids`` (NumPy: every value checked on the host, in its own dtype, before any cast) within
     ``[low, high)`` -- ``high`` defaulting to ``vocab_size`` and then to the int32 range. TypeError for a
     non-integer dtype (floats are not truncated), ValueError naming the bound, e.g. ``ids: token ids must be <
     vocab_size=256; got max 4294967299``. CuPy arrays get the dtype check only (a range check would be a host
     sync; see :func:`token_ids_int32` for what the device path does instead)."""
-    check_array(name, ids)
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected integer token ids; got dtype {ids.dtype}"
-                        + (" (float ids are not truncated: cast them yourself)" if ids.dtype.kind == "f" else ""))
+    _check_int_ids(name, ids)
     if high is None:
         high = vocab_size if vocab_size is not None else INT32_MAX + 1
     what = what or ("vocab_size" if vocab_size is not None and high == vocab_size else None)
@@ -543,10 +547,7 @@ def token_ids_int32(name, a, xp, *, vocab_size=None, low=0, high=None, sentinel=
     kernel then clamps the id and sets its device error word, as for any other bad id) before the cast: an id of
     2**32 + 3 can no longer alias id 3. int32 / int16 / int8 / uint8 / uint16 CuPy input is cast as is (no
     value can wrap)."""
-    check_array(name, a)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected integer ids; got dtype {a.dtype}"
-                        + (" (float ids are not truncated: cast them yourself)" if a.dtype.kind == "f" else ""))
+    _check_int_ids(name, a, "ids")
     if high is None:
         high = vocab_size if vocab_size is not None else INT32_MAX + 1
     if isinstance(a, np.ndarray):

@@ -262,8 +262,8 @@ def chunkable(tok) -> bool:
     """Whether a document may be encoded in pieces cut after a newline: not for tokenizers that mark the start of
     a text (SentencePiece's Metaspace with a prepend scheme, a Prepend normalizer: Llama-2, Mistral), which would
     mark every piece."""
-    spec = json.dumps(json.loads(tok._tok.to_str()).get("pre_tokenizer")) + json.dumps(
-        json.loads(tok._tok.to_str()).get("normalizer"))
+    conf = json.loads(tok._tok.to_str())
+    spec = json.dumps(conf.get("pre_tokenizer")) + json.dumps(conf.get("normalizer"))
     return "Metaspace" not in spec and "Prepend" not in spec
 
 
