@@ -50,11 +50,12 @@ class Case:
 class Ctx:
     """What case builders get: cupy, torch (or None), helpers for rotating inputs and torch views."""
 
-    def __init__(self, quick: bool):
+    def __init__(self, quick: bool, group: str = ""):
         import cupy
 
         self.cp = cupy
         self.quick = quick
+        self.group = group  # --group: a case file that knows the name builds only those rows (others ignore it)
         try:
             import torch
 
@@ -197,6 +198,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma-separated families (default: all in benchmarks/cases)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    ap.add_argument("--group", default="", help="only a family's rows of this group, where its case file has one "
+                    "(window: the sliding-window rows of attention, attention_sm90, decode_attention)")
     ap.add_argument("--json", default="", help="save the rows to this file")
     ap.add_argument("--no-startup", action="store_true", help="ignored: start-up is benchmarks/bench_startup.py's")
     ap.add_argument("--ab", default="", help="A/B rows of ck.settings (benchmarks/ab.py): each case is timed "
@@ -218,7 +221,7 @@ def main(argv=None):
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)")
 
-    ctx = Ctx(args.quick)
+    ctx = Ctx(args.quick, args.group)
     rows = []
     hdr = f"{'op':<28} {'shape':<20} {'dtype':<5} {'ms':>9} {'GB/s':>7} {'%copy':>6} {'x cupy':>7} {'x torch':>8} {'eager ms':>9}  bytes"
     print(hdr)

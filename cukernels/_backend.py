@@ -29,8 +29,15 @@ import numpy as np
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float32 = np.dtype(np.float32)
 FLOATS = (float32, bfloat16)
+# FP8 formats (ml_dtypes). CuPy 14 has no float8 dtype (cupy/_core/_scalar.pyx knows a C type for bfloat16 only), so
+# FP8 data lives in uint8 arrays of the same bits on the device, and the ops that take it are told the format
+# (``ops/fp8.py``); NumPy arrays may be either those uint8 bits or ml_dtypes' float8 arrays (``q.view(fmt)``).
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+FP8 = (float8_e4m3fn, float8_e5m2)
 # Short dtype names used in kernel entry-point names (rms_fwd_bf16_f32_4v ...).
-DTYPE_TAG = {float32: "f32", bfloat16: "bf16", np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
+DTYPE_TAG = {float32: "f32", bfloat16: "bf16", np.dtype(np.int32): "i32", np.dtype(np.int64): "i64",
+             float8_e4m3fn: "e4m3", float8_e5m2: "e5m2"}
 NULL = np.uint64(0)  # a null pointer kernel argument
 
 
@@ -390,6 +397,22 @@ def check_size(name, v, *, min=1, max=2**31 - 1) -> int:  # noqa: A002
     if max is not None and i > max:
         raise ValueError(f"{name}: expected an integer <= {max} (sizes are indexed in int32); got {_short(v)}")
     return i
+
+
+def check_window(window, causal=True):
+    """``window`` of the attention ops (flash, attn_softmax, decode): None (no sliding window) or an integer W >= 1,
+    at most 2**31 - 1 (a bool or a non-integer: TypeError; out of range: ValueError), which needs ``causal``: a
+    query sees the W keys up to its own causal position (Hugging Face's ``sliding_window_overlay``). Returns None
+    or W as an int."""
+    if window is None:
+        return None
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"window: expected an integer >= 1 (the sliding window, in keys) or None; got {_got(window)}")
+    window = check_size("window", window)
+    if not causal:
+        raise ValueError(f"window: a sliding window ({window}) counts keys back from each query's causal position, "
+                         f"so it needs causal=True; got causal=False")
+    return window
 
 
 def check_bool(name, v) -> bool:

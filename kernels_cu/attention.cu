@@ -2,6 +2,7 @@
 //
 // Math, per batch b and query head h (K/V head j = h / G with G = H / Hkv: grouped-query attention):
 //   s[i, n] = scale * <q_i, k_n>,  masked to -inf where n >= Tk or (causal and n > i + Tk - Tq)
+//             or (with a sliding window W, causal) i + Tk - Tq - n >= W
 //             or (with a key-padding mask) key_mask[b, n] == 0
 //   lse_i   = log sum_n exp(s[i, n]),  p[i, n] = exp(s[i, n] - lse_i),  o_i = sum_n p[i, n] v_n
 // Backward (dO given):  delta_i = <dO_i, o_i>,  dP = dO V^T,  dS = P * (dP - delta)  (row-wise),
@@ -27,6 +28,8 @@
 //   * exp2 with scale * log2(e) folded in; lse is stored in natural-log units (the public contract) and
 //     converted on load.
 //   * Causal blocks are scheduled heaviest first (the longest key loops start in the first wave).
+//   * Sliding windows (Mistral's sliding_window) in separate *_sw instantiations: the key tiles below every row's
+//     window are neither loaded nor computed (fwd, dq), nor the query tiles past them (dkdv); see below.
 //   * Key-padding masks ([B, Tk], Hugging Face's attention_mask) in separate *_km instantiations: per-column
 //     keep bits from a warp ballot per key tile, tiles of padding only skipped (neither loaded nor computed), a
 //     row that sees no real key gives o = 0, lse = -inf and contributes nothing to the backward.
@@ -75,8 +78,10 @@ __device__ __forceinline__ void load_kv(bf16* Ks, bf16* Vs, int st, const bf16* 
 // Set to -inf the elements of a warp's [16 x N] score tile (rows row0 + g, row0 + g + 8; columns col0 + ...)
 // that the mask hides. ROWS_ARE_QUERIES: fwd / dq tiles (rows = queries, columns = keys); else dkdv's
 // transposed tiles (rows = keys, columns = queries). Called only on tiles that touch the mask boundary.
-template <int N, bool ROWS_ARE_QUERIES>
-__device__ __forceinline__ void apply_mask(float (&s)[N / 8][4], int row0, int col0, int Tk, int off, bool causal) {
+// SW (the sliding-window instantiations, always causal): also key k < q + off - W + 1, out of the query's W keys.
+template <int N, bool ROWS_ARE_QUERIES, bool SW = false>
+__device__ __forceinline__ void apply_mask(float (&s)[N / 8][4], int row0, int col0, int Tk, int off, bool causal,
+                                           int W = 0) {
   const int l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
 #pragma unroll
   for (int nt = 0; nt < N / 8; ++nt) {
@@ -84,10 +89,28 @@ __device__ __forceinline__ void apply_mask(float (&s)[N / 8][4], int row0, int c
     for (int e = 0; e < 4; ++e) {
       const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
       const int q = ROWS_ARE_QUERIES ? r : c, k = ROWS_ARE_QUERIES ? c : r;
-      if (k >= Tk || (causal && k > q + off)) s[nt][e] = -CK_INF;
+      if (k >= Tk || (causal && k > q + off) || (SW && q + off - k >= W)) s[nt][e] = -CK_INF;
     }
   }
 }
+
+// ------------------------------------------------------------------------------------------ sliding window
+// The SW = true instantiations (entry points *_sw, *_km_sw; one more argument, the window W >= 1, W < Tk: the
+// launcher sends W >= Tk to the plain kernels, where it changes nothing) restrict the causal mask to a band:
+// query i sees key n iff i + off - W < n <= i + off (Hugging Face's sliding_window_overlay). Tiles outside the
+// band are never loaded or computed: fwd / dq start their key loop at the first tile the tile's first query can
+// see (window_first), dkdv stops its query loop after the last query tile that sees the block's last key
+// (window_last_query); only tiles that cross the band's lower edge take the element mask (window_cuts).
+// At B2 x T8192 causal, W = 4096: 0.756 of the causal tile pairs at head_dim 128 (benchmarks/NOTES.md,
+// "flash_attention").
+//
+// The first key a query tile starting at row q0 can see, or 0 (rows before the window's reach, or Tq > Tk).
+__device__ __forceinline__ int window_first(int q0, int off, int W) { return max(0, q0 + off - W + 1); }
+// The last query that sees one of keys [.., k1] (k1 the block's last real key), or -1 when none does.
+__device__ __forceinline__ int window_last_query(int k1, int off, int W) { return max(-1, k1 - off + W - 1); }
+// Whether the window hides one pair of a tile of queries [qa, qb] and keys [ka, ..]: the latest query against
+// the earliest key.
+__device__ __forceinline__ bool window_cuts(int qb, int ka, int off, int W) { return qb + off - ka >= W; }
 
 // ------------------------------------------------------------------------------------------ key-padding mask
 // The KM = true instantiations (entry points *_km) take a [B, Tk] key mask of 1-, 2-, 4- or 8-byte entries
@@ -170,9 +193,9 @@ template <int N> __device__ __forceinline__ int tile_state(const KeyMask& m, int
 // apply_mask for the fwd / dq tiles (rows = queries) of a masked call: the key's keep bit (which also hides
 // keys >= Tk) and the causal rule. Called only on tiles that are not TILE_FULL (a padding key, or keys >= Tk).
 // A thread's columns are nt * 8 + c2 + {0, 1}: one run-time shift by c2 per word, then constant bit positions.
-template <int N>
+template <int N, bool SW = false>
 __device__ __forceinline__ void apply_key_mask(float (&s)[N / 8][4], int row0, int col0, int off, bool causal,
-                                               const unsigned (&kw)[N / 32]) {
+                                               const unsigned (&kw)[N / 32], int W = 0) {
   const int l = threadIdx.x & 31, g = l >> 2, c2 = (l & 3) * 2;
 #pragma unroll
   for (int w = 0; w < N / 32; ++w) {
@@ -183,7 +206,8 @@ __device__ __forceinline__ void apply_key_mask(float (&s)[N / 8][4], int row0, i
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
-        if (!((bits >> (t * 8 + (e & 1))) & 1u) || (causal && c > r + off)) s[nt][e] = -CK_INF;
+        if (!((bits >> (t * 8 + (e & 1))) & 1u) || (causal && c > r + off) || (SW && r + off - c >= W))
+          s[nt][e] = -CK_INF;
       }
     }
   }
@@ -216,11 +240,12 @@ struct Strides {
 // Grid (ceil(Tq / 64), H, B); 128 threads; dynamic shared memory: Q tile + 2 stages of (K, V) tiles.
 // KM: a key-padding mask `km` (else unused). Key tiles whose keys are all masked are neither loaded nor
 // computed: their scores would all be -inf, which leaves the online-softmax state (m, l, acc) unchanged.
-template <int D, int BN, bool KM>
+// SW: the sliding window W (else unused): the key loop starts at the tile of window_first(q0).
+template <int D, int BN, bool KM, bool SW>
 __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                          const bf16* __restrict__ v, bf16* __restrict__ o, float* __restrict__ lse,
                                          Strides sq, Strides sk, Strides sv, int Tq, int Tk, int H, int Hkv,
-                                         float scale, bool causal, KeyMask km) {
+                                         float scale, bool causal, KeyMask km, int W) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -238,18 +263,19 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
   int kend = Tk;
   if (causal) kend = min(Tk, q0 + BM + off);
   const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+  const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;  // first key tile (0 without a window)
 
   load_tile<D, BM>(Qs, qp, sq.t, q0, Tq);
   cp_async_commit();
   // KM: the tile about to be computed holds a real key (`live`) / only real keys (`full`), read by tile_state
   // when its prefetch was issued.
-  bool live = nkb > 0, full = true;
+  bool live = nkb > jb0, full = true;
   if (KM && live) {
-    const int t = tile_state<BN>(km, 0, Tk);
+    const int t = tile_state<BN>(km, jb0 * BN, Tk);
     live = t & TILE_LIVE;
     full = t & TILE_FULL;
   }
-  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
+  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, jb0, Tk);
   cp_async_commit();
   cp_async_wait<1>();  // Q has landed (the first K/V tile may still be in flight)
   __syncthreads();
@@ -261,8 +287,8 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
   float m0 = -CK_INF, m1 = -CK_INF, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 of this warp (log2 units)
   const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
 
-  for (int jb = 0; jb < nkb; ++jb) {
-    const int st = jb & 1;
+  for (int jb = jb0; jb < nkb; ++jb) {
+    const int st = (jb - jb0) & 1;
     const bool live_cur = live, full_cur = full;
     live = jb + 1 < nkb;
     if (KM && live) {
@@ -283,16 +309,19 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
     mma_abt<D, BN, LD>(s, qf, Ks + st * BN * LD);
 
     const int n0 = jb * BN;
+    // SW: the tile crosses the window's lower edge for the warp's last row (the tile start was chosen for the
+    // block's first row, so later rows may still see none of its first keys).
+    const bool cut = SW && window_cuts(q0 + warp * 16 + 15, n0, off, W);
     if (KM) {
       if (!full_cur) {  // padding in the tile, or keys past Tk: the keep bits (read again, L1 hits) and causal
         unsigned kw[BN / 32];
         tile_keep<BN>(kw, km, n0, Tk);
-        apply_key_mask<BN>(s, q0 + warp * 16, n0, off, causal, kw);
-      } else if (causal && n0 + BN - 1 > q0 + warp * 16 + off) {
-        apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+        apply_key_mask<BN, SW>(s, q0 + warp * 16, n0, off, causal, kw, W);
+      } else if (cut || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
+        apply_mask<BN, true, SW>(s, q0 + warp * 16, n0, Tk, off, causal, W);
       }
-    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
-      apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off) || cut) {
+      apply_mask<BN, true, SW>(s, q0 + warp * 16, n0, Tk, off, causal, W);
     }
     online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
     mma_pb<BN, D, LD>(acc, s, Vs + st * BN * LD);
@@ -318,14 +347,14 @@ __device__ __forceinline__ void attn_fwd(const bf16* __restrict__ q, const bf16*
 // ================================================================================================ backward: dQ
 // Grid (ceil(Tq / 64), H, B). Shared: Q, dO tiles (O staged in the first K/V stage for delta), 2 stages of K, V.
 // Also writes delta[B, H, Tq] = rowsum(dO * O) for attn_bwd_dkdv. KM: as in attn_fwd (tiles of padding only
-// are skipped: their P is 0, so they add nothing to dQ).
-template <int D, int BN, bool FR, bool KM>
+// are skipped: their P is 0, so they add nothing to dQ). SW: as in attn_fwd (the same key tiles).
+template <int D, int BN, bool FR, bool KM, bool SW>
 __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                             const bf16* __restrict__ v, const bf16* __restrict__ o,
                                             const bf16* __restrict__ dout, const float* __restrict__ lse,
                                             float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                             Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                            float scale, bool causal, KeyMask km) {
+                                            float scale, bool causal, KeyMask km, int W) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Qs = reinterpret_cast<bf16*>(smem_raw);
@@ -347,6 +376,7 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   int kend = Tk;
   if (causal) kend = min(Tk, q0 + BM + off);
   const int nkb = kend > 0 ? (kend + BN - 1) / BN : 0;
+  const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;  // first key tile (0 without a window)
 
   // Stage 0: Q, dO and O. O is parked in K's stage 1 followed by V's two stages (3 * BN rows), which the key
   // loop only starts filling after the delta pass and a barrier.
@@ -356,9 +386,9 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   load_tile<D, BM>(dOs, dop, sdo.t, q0, Tq);
   load_tile<D, BM>(Os, op, (long long)H * D, q0, Tq);
   cp_async_commit();
-  bool live = nkb > 0, full = true;  // KM: as in attn_fwd (this read's latency overlaps the copies above)
+  bool live = nkb > jb0, full = true;  // KM: as in attn_fwd (this read's latency overlaps the copies above)
   if (KM && live) {
-    const int t = tile_state<BN>(km, 0, Tk);
+    const int t = tile_state<BN>(km, jb0 * BN, Tk);
     live = t & TILE_LIVE;
     full = t & TILE_FULL;
   }
@@ -393,12 +423,12 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
   const float lse0 = lse2(r0), lse1 = lse2(r1);
   const float dl0 = dls[warp * 16 + g], dl1 = dls[warp * 16 + g + 8];
 
-  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, 0, Tk);
+  if (live) load_kv<D, BN>(Ks, Vs, 0, kp, vp, sk.t, sv.t, jb0, Tk);
   cp_async_commit();
   float acc[D / 8][4];
   zero(acc);
-  for (int jb = 0; jb < nkb; ++jb) {
-    const int st = jb & 1;
+  for (int jb = jb0; jb < nkb; ++jb) {
+    const int st = (jb - jb0) & 1;
     const bool live_cur = live, full_cur = full;
     live = jb + 1 < nkb;
     if (KM && live) {
@@ -419,16 +449,19 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
     if (!FR) load_a_frags<D>(dof, dOs, warp * 16);
     mma_abt<D, BN, LD>(dp, dof, Vs + st * BN * LD);
     const int n0 = jb * BN;
+    // SW: the tile crosses the window's lower edge for the warp's last row (the tile start was chosen for the
+    // block's first row, so later rows may still see none of its first keys).
+    const bool cut = SW && window_cuts(q0 + warp * 16 + 15, n0, off, W);
     if (KM) {
       if (!full_cur) {  // padding in the tile, or keys past Tk: the keep bits (read again, L1 hits) and causal
         unsigned kw[BN / 32];
         tile_keep<BN>(kw, km, n0, Tk);
-        apply_key_mask<BN>(s, q0 + warp * 16, n0, off, causal, kw);
-      } else if (causal && n0 + BN - 1 > q0 + warp * 16 + off) {
-        apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+        apply_key_mask<BN, SW>(s, q0 + warp * 16, n0, off, causal, kw, W);
+      } else if (cut || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
+        apply_mask<BN, true, SW>(s, q0 + warp * 16, n0, Tk, off, causal, W);
       }
-    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off)) {
-      apply_mask<BN, true>(s, q0 + warp * 16, n0, Tk, off, causal);
+    } else if (n0 + BN > Tk || (causal && n0 + BN - 1 > q0 + warp * 16 + off) || cut) {
+      apply_mask<BN, true, SW>(s, q0 + warp * 16, n0, Tk, off, causal, W);
     }
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
@@ -455,13 +488,14 @@ __device__ __forceinline__ void attn_bwd_dq(const bf16* __restrict__ q, const bf
 // zeros on the store (a select, not a multiply: their unmasked p may overflow to inf, and their dS to NaN).
 // That is exact because every product here is row-separable: row n of S^T, dP^T, P^T dO and dS^T Q depends
 // only on key n, so those values never reach a real key's row. The loop then carries no mask work at all.
-template <int D, int BQ, bool FR, bool KM>
+// SW: the query loop stops after the last query tile that sees the block's last key (window_last_query).
+template <int D, int BQ, bool FR, bool KM, bool SW>
 __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
                                               bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                               Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
-                                              int Hkv, float scale, bool causal, KeyMask km) {
+                                              int Hkv, float scale, bool causal, KeyMask km, int W) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int LD = Tile<D>::LD;
   bf16* Ks = reinterpret_cast<bf16*>(smem_raw);
@@ -499,7 +533,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
   cp_async_commit();
   // First query row that can see key k0 (causal): i + off >= k0.
   const int qstart = causal ? max(0, k0 - off) / BQ : 0;
-  const int nqb = (Tq + BQ - 1) / BQ - qstart;
+  int qend = (Tq + BQ - 1) / BQ;  // one past the last query tile
+  if (SW) qend = min(qend, (window_last_query(min(k0 + BM, Tk) - 1, off, W) + BQ) / BQ);
+  const int nqb = qend - qstart;
   const int total = nqb > 0 && live ? G * nqb : 0;
 
   auto issue = [&](int it, int st) {
@@ -548,8 +584,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
     mma_abt<D, BQ, LD>(s, kf, Qt);
     if (!FR) load_a_frags<D>(vf, Vs, warp * 16);
     mma_abt<D, BQ, LD>(dp, vf, dOt);
-    // Padded keys (>= Tk) are never stored, so only the causal boundary needs masking here.
-    if (causal && r + off < k0 + warp * 16 + 15) apply_mask<BQ, false>(s, k0 + warp * 16, r, Tk, off, causal);
+    // Padded keys (>= Tk) are never stored, so only the causal boundary (and the window's) needs masking here.
+    if ((causal && r + off < k0 + warp * 16 + 15) || (SW && window_cuts(r + BQ - 1, k0 + warp * 16, off, W)))
+      apply_mask<BQ, false, SW>(s, k0 + warp * 16, r, Tk, off, causal, W);
 #pragma unroll
     for (int nt = 0; nt < BQ / 8; ++nt) {
       const float2 lq = *reinterpret_cast<const float2*>(Lt + nt * 8 + c2);
@@ -588,49 +625,61 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 // and the key-masked attn_..._d{D}_km{SUF}, which take three more arguments: the mask's data, its row stride
 // in elements and its element size in bytes (1, 2, 4, 8). Two entry points rather than a run-time null check:
 // the unmasked kernels compile to exactly the code they had before masks existed (same registers, same PTX).
+// The sliding-window twins attn_..._d{D}_sw{SUF} and attn_..._d{D}_km_sw{SUF} take the window W (int) after
+// those: separate instantiations for the same reason. A run-time W in the plain kernels would cost the live
+// register of the window edge through their loops, where they sit at their caps: fwd d64 166 / 168 (3 blocks
+// per SM), its _km twin 168 / 168, and dkdv d128 already spills on sm_80 (ptxas, see below and build.KNOWN_LOCAL);
+// with twins the plain kernels' PTX is unchanged (checked against the pre-window source: identical entries).
 // Strides are in elements: (batch, token, head); the last axis is
 // contiguous. Launch: 128 threads, dynamic shared memory as computed by cukernels/ops/attention.py (TILES).
 #define CK_KM_PARAMS const unsigned char *km, long long kmld, int kmesz
 #define CK_KM_ROW KeyMask{km + (long long)blockIdx.z * kmld * kmesz, kmesz}
-#define CK_ATTN_FWD_1(D, BN, MINB, KM, TAG, SUF, EXTRA, MASK)                                             \
+#define CK_ATTN_FWD_1(D, BN, MINB, KM, SW, TAG, SUF, EXTRA, MASK, WIN)                                     \
   CK_ENTRY(__launch_bounds__(NT, MINB), attn_fwd_d##D##TAG##SUF)(                                            \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal EXTRA) {                                                \
-    attn_fwd<D, BN, KM>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh}, Tq,    \
-                        Tk, H, Hkv, scale, causal, MASK);                                                      \
+    attn_fwd<D, BN, KM, SW>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh}, Strides{vb, vt, vh},    \
+                            Tq, Tk, H, Hkv, scale, causal, MASK, WIN);                                         \
   }
-#define CK_ATTN_DQ_1(D, BN, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                          \
+#define CK_ATTN_DQ_1(D, BN, FR, MINB, KM, SW, TAG, SUF, EXTRA, MASK, WIN)                                  \
   CK_ENTRY(__launch_bounds__(NT, MINB), attn_bwd_dq_d##D##TAG##SUF)(                                         \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal EXTRA) {                                                \
-    attn_bwd_dq<D, BN, FR, KM>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh},     \
-                               Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal, MASK); \
+    attn_bwd_dq<D, BN, FR, KM, SW>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh}, Strides{kb, kt, kh}, \
+                                   Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal,    \
+                                   MASK, WIN);                                                                 \
   }
-#define CK_ATTN_DKDV_1(D, BQ, FR, MINB, KM, TAG, SUF, EXTRA, MASK)                                        \
+#define CK_ATTN_DKDV_1(D, BQ, FR, MINB, KM, SW, TAG, SUF, EXTRA, MASK, WIN)                                \
   CK_ENTRY(__launch_bounds__(NT, MINB), attn_bwd_dkdv_d##D##TAG##SUF)(                                       \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal EXTRA) {                                                        \
-    attn_bwd_dkdv<D, BQ, FR, KM>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh}, Strides{kb, kt, kh},  \
-                                 Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, Hkv, scale, causal,      \
-                                 MASK);                                                                        \
+    attn_bwd_dkdv<D, BQ, FR, KM, SW>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                   \
+                                     Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
+                                     Hkv, scale, causal, MASK, WIN);                                           \
   }
 #define CK_COMMA ,
-// Each instantiation defines the plain and the key-masked entry point with the same tiles and occupancy (the
-// launcher's shared-memory sizes and grids serve both).
+// Each instantiation defines the plain, the key-masked, the sliding-window and the masked sliding-window entry
+// point with the same tiles and occupancy (the launcher's shared-memory sizes and grids serve all four).
 #define CK_ATTN_FWD(D, BN, MINB, SUF)                                                                        \
-  CK_ATTN_FWD_1(D, BN, MINB, false, , SUF, , KeyMask{})                                                    \
-  CK_ATTN_FWD_1(D, BN, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
+  CK_ATTN_FWD_1(D, BN, MINB, false, false, , SUF, , KeyMask{}, 0)                                          \
+  CK_ATTN_FWD_1(D, BN, MINB, true, false, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW, 0)                   \
+  CK_ATTN_FWD_1(D, BN, MINB, false, true, _sw, SUF, CK_COMMA int W, KeyMask{}, W)                          \
+  CK_ATTN_FWD_1(D, BN, MINB, true, true, _km_sw, SUF, CK_COMMA CK_KM_PARAMS CK_COMMA int W, CK_KM_ROW, W)
 #define CK_ATTN_DQ(D, BN, FR, MINB, SUF)                                                                     \
-  CK_ATTN_DQ_1(D, BN, FR, MINB, false, , SUF, , KeyMask{})                                                 \
-  CK_ATTN_DQ_1(D, BN, FR, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
+  CK_ATTN_DQ_1(D, BN, FR, MINB, false, false, , SUF, , KeyMask{}, 0)                                       \
+  CK_ATTN_DQ_1(D, BN, FR, MINB, true, false, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW, 0)                \
+  CK_ATTN_DQ_1(D, BN, FR, MINB, false, true, _sw, SUF, CK_COMMA int W, KeyMask{}, W)                       \
+  CK_ATTN_DQ_1(D, BN, FR, MINB, true, true, _km_sw, SUF, CK_COMMA CK_KM_PARAMS CK_COMMA int W, CK_KM_ROW, W)
 #define CK_ATTN_DKDV(D, BQ, FR, MINB, SUF)                                                                   \
-  CK_ATTN_DKDV_1(D, BQ, FR, MINB, false, , SUF, , KeyMask{})                                               \
-  CK_ATTN_DKDV_1(D, BQ, FR, MINB, true, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW)
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, false, false, , SUF, , KeyMask{}, 0)                                     \
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, true, false, _km, SUF, CK_COMMA CK_KM_PARAMS, CK_KM_ROW, 0)              \
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, false, true, _sw, SUF, CK_COMMA int W, KeyMask{}, W)                     \
+  CK_ATTN_DKDV_1(D, BQ, FR, MINB, true, true, _km_sw, SUF, CK_COMMA CK_KM_PARAMS CK_COMMA int W, CK_KM_ROW, W)
 
 // Tiles and resident blocks (benchmarks/tune_attention.py, H200, B8 x T1024 causal, D = 64; NOTES.md):
 //   fwd  64-key tiles, 3 blocks per SM (166 registers): 205.7 us against 217.5 at 2 blocks (177 registers);
@@ -638,7 +687,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(const bf16* __restrict__ q, const 
 //   dkdv 64-query tiles, 2 blocks per SM (236 registers): 379.9 us; 32-query tiles at 3 blocks ran 423 us
 //        (the K/V fragments kept in registers matter more there than the third block).
 // 128-wide heads take 32-row tiles so that the fp32 accumulators fit in registers without spilling.
-// The *_km kernels (ptxas, sm_90) stay at the same occupancy: fwd d64 168 registers, dq d64 162, dkdv d64 226.
+// The *_km kernels (ptxas, sm_90) stay at the same occupancy: fwd d64 168 registers, dq d64 162, dkdv d64 226;
+// so do the *_sw / *_km_sw ones: fwd d64 168 / 168, dq d64 160 / 166, dkdv d64 236 / 230 (sm_80: 163 / 165,
+// 156 / 160, 220 / 218; no spills but dkdv d128's on sm_80, as its twins': build.KNOWN_LOCAL).
 // cukernels/ops/attention.py's TILES mirrors the tile columns.
 CK_ATTN_FWD(32, 64, 1, )
 CK_ATTN_FWD(64, 64, 3, )

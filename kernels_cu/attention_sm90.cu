@@ -40,6 +40,14 @@
 //   * Causal: key tiles past the CTA's last visible key are never loaded; a consumer whose 64 rows see none of a
 //     tile's keys skips its math (it still releases the stage); only tiles crossing the diagonal (or Tk) are
 //     masked. Work tiles are taken heaviest first.
+//   * Sliding window (the SW = true instantiations, entry points *_sw*; one more argument W, 1 <= W < Tk, always
+//     causal): query i sees key n iff i + off - W < n <= i + off. The same rule on the band's lower edge: the key
+//     loops of fwd / dq start at the first tile the work tile's first query sees (window_first), dkdv's query
+//     loop ends at the last query tile that sees its last key, tiles a consumer's rows see none of are skipped
+//     like the causal ones, and only tiles crossing the edge are masked. The work per tile stays monotone in the
+//     tile index (fwd / dq: nondecreasing, dkdv: nonincreasing), so the heaviest-first orders hold; the fused
+//     backward's dQ semaphores count from the first key tile that sees the query tile. Separate instantiations
+//     (not a run-time W in the plain kernels), as attention.cu's: the plain kernels' PTX is unchanged.
 //   * Persistent CTAs (one per SM, a snake walk over the work tiles): the producer loads the next tile's Q (into
 //     the second Q buffer) and first K / V stages while the consumers finish the current one; a "Q empty"
 //     mbarrier per buffer, arrived on once the tile's last S has read Q, orders its reuse (the backward kernels'
@@ -56,20 +64,25 @@ constexpr int BM = 128;             // query rows per CTA (64 per consumer warpg
 constexpr float LOG2E = 1.4426950408889634f;
 
 // -inf for the scores of a warp's [16 x N] tile (rows row0 + g, + 8; columns col0 + 8 nt + 2 c + {0, 1}) that
-// lie past Tk or above the causal diagonal (key > query + off).
-template <int N>
+// lie past Tk or above the causal diagonal (key > query + off); SW: or below the window (query + off - key >= W).
+template <int N, bool SW = false>
 __device__ __forceinline__ void mask_tile(float (&s)[N / 8][4], int row0, int col0, int Tk, int off, bool causal,
-                                          int lane) {
+                                          int lane, int W = 0) {
   const int g = lane >> 2, c2 = (lane & 3) * 2;
 #pragma unroll
   for (int nt = 0; nt < N / 8; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = row0 + g + (e >> 1) * 8, c = col0 + nt * 8 + c2 + (e & 1);
-      if (c >= Tk || (causal && c > r + off)) s[nt][e] = -CK_INF;
+      if (c >= Tk || (causal && c > r + off) || (SW && r + off - c >= W)) s[nt][e] = -CK_INF;
     }
   }
 }
+// Sliding window: the first key a query from row q0 on can see (0 when the window reaches back past key 0); the
+// last query that sees one of the keys up to k1, or -1; whether the window hides the pair (query qb, key ka).
+__device__ __forceinline__ int window_first(int q0, int off, int W) { return max(0, q0 + off - W + 1); }
+__device__ __forceinline__ int window_last_query(int k1, int off, int W) { return max(-1, k1 - off + W - 1); }
+__device__ __forceinline__ bool window_cuts(int qb, int ka, int off, int W) { return qb + off - ka >= W; }
 
 // Issue (not wait for) S = Q K^T over the D / 16 k-steps; k-step kk reads 32 bytes at column block kk / 4, byte
 // (kk % 4) * 32 of every row of the Q (this warpgroup's 64 rows) and K tiles. Both K-major, SBO = 1024. k-step 0
@@ -220,12 +233,16 @@ __device__ __forceinline__ int key_tiles(int qend, int Tk, int off, bool causal,
 }
 // dkdv's work tile of keys from k0: the first query tile (of bq rows) that can see one of its keys (query i sees key
 // n when n <= i + off) and how many query tiles from there; the producer and the consumers walk the same range.
+// SW: up to the last query tile that sees its last key k1 (window_last_query); end is one past that range.
 struct QueryTiles {
-  int first, n;
+  int first, n, end;
 };
-__device__ __forceinline__ QueryTiles query_tiles(int k0, int off, bool causal, int nqb, int bq) {
+template <bool SW = false>
+__device__ __forceinline__ QueryTiles query_tiles(int k0, int off, bool causal, int nqb, int bq, int k1 = 0,
+                                                  int W = 0) {
   const int first = causal ? max(0, (k0 - off) / bq) : 0;
-  return QueryTiles{first, max(0, nqb - first)};
+  const int end = SW ? min(nqb, (window_last_query(k1, off, W) + bq) / bq) : nqb;
+  return QueryTiles{first, max(0, end - first), end};
 }
 __device__ __forceinline__ int snake_tile(int k) {
   return k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
@@ -263,11 +280,12 @@ template <int D, int BN, int STAGES, int QB, int ROWS = BM> struct Smem {
 // MODE: 0 = serial loop, 1 = pipelined loop with ping-pong turns, 2 = the pipelined loop without the turns
 // (each warpgroup issues its GEMM block as soon as its own softmax is done: FlashAttention-3's intra-warpgroup
 // overlap alone, its choice at head_dim 64).
-template <int D, int BN, int STAGES, int QB, int MODE, int NC>
+// SW: the sliding window W (else unused): key tiles jb0 .. nkb - 1 only (jb0 = 0 without).
+template <int D, int BN, int STAGES, int QB, int MODE, int NC, bool SW>
 __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o,
                                               float* __restrict__ lse, Strides sq, Strides sk, Strides sv, int Tq,
-                                              int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {
+                                              int Tk, int H, int Hkv, float scale, bool causal, int Bsz, int W) {
   // NC consumer warpgroups of 64 query rows each: BMF rows a work tile (2: 128, the production shape; 3: 192,
   // FlashAttention-3's choice at head_dim 64, registers 24 / 160 instead of 56 / 224).
   constexpr int BMF = 64 * NC;
@@ -309,6 +327,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);  // heaviest causal tiles first
       const int q0 = ti.blk * BMF, j = ti.h / (H / Hkv);
       const int nkb = key_tiles(q0 + BMF, Tk, off, causal, BN);
+      const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
       // The consumers release a Q buffer after the last S of its tile (the first wait on each buffer asks for
@@ -317,7 +336,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       mbar_wait(qempty + 8 * qb, fix_par<QB>(tc) ^ 1);
       load_swz<D, BMF>(Qs + qb * SM::Q, q + ti.b * sq.b + ti.h * sq.h, sq.t, q0, Tq, tid);
       cp_async_arrive(qbar + 8 * qb);
-      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+      for (int jb = jb0; jb < nkb; ++jb, ring.next()) {
         // This stage was last filled STAGES uses ago (possibly for the previous tile); wait for its release.
         mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
         load_swz<D, BN>(Ks + ring.st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
@@ -339,6 +358,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
     const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
     const int h = ti.h, b = ti.b, q0 = ti.blk * BMF;
     const int nkb = key_tiles(q0 + BMF, Tk, off, causal, BN);
+    const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;  // as the producer's
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16;
     const int qb = fix_buf<QB>(tc);
     const unsigned qaddr = smem_addr(Qs + qb * SM::Q) + cw * 64 * 128;  // this warpgroup's 64 rows a column block
@@ -352,12 +372,12 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
     if constexpr (MODE == 0) {
       // Serial: S, softmax, P V one after the other per tile; the two consumer warpgroups overlap only as the
       // warp schedulers happen to interleave them.
-      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+      for (int jb = jb0; jb < nkb; ++jb, ring.next()) {
         const int st = ring.st, n0 = jb * BN;
         mbar_wait(full0 + 8 * st, ring.ph);
         // A tile whose first key is past this warpgroup's last row's diagonal adds nothing (all -inf): release
-        // it.
-        if (causal && n0 > rbase + 63 + off) {
+        // it. SW: so does a tile whose last key is below its first row's window.
+        if ((causal && n0 > rbase + 63 + off) || (SW && window_cuts(rbase, n0 + BN - 1, off, W))) {
           mbar_arrive(empty0 + 8 * st);
           continue;
         }
@@ -369,7 +389,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(s);
-        if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+        if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off) || (SW && window_cuts(row0 + 15, n0, off, W)))
+          mask_tile<BN, SW>(s, row0, n0, Tk, off, causal, lane, W);
         online_softmax_step<BN, D>(s, acc, m0, m1, l0, l1, sl2);
         unsigned pa[BN / 16][4];
         pack_p<BN>(pa, s);
@@ -383,7 +404,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         mbar_arrive(empty0 + 8 * st);  // the stage's K and V have been read (wait_group 0 above)
       }
       mbar_arrive(qfree);
-    } else if (nkb > 0) {
+    } else if (nkb > jb0) {
       // Pipelined (FlashAttention-3's schedule): each "GEMM block" issues S for tile j + 1 and P V for tile j
       // back to back, then the softmax of tile j + 1 runs while P V (tile j) is still on the tensor cores
       // (wait_group 1: S, committed first, is done). Ping-pong: named barrier 1 + cw lets warpgroup cw issue its
@@ -409,15 +430,17 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
       if (PP) named_arrive(other);
       wgmma_wait<0>();
       fence_regs(s);
-      if (nkb == 1) mbar_arrive(qfree);  // the tile's last S has read Q
-      if (BN > Tk || (causal && BN - 1 > row0 + off)) mask_tile<BN>(s, row0, 0, Tk, off, causal, lane);
+      if (nkb - jb0 == 1) mbar_arrive(qfree);  // the tile's last S has read Q
+      const int nf = jb0 * BN;  // the first key tile's first key (0 without a window)
+      if (nf + BN > Tk || (causal && nf + BN - 1 > row0 + off) || (SW && window_cuts(row0 + 15, nf, off, W)))
+        mask_tile<BN, SW>(s, row0, nf, Tk, off, causal, lane, W);
       float cr0, cr1;
       softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);  // acc is still 0: no rescale needed
       pack_p<BN>(pa, s);
       // Blocks 1 .. nkb - 1: S of tile jb + 1 and P V of tile jb. Straight-line wgmma issue (no branch between
       // the issues and their waits: ptxas serialises every wgmma of a function whose pipeline it cannot follow
       // through a divergent path).
-      for (int jb = 0; jb + 1 < nkb; ++jb) {
+      for (int jb = jb0; jb + 1 < nkb; ++jb) {
         const int st = ring.st, n1 = (jb + 1) * BN;
         ring.next();
         const int st1 = ring.st;
@@ -435,7 +458,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const bf16* __restrict__ q, const 
         if (PP) named_arrive(other);
         wgmma_wait<1>();  // S of tile jb + 1 is done; P V of tile jb may still run
         fence_regs(s);
-        if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n1, Tk, off, causal, lane);
+        if (n1 + BN > Tk || (causal && n1 + BN - 1 > row0 + off) || (SW && window_cuts(row0 + 15, n1, off, W)))
+          mask_tile<BN, SW>(s, row0, n1, Tk, off, causal, lane, W);
         softmax_rows<BN>(s, m0, m1, l0, l1, sl2, cr0, cr1);
         wgmma_wait<0>();
         fence_regs(acc);
@@ -572,13 +596,14 @@ template <int D, int BN, int STAGES, int QB> struct SmemDq {
 
 // Grid: min(tiles, SMs) persistent CTAs over ceil(Tq / 128) x H x B tiles; 384 threads; dynamic shared memory
 // SmemDq<D, BN, STAGES>::BYTES.
-template <int D, int BN, int STAGES, int QB, bool PP>
+template <int D, int BN, int STAGES, int QB, bool PP, bool SW>
 __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ v, const bf16* __restrict__ o,
                                                  const bf16* __restrict__ dout, const float* __restrict__ lse,
                                                  float* __restrict__ delta, bf16* __restrict__ dq, Strides sq,
                                                  Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H, int Hkv,
-                                                 float scale, bool causal, int Bsz, Strides sgq, RopeTab rope) {
+                                                 float scale, bool causal, int Bsz, Strides sgq, RopeTab rope,
+                                                 int W) {
   using SM = SmemDq<D, BN, STAGES, QB>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -613,6 +638,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
       const int q0 = ti.blk * BM, j = ti.h / (H / Hkv);
       const int nkb = key_tiles(q0 + BM, Tk, off, causal, BN);
+      const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;
       const bf16* kp = k + ti.b * sk.b + j * sk.h;
       const bf16* vp = v + ti.b * sv.b + j * sv.h;
       const int fb = fix_buf<QB>(tc);
@@ -622,7 +648,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       load_swz<D, BM>(Qs + BM * D * 2, dout + ti.b * sdo.b + ti.h * sdo.h, sdo.t, q0, Tq, tid);
       load_swz<D, BM>(Qs + 2 * BM * D * 2, o + ((long long)ti.b * Tq * H + ti.h) * D, (long long)H * D, q0, Tq, tid);
       cp_async_arrive(fixbar + 8 * fb);
-      for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+      for (int jb = jb0; jb < nkb; ++jb, ring.next()) {
         mbar_wait(empty0 + 8 * ring.st, ring.ph ^ 1);
         load_swz<D, BN>(Ks + ring.st * SM::KV, kp, sk.t, jb * BN, Tk, tid);
         load_swz<D, BN>(Vs + ring.st * SM::KV, vp, sv.t, jb * BN, Tk, tid);
@@ -645,6 +671,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
     const TileIdx ti = tile_at(t, nmb, H, Bsz, causal);
     const int h = ti.h, b = ti.b, q0 = ti.blk * BM;
     const int nkb = key_tiles(q0 + BM, Tk, off, causal, BN);
+    const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;  // as the producer's
     const int rbase = q0 + cw * 64, row0 = rbase + warp * 16, r0 = q0 + lr0, r1 = q0 + lr1;
     // lse loads issued before the wait, so their latency hides under it
     const float* lp = lse + ((long long)b * H + h) * Tq;
@@ -690,12 +717,13 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
 
     float acc[D / 8][4];
     zero(acc);
-    turns.open(nkb > 0);
-    for (int jb = 0; jb < nkb; ++jb, ring.next()) {
+    turns.open(nkb > jb0);
+    for (int jb = jb0; jb < nkb; ++jb, ring.next()) {
       const int st = ring.st, n0 = jb * BN;
       const bool last = jb + 1 == nkb;
       mbar_wait(full0 + 8 * st, ring.ph);
-      if (causal && n0 > rbase + 63 + off) {  // no key of the tile is visible to this warpgroup's rows
+      // no key of the tile is visible to this warpgroup's rows (past the diagonal, or SW: below the window)
+      if ((causal && n0 > rbase + 63 + off) || (SW && window_cuts(rbase, n0 + BN - 1, off, W))) {
         turns.skip(last, fixfree);
         mbar_arrive(empty0 + 8 * st);
         continue;
@@ -715,7 +743,8 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       fence_regs(s);
       fence_regs(dp);
       if (last) mbar_arrive(fixfree);  // Q and dO read for the last time: this buffer may load again
-      if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off)) mask_tile<BN>(s, row0, n0, Tk, off, causal, lane);
+      if (n0 + BN > Tk || (causal && n0 + BN - 1 > row0 + off) || (SW && window_cuts(row0 + 15, n0, off, W)))
+        mask_tile<BN, SW>(s, row0, n0, Tk, off, causal, lane, W);
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {  // dS = P * (dP - delta), P = 2^(s * scale * log2(e) - lse * log2(e))
         dp[nt][0] = ex2(fmaf(s[nt][0], sl2, -lo0)) * (dp[nt][0] - dl0);
@@ -736,7 +765,7 @@ __device__ __forceinline__ void attn_bwd_dq_sm90(const bf16* __restrict__ q, con
       fence_regs(da);
       mbar_arrive(empty0 + 8 * st);
     }
-    if (nkb == 0) mbar_arrive(fixfree);
+    if (nkb == jb0) mbar_arrive(fixfree);
     store_acc_rope<D>(dq + b * sgq.b + h * sgq.h, sgq.t, row0, Tq, acc, scale, lane, rope, (long long)b * Tq);
   }
 }
@@ -778,12 +807,14 @@ __device__ __forceinline__ void bar_arrive_n(int id, int n) {
 // every key tile of a (b, K/V head) walks the same sequence from the same start and stops at its own diagonal, so
 // key tile j meets query tile i at the same iteration as key tile j - 1 and, after one wait, trails it by about a
 // hand-off (the semaphore order is ascending j). Ascending from the diagonal, key tile j would start 2G
-// iterations ahead of j - 1 on the query tiles they share, and wait that long.
+// iterations ahead of j - 1 on the query tiles they share, and wait that long. qend: one past the last query tile
+// (nqb; under a sliding window QueryTiles::end, where key tile j starts 128 / BQ tiles above j - 1, so it trails j - 1
+// on the query tiles they share, as before).
 template <bool FQ>
-__device__ __forceinline__ void dkdv_iter(int it, int G, int nq, int qstart, int nqb, int& g, int& qi) {
+__device__ __forceinline__ void dkdv_iter(int it, int G, int nq, int qstart, int qend, int& g, int& qi) {
   if (FQ) {
     g = it % G;
-    qi = nqb - 1 - it / G;
+    qi = qend - 1 - it / G;
   } else {
     g = it / nq;
     qi = qstart + it % nq;
@@ -813,14 +844,16 @@ __device__ __forceinline__ void dkdv_iter(int it, int G, int nq, int qstart, int
 // never runs this kernel one CTA per tile). attn_sm90_bwd_delta_d64 writes delta first,
 // attn_sm90_bwd_dq_convert_d64 turns dq_acc into dq after (scale, the fused rope backward, zeros where no key
 // tile added).
-template <int D, int BQ, int STAGES, int QB, bool PP, bool FQ = false>
+// SW: the sliding window W (else unused): query tiles up to the last one that sees the work tile's last key; the
+// dQ semaphores of the fused backward count from the first key tile that sees the query tile.
+template <int D, int BQ, int STAGES, int QB, bool PP, bool SW, bool FQ = false>
 __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, const bf16* __restrict__ dout,
                                                    const float* __restrict__ lse, const float* __restrict__ delta,
                                                    bf16* __restrict__ dk, bf16* __restrict__ dv, Strides sq,
                                                    Strides sk, Strides sv, Strides sdo, int Tq, int Tk, int H,
                                                    int Hkv, float scale, bool causal, int Bsz, Strides sgk,
-                                                   RopeTab rope, float* __restrict__ dq_acc = nullptr,
+                                                   RopeTab rope, int W, float* __restrict__ dq_acc = nullptr,
                                                    int* __restrict__ sem = nullptr) {
   using SM = SmemDkdv<D, BQ, STAGES, QB, FQ>;
   static_assert(!FQ || (D == 64 && BQ == 64), "the fused dQ is instantiated for D = 64, 64-query tiles");
@@ -860,30 +893,32 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     if constexpr (FQ) {
       if (tid >= NP) {  // ------------------------------------------------------------ dQ writers
         // Warp w (2 or 3) takes the hand-offs pc with pc % 2 == w % 2, i.e. buffer pc % 2: it waits for both
-        // consumers' partials, for the query tile's turn (sem == j: the key tiles before j have added), sums the
-        // partials (warpgroup 1's + warpgroup 2's) and stores (j = 0) or adds them into dq_acc, frees the buffer,
-        // then publishes sem = j + 1 once its adds are performed (fence.acq_rel.gpu). The consumers never wait on
-        // another CTA; they wait for this warp only when it is two hand-offs behind.
+        // consumers' partials, for the query tile's turn (sem == jr: the key tiles before j have added; jr = j, or
+        // under a sliding window j minus the first key tile that sees the query tile, since those before it never
+        // add), sums the partials (warpgroup 1's + warpgroup 2's) and stores (jr = 0) or adds them into dq_acc,
+        // frees the buffer, then publishes sem = jr + 1 once its adds are performed (fence.acq_rel.gpu). The
+        // consumers never wait on another CTA; they wait for this warp only when it is two hand-offs behind.
         const int wsel = (tid >> 5) & 1, lane = tid & 31;
         int pc = 0, tc = 0;
         for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
           const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
           const int j = ti.blk, b = ti.b, k0 = j * BM;
-          const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
+          const QueryTiles qt = query_tiles<SW>(k0, off, causal, nqb, BQ, min(k0 + BM, Tk) - 1, W);
           const int nit = G * qt.n;
           for (int it = 0; it < nit; ++it, ++pc) {
             if ((pc & 1) != wsel) continue;
             int gq, qi;
-            dkdv_iter<true>(it, G, qt.n, qt.first, nqb, gq, qi);
+            dkdv_iter<true>(it, G, qt.n, qt.first, SW ? qt.end : nqb, gq, qi);
             const long long tile = ((long long)b * H + ti.h * G + gq) * nqb + qi;
+            const int jr = SW ? j - window_first(qi * BQ, off, W) / BM : j;  // key tiles that added before
             int* semp = sem + tile;
             int semv = 0;
-            if (lane == 0 && j > 0) semv = ld_relaxed_gpu(semp);  // in flight while the consumers finish
+            if (lane == 0 && jr > 0) semv = ld_relaxed_gpu(semp);  // in flight while the consumers finish
             const int pb = pc & 1;
             bar_sync_n(BAR_FULL + 2 * pb, HANDOFF_THREADS);
             bar_sync_n(BAR_FULL + 2 * pb + 1, HANDOFF_THREADS);
-            if (lane == 0 && j > 0) {
-              while (semv != j) semv = ld_relaxed_gpu(semp);
+            if (lane == 0 && jr > 0) {
+              while (semv != jr) semv = ld_relaxed_gpu(semp);
               fence_acq_rel_gpu();
             }
             __syncwarp();
@@ -907,7 +942,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
             bar_arrive_n(BAR_EMPTY + 2 * pb + 1, HANDOFF_THREADS);  // warpgroup 2's partial is read
             float* dst = dq_acc + tile * (BQ * D);
             if (lane == 0) {
-              if (j == 0)
+              if (jr == 0)
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(p0),
                              "n"(BQ * D * 4)
                              : "memory");
@@ -923,7 +958,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
             if (lane == 0) {
               asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds performed
               fence_acq_rel_gpu();
-              st_relaxed_gpu(semp, j + 1);
+              st_relaxed_gpu(semp, jr + 1);
             }
           }
         }
@@ -936,8 +971,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
       const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
       const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
-      const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
-      const int qstart = qt.first, nq = qt.n, nit = G * nq;
+      const QueryTiles qt = query_tiles<SW>(k0, off, causal, nqb, BQ, min(k0 + BM, Tk) - 1, W);
+      const int qstart = qt.first, nq = qt.n, nit = G * nq, qend = SW ? qt.end : nqb;
       const int fb = fix_buf<QB>(tc);
       mbar_wait(fixempty + 8 * fb, fix_par<QB>(tc) ^ 1);
       load_swz<D, BM, NP>(Fx + fb * SM::FIX, k + b * sk.b + j * sk.h, sk.t, k0, Tk, tid);
@@ -945,7 +980,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
       cp_async_arrive(fixbar + 8 * fb);
       for (int it = 0; it < nit; ++it, ring.next()) {
         int gq, qi;
-        dkdv_iter<FQ>(it, G, nq, qstart, nqb, gq, qi);
+        dkdv_iter<FQ>(it, G, nq, qstart, qend, gq, qi);
         const int st = ring.st, hq = j * G + gq, qb0 = qi * BQ;
         mbar_wait(empty0 + 8 * st, ring.ph ^ 1);
         load_swz<D, BQ, NP>(Qs + st * SM::QT, q + b * sq.b + hq * sq.h, sq.t, qb0, Tq, tid);
@@ -976,8 +1011,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
   for (int t = snake_tile(0); t < ntiles; t = snake_tile(++tc)) {
     const TileIdx ti = tile_at(t, nkt, Hkv, Bsz, false);
     const int j = ti.h, b = ti.b, k0 = ti.blk * BM;
-    const QueryTiles qt = query_tiles(k0, off, causal, nqb, BQ);
-    const int qstart = qt.first, nq = qt.n, nit = G * nq;
+    const QueryTiles qt = query_tiles<SW>(k0, off, causal, nqb, BQ, min(k0 + BM, Tk) - 1, W);
+    const int qstart = qt.first, nq = qt.n, nit = G * nq, qend = SW ? qt.end : nqb;
     const int kbase = k0 + cw * 64, row0 = kbase + warp * 16;  // rows = keys
 
     const int fb = fix_buf<QB>(tc);
@@ -992,12 +1027,13 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
     turns.open(nit > 0);
     for (int it = 0; it < nit; ++it, ring.next()) {
       int gq, qi;
-      dkdv_iter<FQ>(it, G, nq, qstart, nqb, gq, qi);
+      dkdv_iter<FQ>(it, G, nq, qstart, qend, gq, qi);
       const int st = ring.st, qb0 = qi * BQ;
       const bool last = it + 1 == nit;
       float dqa[FQ ? D / 8 : 1][4];
       mbar_wait(full0 + 8 * st, ring.ph);
-      if (causal && qb0 + BQ - 1 + off < kbase) {  // every query of the tile is before this warpgroup's keys
+      // every query of the tile is before this warpgroup's keys, or (SW) past their window
+      if ((causal && qb0 + BQ - 1 + off < kbase) || (SW && window_cuts(qb0, kbase + 63, off, W))) {
         turns.skip(last, fixfree);
         mbar_arrive(empty0 + 8 * st);
         if constexpr (FQ) zero(dqa);
@@ -1018,15 +1054,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_sm90(const bf16* __restrict__ q, c
         fence_regs(dp);
         if (!FQ && last) mbar_arrive(fixfree);  // K and V read for the last time: this buffer may load again
         // Mask: queries >= Tq (zero-filled rows would give p = 2^(0 - lse)), keys >= Tk (never stored, but their
-        // 2^(0 - lse) may overflow), and the causal rule key > query + off.
-        if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off)) {
+        // 2^(0 - lse) may overflow), the causal rule key > query + off, and (SW) query + off - key >= W.
+        if (qb0 + BQ > Tq || row0 + 15 >= Tk || (causal && row0 + 15 > qb0 + off) ||
+            (SW && window_cuts(qb0 + BQ - 1, row0, off, W))) {
           const int g = lane >> 2;
 #pragma unroll
           for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int key = row0 + g + (e >> 1) * 8, qi_ = qb0 + nt * 8 + c2 + (e & 1);
-              if (qi_ >= Tq || key >= Tk || (causal && key > qi_ + off)) s[nt][e] = -CK_INF;
+              if (qi_ >= Tq || key >= Tk || (causal && key > qi_ + off) || (SW && qi_ + off - key >= W))
+                s[nt][e] = -CK_INF;
             }
         }
         const float* Lt = Ls + st * BQ;
@@ -1200,15 +1238,20 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ acc, co
 // attn_sm90_fwd_d{64,128}: same arguments as attention.cu's attn_fwd_d{D} (strides in elements: batch, token,
 // head; the last axis contiguous) plus the batch size Bsz. Launch: 384 threads, a 1-D grid of at most
 // ceil(Tq / 128) * H * Bsz persistent CTAs (one per SM), dynamic shared memory Smem<D, BN, STAGES>::BYTES
-// (mirrored by cukernels/ops/attention_sm90.py's CONFIG).
-#define CK_ATTN90_FWD_1(D, BN, STAGES, QB, MODE, NC, SUF)                                                      \
-  CK_ENTRY(__launch_bounds__((NC + 1) * WG, 1), attn_sm90_fwd_d##D##SUF)(                                      \
+// (mirrored by cukernels/ops/attention_sm90.py's CONFIG). The sliding-window twin of each, attn_sm90_fwd_d{D}_sw{SUF},
+// takes the window W (1 <= W < Tk, causal) after Bsz.
+#define CK_ATTN90_FWD_2(D, BN, STAGES, QB, MODE, NC, SW, TAG, SUF, EXTRA, WIN)                                 \
+  CK_ENTRY(__launch_bounds__((NC + 1) * WG, 1), attn_sm90_fwd_d##D##TAG##SUF)(                                 \
       const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, long long qb, long long qt,            \
       long long qh, long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, \
-      int Tk, int H, int Hkv, float scale, bool causal, int Bsz) {                                             \
-    attn_fwd_sm90<D, BN, STAGES, QB, MODE, NC>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},              \
-                                     Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz);                 \
+      int Tk, int H, int Hkv, float scale, bool causal, int Bsz EXTRA) {                                       \
+    attn_fwd_sm90<D, BN, STAGES, QB, MODE, NC, SW>(q, k, v, o, lse, Strides{qb, qt, qh}, Strides{kb, kt, kh},  \
+                                     Strides{vb, vt, vh}, Tq, Tk, H, Hkv, scale, causal, Bsz, WIN);            \
   }
+#define CK_COMMA ,
+#define CK_ATTN90_FWD_1(D, BN, STAGES, QB, MODE, NC, SUF)                                                      \
+  CK_ATTN90_FWD_2(D, BN, STAGES, QB, MODE, NC, false, , SUF, , 0)                                              \
+  CK_ATTN90_FWD_2(D, BN, STAGES, QB, MODE, NC, true, _sw, SUF, CK_COMMA int W, W)
 // attn_sm90_fwd_d{D}: the pipelined ping-pong consumers; attn_sm90_fwd_d{D}_serial: the serial consumer loop (same
 // tiles, same shared memory; the fallback and the reference point of the benchmark); attn_sm90_fwd_d{D}_overlap:
 // the pipelined loop without the ping-pong turns. ck.settings.attention_sm90_variant picks the production one.
@@ -1232,28 +1275,33 @@ CK_ATTN90_FWD_WG3(64, 128, 4, 2)
 // write (dq; dk and dv share theirs): [B, T, heads, D] C-contiguous, or the head slices of one packed dqkv, and the
 // rope tables for the fused rope backward of dq and dk (RopeTab; rmode -1: none). 1-D grids of persistent CTAs
 // over ceil(Tq / 128) * H * Bsz and ceil(Tk / 128) * Hkv * Bsz work tiles (at most one CTA per SM), 384 threads.
-#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                                        \
-  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dq_d##D##SUF)(                                        \
+// The sliding-window twins attn_sm90_bwd_{dq,dkdv}_d{D}_sw{SUF} take the window W after rL.
+#define CK_ATTN90_BWD_2(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SW, TAG, SUF, EXTRA, WIN)                                   \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dq_d##D##TAG##SUF)(                                   \
       const bf16* q, const bf16* k, const bf16* v, const bf16* o, const bf16* dout, const float* lse,          \
       float* delta, bf16* dq, long long qb, long long qt, long long qh, long long kb, long long kt,             \
       long long kh, long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, \
       int Tk, int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,      \
-      const float* rc, const float* rs, const int* rp, int rmode, int rL) {                                   \
-    attn_bwd_dq_sm90<D, BN, STQ, QBQ, PP>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                    \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL EXTRA) {                             \
+    attn_bwd_dq_sm90<D, BN, STQ, QBQ, PP, SW>(q, k, v, o, dout, lse, delta, dq, Strides{qb, qt, qh},                \
                                      Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk, H, \
-                                     Hkv, scale, causal, Bsz, Strides{gb, gt, gh}, RopeTab{rc, rs, rp, rmode, rL}); \
+                                     Hkv, scale, causal, Bsz, Strides{gb, gt, gh}, RopeTab{rc, rs, rp, rmode, rL}, \
+                                     WIN);                                                                     \
   }                                                                                                            \
-  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdv_d##D##SUF)(                                      \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdv_d##D##TAG##SUF)(                                 \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,              \
-      const float* rc, const float* rs, const int* rp, int rmode, int rL) {                                   \
-    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},                 \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL EXTRA) {                             \
+    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP, SW>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},             \
                                        Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, Tq, Tk,  \
                                        H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh},                        \
-                                       RopeTab{rc, rs, rp, rmode, rL});                                         \
+                                       RopeTab{rc, rs, rp, rmode, rL}, WIN);                                    \
   }
+#define CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, PP, SUF)                                  \
+  CK_ATTN90_BWD_2(D, BN, STQ, BQ, STK, QBQ, QBK, PP, false, , SUF, , 0)                          \
+  CK_ATTN90_BWD_2(D, BN, STQ, BQ, STK, QBQ, QBK, PP, true, _sw, SUF, CK_COMMA int W, W)
 // attn_sm90_bwd_{dq,dkdv}_d{D}: ping-pong turns (Turns<true>); *_serial: the same loops without them.
 #define CK_ATTN90_BWD(D, BN, STQ, BQ, STK, QBQ, QBK)             \
   CK_ATTN90_BWD_1(D, BN, STQ, BQ, STK, QBQ, QBK, true, )         \
@@ -1269,19 +1317,22 @@ CK_ATTN90_BWD(128, 64, 3, 32, 4, 1, 2)
 // (dkdv's arguments plus dq_acc: fp32 [B, H, ceil(Tq / 64) * 64, 64], rows swizzled by 16-byte chunk, and sem:
 // int32 [B, H, ceil(Tq / 64)], zeroed), then attn_sm90_bwd_dq_convert_d64. dkdvq: 64-query tiles, 4 stages, 2 K / V
 // buffers, + 2 x 8 KB dS^T + 2 x 2 x 16 KB hand-off = 211 KB of shared memory. Its grid must be persistent (at
-// most one CTA per SM).
-#define CK_ATTN90_BWD_FQ_1(D, BQ, STK, QBK, PP, SUF)                                                          \
-  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdvq_d##D##SUF)(                                     \
+// most one CTA per SM). The sliding-window twins attn_sm90_bwd_dkdvq_d64_sw{SUF} take the window W after sem.
+#define CK_ATTN90_BWD_FQ_2(D, BQ, STK, QBK, PP, SW, TAG, SUF, EXTRA, WIN)                                      \
+  CK_ENTRY(__launch_bounds__(NTHREADS, 1), attn_sm90_bwd_dkdvq_d##D##TAG##SUF)(                                \
       const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta,     \
       bf16* dk, bf16* dv, long long qb, long long qt, long long qh, long long kb, long long kt, long long kh,   \
       long long vb, long long vt, long long vh, long long db, long long dt, long long dh, int Tq, int Tk,      \
       int H, int Hkv, float scale, bool causal, int Bsz, long long gb, long long gt, long long gh,              \
-      const float* rc, const float* rs, const int* rp, int rmode, int rL, float* dq_acc, int* sem) {          \
-    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP, true>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},       \
+      const float* rc, const float* rs, const int* rp, int rmode, int rL, float* dq_acc, int* sem EXTRA) {    \
+    attn_bwd_dkdv_sm90<D, BQ, STK, QBK, PP, SW, true>(q, k, v, dout, lse, delta, dk, dv, Strides{qb, qt, qh},   \
                                                   Strides{kb, kt, kh}, Strides{vb, vt, vh}, Strides{db, dt, dh}, \
                                                   Tq, Tk, H, Hkv, scale, causal, Bsz, Strides{gb, gt, gh},      \
-                                                  RopeTab{rc, rs, rp, rmode, rL}, dq_acc, sem);                 \
+                                                  RopeTab{rc, rs, rp, rmode, rL}, WIN, dq_acc, sem);            \
   }
+#define CK_ATTN90_BWD_FQ_1(D, BQ, STK, QBK, PP, SUF)                       \
+  CK_ATTN90_BWD_FQ_2(D, BQ, STK, QBK, PP, false, , SUF, , 0)               \
+  CK_ATTN90_BWD_FQ_2(D, BQ, STK, QBK, PP, true, _sw, SUF, CK_COMMA int W, W)
 CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, true, )
 CK_ATTN90_BWD_FQ_1(64, 64, 4, 2, false, _serial)
 

@@ -4,11 +4,14 @@
 // Math, per batch b, query token t (position p_t = L - Tq + t, L = cache_len read from device memory) and query
 // head h (K/V head j = h / G, G = H / Hkv):
 //   s[t, h, n] = scale * <q[b, t, h], k[b, n, j]>   for keys n < L with n <= p_t and key_mask[b, n] != 0
+//                                                    and, with a sliding window W, p_t - n < W
 //   o[b, t, h] = sum_n softmax_n(s) v[b, n, j]       (no visible key: o = 0)
-// Split-KV: the key range [0, L) is cut into `splits` chunks; block (split, j, b) computes, for every row
+// Split-KV: the key range [lo, L) is cut into `splits` chunks (lo = 0, or with a window W the first key the
+// first query sees, max(0, L - Tq + 1 - W), computed on the device from L: rows before it are neither loaded nor
+// computed, so a 4096-key window over a 32768-row cache reads 4096 rows); block (split, j, b) computes, for every row
 // (t, h of group j), the partial max m, sum l = sum exp(s - m) and acc = sum exp(s - m) v over its chunk
 // (log2 units: exp2 with scale * log2(e) folded into one FMA), into an fp32 workspace. The LAST block of the
-// (b, j, row group) to finish -- found with an int counter per group at the end of the workspace (threadfence,
+// (b, j, row group) to finish -- found with an int counter per group at the start of the workspace (threadfence,
 // atomicAdd, the block that sees active - 1) -- then forms o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
 // with M = max_s m_s, reading the partials splits in order (deterministic: the arithmetic of the former
 // separate combine kernel, expression for expression, so reruns are bit-identical whichever block is last),
@@ -42,10 +45,14 @@
 //   * key_mask (any 1/2/4/8-byte integer or bool dtype, nonzero = keep, read in place): the block first turns
 //     its chunk's entries into bits in shared memory (<= 8192 + 128 keys per split, enforced by the launcher,
 //     1 KB), so the copy issue and the score mask read a bit, not global memory.
-//   * L comes from device memory (a captured decode step replays with the new length): the chunk length
-//     ceil(L / splits) rounded up to a stage is computed on the device; active = ceil(L / chunk) splits hold
-//     keys (1 when L = 0: split 0 then runs with no keys and the combine writes zeros); blocks of the other
-//     splits exit at once without touching the counter.
+//   * L comes from device memory (a captured decode step replays with the new length): the key range [lo, L),
+//     the chunk length ceil((L - lo) / splits) rounded up to a stage are computed on the device; active =
+//     ceil((L - lo) / chunk) splits hold keys (1 when L = lo: split 0 then runs with no keys and the combine
+//     writes zeros); blocks of the other splits exit at once without touching the counter. The launcher plans
+//     `splits` on the longest range a launch can see: max_len, or min(max_len, W + Tq - 1) with a window.
+//   * Sliding window (window = W, or INT_MAX for none: the launcher's "no window"): query t sees keys n with
+//     p_t - n < W. With Tq = 1 every key of [lo, L) is inside; with Tq > 1 keys below L - W (the last query's
+//     window start) are masked per row, on the warps whose keys reach below it (the causal test's twin).
 //   * splits == 1: the block normalises and writes o directly (no workspace, no counter).
 //   * PDL (common/pdl.cuh): pdl_wait() first -- the kernel before it (rope_kv_write) writes q and the cache,
 //     and the workspace / counters / o may still be read by the kernels before -- then pdl_trigger().
@@ -53,8 +60,11 @@
 //     token; it loads the length, key_mask, cos / sin and the cached K/V stages BEFORE pdl_wait (see "split
 //     kernels" below for why that is safe and the round-trip count).
 //
-// Workspace (splits > 1): acc [B, Hkv, splits, R, D] fp32, (m, l) [B, Hkv, splits, R, 2] fp32, then
-// counters int32 [B, Hkv * RG]. The counters must be zero before the first launch (decode_attention_workspace()
+// Workspace (splits > 1): counters int32 [B, Hkv * RG] FIRST (padded to a multiple of 4: 16-byte aligned
+// partials), then acc [B, Hkv, splits, R, D] fp32, (m, l) [B, Hkv, splits, R, 2] fp32. The counters sit at a
+// place that does not depend on `splits`, so launches of different split counts (a sliding-window layer plans
+// its splits on the window, a full layer on max_len) may take turns on one buffer: one launch's partials never
+// land on another's counters. The counters must be zero before the first launch (decode_attention_workspace()
 // returns them zeroed; the launcher zeroes a pool temporary) and are zero again after every launch. Two
 // launches in flight at once must not share a workspace.
 #include "common/entry.cuh"
@@ -177,6 +187,7 @@ struct DArgs {
   bf16* out;
   int Tq, H, Hkv, Lmax, splits, RG;
   float scale;
+  int window;                          // sliding window in keys; INT_MAX: none
   int direct;
 };
 
@@ -325,13 +336,17 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
   // The fused kernel's newest position: where rope_kv_write would have appended (none when the raw length is
   // outside [1, Lmax]: then it writes nothing and every key comes from the cache, as in the composition).
   const int newest = FUSED && Lraw >= 1 && Lraw <= a.Lmax ? Lraw - 1 : -1;
-  const int chunk = chunk_length(L, splits, STAGE);
-  const long long k0l = (long long)split * chunk;
+  // The first key any query sees: the first query (position L - Tq) sees back to L - Tq + 1 - W (64-bit: no
+  // window is W = INT_MAX). The splits share [lo, L).
+  const int lo = (int)max(0LL, (long long)L - Tq + 1 - a.window);
+  const int span = L - lo;
+  const int chunk = chunk_length(span, splits, STAGE);
+  const long long k0l = lo + (long long)split * chunk;
   const int k0 = (int)min(k0l, (long long)L);
   const int kend = (int)min(k0l + chunk, (long long)L);
-  // Splits that hold keys: ceil(L / chunk) (<= splits since chunk >= L / splits); with L == 0 split 0 still
-  // runs (no keys: m = -inf, l = 0) so that the combine writes the zeros.
-  const int active = chunk > 0 ? (L + chunk - 1) / chunk : 1;
+  // Splits that hold keys: ceil(span / chunk) (<= splits since chunk >= span / splits); with span == 0 split 0
+  // still runs (no keys: m = -inf, l = 0) so that the combine writes the zeros.
+  const int active = chunk > 0 ? (span + chunk - 1) / chunk : 1;
   if (!a.direct && split >= active) return;  // nothing of this split is in the cache: not counted, not combined
   const int ntiles = kend > k0 ? (kend - k0 + STAGE - 1) / STAGE : 0;
   const bool has_mask = a.mask != nullptr;
@@ -484,7 +499,8 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
   unsigned qf[D / 16][4];
   load_a_frags<D>(qf, Qs, rt * 16);
 
-  // This thread's two rows (g, g + 8 of the warp's row tile) and the last key each may see (causal).
+  // This thread's two rows (g, g + 8 of the warp's row tile) and the last key each may see (causal); a key n <=
+  // lim is inside the row's window when lim - n < W.
   const int rr0 = row0 + rt * 16 + g, rr1 = rr0 + 8;
   const int lim0 = L - Tq + rr0 / G, lim1 = L - Tq + rr1 / G;
   const int causal_from = L - Tq + 1;  // the first key some query cannot see
@@ -504,14 +520,18 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
       float s[BN / 8][4];
       zero(s);
       mma_abt<D, BN, LD>(s, qf, Ks + (st * STAGE + kg * BN) * LD);
-      if (has_mask || nb + BN > min(kend, causal_from)) {
+      // Per-key masking where some key of the warp may be dropped: the key mask, past kend or the diagonal, or
+      // (window, Tq > 1) below L - W, where some query's window starts (L - nb > W; never without a window).
+      // The fused kernel (Tq = 1) has no such key: [lo, L) is its one query's window (and the check cost
+      // dattn_rope_d64_m4 8 more bytes of spill on sm_80, ptxas 12.9).
+      if (has_mask || nb + BN > min(kend, causal_from) || (!FUSED && L - nb > a.window)) {
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int n = nb + nt * 8 + c2 + (e & 1);
             const int lim = (e >> 1) ? lim1 : lim0;
-            if (n >= kend || n > lim || !kept(n)) s[nt][e] = -CK_INF;
+            if (n >= kend || n > lim || (!FUSED && lim - n >= a.window) || !kept(n)) s[nt][e] = -CK_INF;
           }
         }
       }
@@ -551,6 +571,9 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
   __syncthreads();
 
   const long long nrow_total = (long long)gridDim.z * Hkv * splits * R;  // rows of the workspace
+  // The counters (one per (b, j, row group): gridDim.z * gridDim.y) come first, padded to 16 bytes.
+  int* const counters = reinterpret_cast<int*>(a.ws);
+  float* const part = a.ws + (((long long)gridDim.z * gridDim.y + 3) & ~3LL);
   for (int idx = threadIdx.x; idx < MTB * 16 * D; idx += NT) {
     const int r = idx / D, d = idx % D, rtile = r / 16, rl = r % 16, rr = row0 + r;
     if (rr >= R) continue;
@@ -571,10 +594,10 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
       a.out[(((long long)b * Tq + t) * H + h) * D + d] = from_f32<bf16>(Ls > 0.f ? A / Ls : 0.f);
     } else {
       const long long wr = (((long long)b * Hkv + j) * splits + split) * R + rr;
-      a.ws[wr * D + d] = A;
+      part[wr * D + d] = A;
       if (d == 0) {
-        a.ws[nrow_total * D + wr * 2] = M;
-        a.ws[nrow_total * D + wr * 2 + 1] = Ls;
+        part[nrow_total * D + wr * 2] = M;
+        part[nrow_total * D + wr * 2 + 1] = Ls;
       }
     }
   }
@@ -584,7 +607,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
   __shared__ int s_last;
   __threadfence();   // this thread's partials are visible device-wide before the block is counted
   __syncthreads();
-  int* cnt = reinterpret_cast<int*>(a.ws + nrow_total * (D + 2)) + (long long)b * gridDim.y + blockIdx.y;
+  int* cnt = counters + (long long)b * gridDim.y + blockIdx.y;
   if (threadIdx.x == 0) {
     const int seen = atomicAdd(cnt, 1);
     const int last = seen == active - 1;
@@ -596,7 +619,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
   }
   __syncthreads();
   if (!s_last) return;
-  combine_splits<D, MTB>(a.ws, a.out, nrow_total, b, j, Hkv, splits, R, row0, G, Tq, H, active);
+  combine_splits<D, MTB>(part, a.out, nrow_total, b, j, Hkv, splits, R, row0, G, Tq, H, active);
 }
 
 // ================================================================================================ entry points
@@ -608,7 +631,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
       const bf16* q, const bf16* k, const bf16* v, const int* len_ptr, int len_val, const unsigned char* mask,   \
       long long mask_b, int mask_esz, float* ws, bf16* out, long long qb, long long qt, long long qh,           \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int Tq, int H, int Hkv, \
-      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
+      int Lmax, int splits, int RG, float scale, int window, int direct) {                                      \
     DArgs a;                                                                                                    \
     a.q = q; a.qb = qb; a.qt = qt; a.qh = qh;                                                                   \
     a.qkv = nullptr; a.sb = 0; a.qkv_vec = 0;                                                                   \
@@ -618,7 +641,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
     a.kb = kb; a.kt = kt; a.kh = kh; a.vb = vb; a.vt = vt; a.vh = vh;                                           \
     a.len_ptr = len_ptr; a.len_val = len_val; a.mask = mask; a.mask_b = mask_b; a.mask_esz = mask_esz;          \
     a.ws = ws; a.out = out; a.Tq = Tq; a.H = H; a.Hkv = Hkv; a.Lmax = Lmax; a.splits = splits; a.RG = RG;       \
-    a.scale = scale; a.direct = direct;                                                                         \
+    a.scale = scale; a.window = window; a.direct = direct;                                                      \
     dattn<D, MTB, false>(a);                                                                                    \
   }
 #define DATTN_ROPE(D, MTB, MINB)                                                                                \
@@ -627,7 +650,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
       const float* cos_t, const float* sin_t, const void* positions, int pos_esz, int pos_mode, int Lc,          \
       int cs_vec, const unsigned char* mask, long long mask_b, int mask_esz, float* ws, bf16* out,              \
       long long kb, long long kt, long long kh, long long vb, long long vt, long long vh, int H, int Hkv,        \
-      int Lmax, int splits, int RG, float scale, int direct) {                                                  \
+      int Lmax, int splits, int RG, float scale, int window, int direct) {                                      \
     DArgs a;                                                                                                    \
     a.q = nullptr; a.qb = 0; a.qt = 0; a.qh = 0;                                                                \
     a.qkv = qkv; a.sb = sb; a.qkv_vec = qkv_vec;                                                                \
@@ -636,7 +659,7 @@ __device__ __forceinline__ void dattn(const DArgs& a) {
     a.k = k; a.v = v; a.kb = kb; a.kt = kt; a.kh = kh; a.vb = vb; a.vt = vt; a.vh = vh;                         \
     a.len_ptr = len_ptr; a.len_val = len_val; a.mask = mask; a.mask_b = mask_b; a.mask_esz = mask_esz;          \
     a.ws = ws; a.out = out; a.Tq = 1; a.H = H; a.Hkv = Hkv; a.Lmax = Lmax; a.splits = splits; a.RG = RG;        \
-    a.scale = scale; a.direct = direct;                                                                         \
+    a.scale = scale; a.window = window; a.direct = direct;                                                      \
     dattn<D, MTB, true>(a);                                                                                     \
   }
 DATTN_SPLIT(32, 1, 4)

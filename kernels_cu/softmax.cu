@@ -1,7 +1,8 @@
 // Softmax over the last axis, plain and attention-masked, forward and backward.
 //
 //   forward   z_j = fl(fl(x_j * scale) + add_j)    add_j: 0, -inf where a boolean keep-mask is False or where
-//                                                  causal masks key j, or an additive float mask value
+//                                                  causal (or its sliding window) masks key j, or an additive
+//                                                  float mask value
 //             m = max_j z_j      y_j = exp(z_j - m) / sum_k exp(z_k - m)
 //             a row with m = -inf (every key masked) is all zeros, never NaN.
 //   backward  dx_j = scale * y_j * (dy_j - sum_k dy_k * y_k)      (masked keys have y = 0, so dx = 0 there)
@@ -9,7 +10,9 @@
 // Plain softmax is the same kernel with scale 1, no mask, no causal. Attention rows: scores are
 // [batch, heads, q_len, k_len] flattened to rows of C = k_len; row r has query q = r % q_len and batch
 // b = r / (heads * q_len); key_mask is [batch, k_len]; causal keeps keys j <= q + (k_len - q_len), so the row
-// has nvalid = min(C, q + k_len - q_len + 1) live keys.
+// has nvalid = min(C, q + k_len - q_len + 1) live keys; a sliding window W (window > 0, causal only: Hugging
+// Face's kv_idx > q_idx - W) also drops keys j < lo = max(0, nvalid - W), so the live keys are [lo, nvalid),
+// at most W of them.
 //
 // Design (numbers for [4, 32, 1024, 1024] on an H200, copy ceiling ~4.2 TB/s):
 // - "reg" kernels keep the row in registers as fp32 z (at most 32 floats a thread), so x is read once and y
@@ -23,7 +26,9 @@
 //   after the sum, so the write is a multiply.
 // - Causal: packs entirely past nvalid are neither read nor exponentiated, only written as zeros; the pack
 //   that straddles nvalid is masked per element. Reads drop to ~(k_len + 1) / 2 per row at q_len = k_len:
-//   the op moves ~1.5 instead of 2 bytes of traffic per element.
+//   the op moves ~1.5 instead of 2 bytes of traffic per element. A window skips the packs entirely before lo
+//   the same way (and their key-mask bytes): a row reads ~W keys (W = 4096 at k_len = 32768: 1/8 of the row),
+//   every kernel below (reg, wide, loop, cluster) the same; the pack that straddles lo is masked per element.
 // - The key mask (one byte per key for bool, 4 or 2 bytes for additive) is loaded with the row (8-, 4- or
 //   16-byte loads when aligned); it is [batch, k_len], shared by heads x q_len rows, so it comes from L2.
 // - "wide" kernels (no key mask; plain softmax and unmasked / causal attention rows) take the rows past that:
@@ -92,18 +97,28 @@ __device__ __forceinline__ void load_add(const void* mask, long long col0, bool 
   }
 }
 
-// Per-row geometry: live keys and the offset of the row's batch in the mask.
+// Per-row geometry: the live keys [lo, nvalid) and the offset of the row's batch in the mask.
 struct RowGeo {
+  int lo;
   int nvalid;
   long long moff;
 };
 template <int MASK>
-__device__ __forceinline__ RowGeo row_geo(long long row, int C, int Q, long long HQ, bool causal) {
+__device__ __forceinline__ RowGeo row_geo(long long row, int C, int Q, long long HQ, bool causal, int window) {
   RowGeo g;
   g.nvalid = C;
-  if (causal) g.nvalid = (int)min((long long)C, row % Q + (long long)(C - Q) + 1);
+  g.lo = 0;
+  if (causal) {
+    g.nvalid = (int)min((long long)C, row % Q + (long long)(C - Q) + 1);
+    if (window > 0) g.lo = max(0, g.nvalid - window);  // (the launcher passes 0 for no window, and for W >= C)
+  }
   g.moff = MASK ? (row / HQ) * C : 0;
   return g;
+}
+
+// Key c of the row is live: lo <= c < nvalid, one unsigned compare (c - lo wraps past nvalid - lo when c < lo).
+__device__ __forceinline__ bool live(int c, const RowGeo& g) {
+  return (unsigned)(c - g.lo) < (unsigned)(g.nvalid - g.lo);
 }
 
 // z = fl(fl(x * scale) + add): never contracted to an FMA, so it matches the reference bit for bit.
@@ -114,35 +129,36 @@ __device__ __forceinline__ float make_z(float x, float scale, float add) {
 template <typename T, int MASK, int VPT, bool VEC>
 __device__ __forceinline__ void sm_fwd_reg(const T* __restrict__ x, const void* __restrict__ mask,
                                            T* __restrict__ y, long long rows, int C, int Q, long long HQ,
-                                           float scale, bool causal, bool mvec) {
+                                           float scale, bool causal, int window, bool mvec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[16 * 32];
   const int units = C / E;
   for (long long base = (long long)blockIdx.x * blockDim.y; base < rows; base += (long long)gridDim.x * blockDim.y) {
     const long long row = base + threadIdx.y;
     const bool ok = row < rows;
-    RowGeo g{0, 0};
-    if (ok) g = row_geo<MASK>(row, C, Q, HQ, causal);
-    const int uvalid = (g.nvalid + E - 1) / E;  // packs holding at least one live key (0 when !ok)
+    RowGeo g{0, 0, 0};
+    if (ok) g = row_geo<MASK>(row, C, Q, HQ, causal, window);
+    // Packs holding at least one live key: [ulo, uvalid) (empty when !ok).
+    const int ulo = g.lo / E, uvalid = (g.nvalid + E - 1) / E;
     const T* xr = x + row * C;
     Pack<T, E> raw[VPT];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
+      if (u >= ulo && u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
     }
     float z[VPT][E];
     float mx = -CK_INF;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < uvalid) {
+      if (u >= ulo && u < uvalid) {
         float add[E];
         load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
           float v = make_z(to_f32(raw[k].v[i]), scale, add[i]);
-          if (u * E + i >= g.nvalid) v = -CK_INF;  // causal: the pack that straddles the diagonal
+          if (!live(u * E + i, g)) v = -CK_INF;  // the packs that straddle the diagonal / the window start
           z[k][i] = v;
           mx = fmaxf(mx, v);
         }
@@ -156,7 +172,7 @@ __device__ __forceinline__ void sm_fwd_reg(const T* __restrict__ x, const void* 
       const int u = threadIdx.x + k * blockDim.x;
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        const float e = u < uvalid ? exp2f((z[k][i] - ms) * CK_LOG2E) : 0.f;
+        const float e = u >= ulo && u < uvalid ? exp2f((z[k][i] - ms) * CK_LOG2E) : 0.f;
         z[k][i] = e;
         s += e;
       }
@@ -192,30 +208,30 @@ __device__ __forceinline__ void sm_fwd_reg(const T* __restrict__ x, const void* 
 template <typename T, int MASK, int VPT, bool VEC>
 __device__ __forceinline__ void sm_fwd_wide(const T* __restrict__ x, const void* __restrict__ mask,
                                             T* __restrict__ y, long long rows, int C, int Q, long long HQ,
-                                            float scale, bool causal, bool mvec) {
+                                            float scale, bool causal, int window, bool mvec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[16 * 32];
   const int units = C / E;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {  // block-uniform: every thread reaches the barriers
-    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal);
-    const int uvalid = (g.nvalid + E - 1) / E;
+    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal, window);
+    const int ulo = g.lo / E, uvalid = (g.nvalid + E - 1) / E;
     const T* xr = x + row * C;
     Pack<T, E> raw[VPT];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {  // all VPT loads issued before any use: VPT x 16 B in flight a thread
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
+      if (u >= ulo && u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
     }
     float mx = -CK_INF;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < uvalid) {
+      if (u >= ulo && u < uvalid) {
         float add[E];
         load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
-          const float v = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+          const float v = live(u * E + i, g) ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
           mx = fmaxf(mx, v);
         }
       }
@@ -226,12 +242,12 @@ __device__ __forceinline__ void sm_fwd_wide(const T* __restrict__ x, const void*
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = threadIdx.x + k * blockDim.x;
-      if (u < uvalid) {
+      if (u >= ulo && u < uvalid) {
         float add[E];
         load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
-          const float z = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+          const float z = live(u * E + i, g) ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
           s += exp2f((z - ms) * CK_LOG2E);
         }
       }
@@ -244,17 +260,17 @@ __device__ __forceinline__ void sm_fwd_wide(const T* __restrict__ x, const void*
       const int u = threadIdx.x + k * blockDim.x;
       if (u < units) {
         Pack<T, E> o;
-        if (u < uvalid) {
+        if (u >= ulo && u < uvalid) {
           float add[E];
           load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
 #pragma unroll
           for (int i = 0; i < E; ++i) {
-            const float z = u * E + i < g.nvalid ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
+            const float z = live(u * E + i, g) ? make_z(to_f32(raw[k].v[i]), scale, add[i]) : -CK_INF;
             o.v[i] = from_f32<T>(exp2f((z - ms) * CK_LOG2E) * inv);
           }
         } else {
 #pragma unroll
-          for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(0.f);  // causal: packs past the diagonal, never read
+          for (int i = 0; i < E; ++i) o.v[i] = from_f32<T>(0.f);  // packs past the diagonal / before the window
         }
         store_pack<T, E>(yr + u * E, o);
       }
@@ -280,25 +296,25 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
 template <typename T, int MASK, bool VEC>
 __device__ __forceinline__ void sm_fwd_loop(const T* __restrict__ x, const void* __restrict__ mask,
                                             T* __restrict__ y, long long rows, int C, int Q, long long HQ,
-                                            float scale, bool causal, bool mvec) {
+                                            float scale, bool causal, int window, bool mvec) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float2 red[32];
   const int units = C / E;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal);
-    const int uvalid = (g.nvalid + E - 1) / E;
+    const RowGeo g = row_geo<MASK>(row, C, Q, HQ, causal, window);
+    const int ulo = g.lo / E, uvalid = (g.nvalid + E - 1) / E;
     const T* xr = x + row * C;
     float m = -CK_INF, s = 0.f;
 #pragma unroll 4
-    for (int u = threadIdx.x; u < uvalid; u += blockDim.x) {
+    for (int u = ulo + threadIdx.x; u < uvalid; u += blockDim.x) {  // window: from its first pack
       const Pack<T, E> v = load_pack<T, E>(xr + u * E);
       float add[E], z[E];
       load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
       float pm = -CK_INF;
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        z[i] = u * E + i < g.nvalid ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
+        z[i] = live(u * E + i, g) ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
         pm = fmaxf(pm, z[i]);
       }
       if (pm > m) {
@@ -323,13 +339,13 @@ __device__ __forceinline__ void sm_fwd_loop(const T* __restrict__ x, const void*
 #pragma unroll 4
     for (int u = threadIdx.x; u < units; u += blockDim.x) {
       Pack<T, E> o;
-      if (u < uvalid) {
+      if (u >= ulo && u < uvalid) {
         const Pack<T, E> v = load_pack<T, E>(xr + u * E);
         float add[E];
         load_add<MASK, E>(mask, g.moff + (long long)u * E, mvec, add);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
-          const float z = u * E + i < g.nvalid ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
+          const float z = live(u * E + i, g) ? make_z(to_f32(v.v[i]), scale, add[i]) : -CK_INF;
           o.v[i] = from_f32<T>(exp2f((z - ms) * CK_LOG2E) * inv);
         }
       } else {
@@ -549,7 +565,8 @@ __device__ __forceinline__ float cl_reduce_sum(float v, ClExchange<NC, float>& x
 // sends and expects the same exchanges (and every thread reaches the one barrier.cluster).
 template <typename T, int NC>
 __device__ __forceinline__ void sm_fwd_cluster(const T* __restrict__ x, T* __restrict__ y, long long rows, int C,
-                                               int Q, long long HQ, float scale, bool causal, int upc) {
+                                               int Q, long long HQ, float scale, bool causal, int window,
+                                               int upc) {
   constexpr int E = 16 / sizeof(T);
   constexpr int VPT = 32 / E;  // 32 fp32 values a thread: fp32 8 packs, bf16 4
   __shared__ ClExchange<NC, float2> xch;
@@ -561,8 +578,9 @@ __device__ __forceinline__ void sm_fwd_cluster(const T* __restrict__ x, T* __res
   const int u1 = min((int)(cl_rank() + 1) * upc, units);
   int it = 0;  // rows done: picks the slot and the mbarrier phase
   for (long long row = cl_id(); row < rows; row += cl_count()) {
-    const RowGeo g = row_geo<0>(row, C, Q, HQ, causal);
-    const int uvalid = min(u1, (g.nvalid + E - 1) / E);  // causal: packs past the diagonal are not read
+    const RowGeo g = row_geo<0>(row, C, Q, HQ, causal, window);
+    // Packs past the diagonal or before the window are not read (whole CTAs of the cluster may hold none).
+    const int ulo = g.lo / E, uvalid = min(u1, (g.nvalid + E - 1) / E);
     const T* xr = x + row * C;
     Pack<T, E> raw[VPT];
 #pragma unroll
@@ -571,20 +589,20 @@ __device__ __forceinline__ void sm_fwd_cluster(const T* __restrict__ x, T* __res
       // Zeroed first: a pack left undefined on the skipped path was carried over from the previous row in its
       // registers (ptxas spilled them across the loop, fp32).
       raw[k] = Pack<T, E>{};
-      if (u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
+      if (u >= ulo && u < uvalid) raw[k] = load_pack<T, E>(xr + u * E);
     }
-    // z = -inf past the slice or the diagonal (exp2f(-inf) = 0: written as zeros below).
+    // z = -inf past the slice, the diagonal or before the window (exp2f(-inf) = 0: written as zeros below).
     float z[VPT][E];
     float m = -CK_INF;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int u = u0 + 32 * k;
-      const int lim = u < uvalid ? g.nvalid - u * E : 0;  // live values of this pack: i < lim
+      const bool in = u >= ulo && u < uvalid;
       float f[E];
       unpack_f32<T, E>(raw[k], f);
 #pragma unroll
       for (int i = 0; i < E; ++i) {
-        z[k][i] = i < lim ? make_z(f[i], scale, 0.f) : -CK_INF;
+        z[k][i] = in && live(u * E + i, g) ? make_z(f[i], scale, 0.f) : -CK_INF;
         m = fmaxf(m, z[k][i]);
       }
     }
@@ -674,14 +692,14 @@ __device__ __forceinline__ void sm_bwd_cluster(const T* __restrict__ yv_, const 
 #define SM_FWD(T, TN, MASK, MN, VPT, VEC, VS)                                                                   \
   CK_ENTRY(__launch_bounds__(SM_LB(T, VPT, VEC)),                                                              \
       sm_fwd_##TN##_##MN##_##VPT##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
-                                     long long HQ, float scale, bool causal, bool mvec) {                      \
-    sm_fwd_reg<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                            \
+                                     long long HQ, float scale, bool causal, int window, bool mvec) {          \
+    sm_fwd_reg<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, window, mvec);                    \
   }
 #define SM_FWD_LOOP(T, TN, MASK, MN, VEC, VS)                                                                   \
   CK_ENTRY(__launch_bounds__(512),                                                                             \
       sm_fwd_loop_##TN##_##MN##_##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
-                                     long long HQ, float scale, bool causal, bool mvec) {                      \
-    sm_fwd_loop<T, MASK, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                                \
+                                     long long HQ, float scale, bool causal, int window, bool mvec) {          \
+    sm_fwd_loop<T, MASK, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, window, mvec);                        \
   }
 // Wide kernels, no key mask only: 16-byte packs VPT 8 (32 registers of row), element path VPT 16 (16 single
 // values), <= 64 registers (__launch_bounds__(1024, 1)). With a mask, re-loading it in passes 2 and 3 pushed
@@ -689,8 +707,8 @@ __device__ __forceinline__ void sm_bwd_cluster(const T* __restrict__ yv_, const 
 #define SM_FWD_WIDE(T, TN, MASK, MN, VPT, VEC, VS)                                                              \
   CK_ENTRY(__launch_bounds__(1024, 1),                                                                         \
       sm_fwd_wide_##TN##_##MN##_##VS)(const T* x, const void* mask, T* y, long long rows, int C, int Q,         \
-                                     long long HQ, float scale, bool causal, bool mvec) {                      \
-    sm_fwd_wide<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, mvec);                           \
+                                     long long HQ, float scale, bool causal, int window, bool mvec) {          \
+    sm_fwd_wide<T, MASK, VPT, VEC>(x, mask, y, rows, C, Q, HQ, scale, causal, window, mvec);                   \
   }
 // z is cached as VPT * E floats: at most 32 (bf16 packs of 8 up to VPT 4; fp32 packs of 4 stop at VPT 4 too,
 // because the launcher only reaches VPT 8 at 1024 threads per row, where 16 floats is the limit).
@@ -734,15 +752,15 @@ SM_BWD_ALL(bf16, bf16)
 // Cluster kernels (sm_90+ only: no entry point on sm_80, where the launcher never asks for one; __cluster_dims__
 // stands before `void` so _loader's entry-point pattern, which every arch's PTX must match, skips them). Names:
 // sm_fwd_cluster<NC>_<dtype>_none_v, sm_bwd_cluster<NC>_<dtype>_v; 16-byte packs only, no key mask. ptxas sm_90
-// (NVRTC 12.9; ptxas 13.0 the same), no spills: forward fp32 63 / 61 / 62 registers (NC 2 / 4 / 8), bf16 55 / 64 /
-// 63; backward 56 throughout. Shared memory 0.5-4 KB (the exchange slots), so registers set the occupancy: 2 CTAs
-// of 512 threads a SM.
+// (NVRTC 12.9), no spills: forward fp32 56 / 60 / 62 registers (NC 2 / 4 / 8; 63 / 61 / 62 before the sliding
+// window), bf16 55 / 64 / 63; backward 56 throughout. Shared memory 0.5-4 KB (the exchange slots), so registers set
+// the occupancy: 2 CTAs of 512 threads a SM.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SM_FWD_CLUSTER(T, TN, NC)                                                                               \
   CK_ENTRY(__cluster_dims__(NC, 1, 1) __launch_bounds__(1024, 1),                                              \
       sm_fwd_cluster##NC##_##TN##_none_v)(const T* x, T* y, long long rows, int C, int Q, long long HQ,         \
-                                         float scale, bool causal, int upc) {                                  \
-    sm_fwd_cluster<T, NC>(x, y, rows, C, Q, HQ, scale, causal, upc);                                           \
+                                         float scale, bool causal, int window, int upc) {                      \
+    sm_fwd_cluster<T, NC>(x, y, rows, C, Q, HQ, scale, causal, window, upc);                                   \
   }
 #define SM_BWD_CLUSTER(T, TN, NC)                                                                               \
   CK_ENTRY(__cluster_dims__(NC, 1, 1) __launch_bounds__(1024, 1),                                              \

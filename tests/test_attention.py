@@ -16,9 +16,10 @@ def qkv(rng, Bsz, Tq, Tk, H, Hkv, D, scale=1.0):
     return f(Bsz, Tq, H, D), f(Bsz, Tk, Hkv, D), f(Bsz, Tk, Hkv, D)
 
 
-def f64_attention(q, k, v, causal, scale, key_mask=None):
+def f64_attention(q, k, v, causal, scale, key_mask=None, window=None):
     """Per (batch, head) loops in float64: o and lse, written independently of the reference. Each query's
-    visible keys are listed explicitly (causal rule, then the padding mask); none visible: o = 0, lse = -inf."""
+    visible keys are listed explicitly (causal rule, the sliding window, then the padding mask); none visible:
+    o = 0, lse = -inf."""
     Bsz, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     o = np.zeros((Bsz, Tq, H, D))
@@ -30,6 +31,8 @@ def f64_attention(q, k, v, causal, scale, key_mask=None):
                 n = np.arange(Tk)
                 if causal:
                     n = n[n <= i + Tk - Tq]
+                if window is not None:  # Hugging Face's sliding_window_overlay: kv_idx > q_idx - window
+                    n = n[n > i + Tk - Tq - window]
                 if key_mask is not None:
                     n = n[np.asarray(key_mask)[b, n] != 0]
                 if n.size == 0:
@@ -268,6 +271,208 @@ def test_key_mask_scale_causal_validation():
     for bad in (1, None, "yes", np.array(True)):
         with pytest.raises(TypeError, match="causal: expected True or False"):
             ck.flash_attention(q, k, v, causal=bad)
+
+
+# ------------------------------------------------------------------------------------------ sliding window
+WINDOW_CASES = [  # (B, Tq, Tk, H, Hkv, D, window)
+    (2, 16, 16, 4, 2, 32, 1),     # each query sees itself only
+    (1, 9, 9, 2, 1, 64, 3),
+    (1, 7, 12, 2, 2, 64, 4),      # Tq < Tk: positions i + 5
+    (1, 12, 5, 2, 1, 64, 2),      # Tq > Tk: the first rows see no key
+    (2, 20, 20, 8, 2, 128, 7),    # GQA 4
+    (1, 10, 10, 2, 2, 64, 10),    # W = Tk: no window
+    (1, 6, 9, 2, 1, 32, 50),      # W > Tk
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+@pytest.mark.parametrize("kind", [None, "left", "holes"])
+def test_reference_window_matches_f64(rng, case, kind):
+    """The sliding window (alone and with a key mask) against per-row float64 loops over each query's explicit key
+    list; a query that sees no key (Tq > Tk, or only padding in its window) gets o = 0, lse = -inf."""
+    Bsz, Tq, Tk, H, Hkv, D, W = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    m = None if kind is None else make_key_mask(rng, kind, Bsz, Tk)
+    o, lse = ck.flash_attention(q, k, v, causal=True, key_mask=m, window=W, return_lse=True)
+    o64, lse64 = f64_attention(q, k, v, True, 1 / math.sqrt(D), key_mask=m, window=W)
+    close(o, o64, 1e-2, "o")
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse64))
+    fin = np.isfinite(lse64)
+    np.testing.assert_allclose(lse[fin], lse64[fin], rtol=1e-5, atol=1e-5)
+    assert (o.astype(np.float32)[~fin.transpose(0, 2, 1)] == 0).all()
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_reference_window_backward_matches_finite_differences(rng, case):
+    """Central differences of the float64 forward with the window against the reference backward."""
+    Bsz, Tq, Tk, H, Hkv, D, W = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    scale = 1 / math.sqrt(D)
+    o, lse = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    w = rng.standard_normal(o.shape).astype(np.float32).astype(BF16)
+    dq, dk, dv = ck.flash_attention_backward(w, q, k, v, o, lse, window=W)
+    for name, arr, got in (("q", q, dq), ("k", k, dk), ("v", v, dv)):
+        x64 = arr.astype(np.float64)
+        idx = list(np.ndindex(arr.shape))
+        for ix in [idx[i] for i in rng.choice(len(idx), size=min(12, len(idx)), replace=False)]:
+            vals = []
+            for sgn in (1, -1):
+                xs = {"q": q.astype(np.float64), "k": k.astype(np.float64), "v": v.astype(np.float64)}
+                xs[name] = x64.copy()
+                xs[name][ix] += sgn * 1e-4
+                oo, _ = f64_attention(xs["q"], xs["k"], xs["v"], True, scale, window=W)
+                vals.append((oo * w.astype(np.float64)).sum())
+            num = (vals[0] - vals[1]) / 2e-4
+            assert abs(float(got[ix]) - num) <= 2e-2 * (1 + abs(num)), (name, ix, float(got[ix]), num)
+
+
+def test_reference_window_one_is_v_of_the_own_position(rng):
+    """W = 1: query i sees key i + Tk - Tq only, so o is that row of v (rounded to bf16: exact) and dv its dO."""
+    q, k, v = qkv(rng, 2, 5, 8, 4, 2, 64)
+    o, lse = ck.flash_attention(q, k, v, window=1, return_lse=True)
+    want = np.repeat(v[:, 3:], 2, axis=2)  # heads 2j, 2j + 1 read K/V head j
+    np.testing.assert_array_equal(o.view(np.uint16), want.view(np.uint16))
+    w = qkv(rng, 2, 5, 8, 4, 2, 64)[0]
+    dq, dk, dv = ck.flash_attention_backward(w, q, k, v, o, lse, window=1)
+    for g in (dq, dk):  # P = 1: dS = dP - delta = <dO, v> - <dO, o> = 0 up to the two sums' rounding
+        np.testing.assert_allclose(g.astype(np.float32), 0, atol=1e-4)
+    np.testing.assert_allclose(dv[:, 3:].astype(np.float32),
+                               w.astype(np.float32).reshape(2, 5, 2, 2, 64).sum(3), rtol=1e-2, atol=1e-2)
+    assert (dv[:, :3].astype(np.float32) == 0).all()  # keys no query sees
+
+
+@pytest.mark.parametrize("W", [13, 14, 2**31 - 1, np.int64(20)])
+def test_reference_window_at_least_seq_k_is_no_window(rng, W):
+    """W >= seq_k hides nothing: o, lse and the gradients equal the no-window call bit for bit."""
+    q, k, v = qkv(rng, 2, 9, 13, 4, 2, 64)
+    w = qkv(rng, 2, 9, 13, 4, 2, 64)[0]
+    o0, l0 = ck.flash_attention(q, k, v, return_lse=True)
+    o1, l1 = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    np.testing.assert_array_equal(o1.view(np.uint16), o0.view(np.uint16))
+    np.testing.assert_array_equal(l1, l0)
+    for a, b in zip(ck.flash_attention_backward(w, q, k, v, o0, l0),
+                    ck.flash_attention_backward(w, q, k, v, o0, l0, window=W)):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_window_validation():
+    rng = np.random.default_rng(2)
+    q, k, v = qkv(rng, 1, 4, 6, 2, 1, 64)
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    calls = (lambda **kw: ck.flash_attention(q, k, v, **kw),
+             lambda **kw: ck.flash_attention_backward(o, q, k, v, o, lse, **kw))
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^window: a sliding window .* needs causal=True"):
+            call(causal=False, window=3)
+        with pytest.raises(ValueError, match=r"^window: a sliding window"):  # refused even where it hides nothing
+            call(causal=False, window=100)
+        for bad in (True, np.bool_(False), 2.0, "3", [3], np.array(3.5)):
+            with pytest.raises(TypeError, match=r"^window: expected an integer >= 1 .* or None"):
+                call(window=bad)
+        for bad in (0, -1, np.int32(-5)):
+            with pytest.raises(ValueError, match=r"^window: expected an integer >= 1"):
+                call(window=bad)
+        with pytest.raises(ValueError, match=r"^window: expected an integer <= 2147483647"):
+            call(window=2**40)
+        call(window=np.int32(2))
+        call(window=None, causal=False)
+
+
+# The sliding window's tile ranges in kernels_cu/attention.cu, modelled (CPU; the GPU tests run the kernels): fwd /
+# dq start the key loop at tile window_first(q0) / BN, dkdv ends the query loop after the last query tile that sees
+# the block's last key; a tile skips the element mask only when every pair in it is visible.
+CU = __import__("pathlib").Path(__file__).resolve().parent.parent / "kernels_cu" / "attention.cu"
+
+
+def _visible(i, n, Tq, Tk, W):
+    off = Tk - Tq
+    return (i < Tq) & (n < Tk) & (n <= i + off) & (i + off - n < W)
+
+
+def _check_fwd_model(Tq, Tk, BN, W):
+    """attn_fwd / attn_bwd_dq with SW: blocks of 64 query rows (warps of 16), key tiles of BN."""
+    off = Tk - Tq
+    for q0 in range(0, Tq, 64):
+        kend = min(Tk, q0 + 64 + off)
+        nkb = -(-kend // BN) if kend > 0 else 0
+        jb0 = min(nkb, max(0, q0 + off - W + 1) // BN)
+        rows = np.arange(q0, min(q0 + 64, Tq))
+        for i in rows:  # coverage: every visible key lies in the loop's tiles
+            n = np.arange(Tk)[_visible(i, np.arange(Tk), Tq, Tk, W)]
+            assert n.size == 0 or (n.min() >= jb0 * BN and n.max() < nkb * BN), (Tq, Tk, BN, W, i)
+        for jb in range(jb0, nkb):
+            n0 = jb * BN
+            for w in range(4):
+                r0 = q0 + 16 * w
+                masked = n0 + BN > Tk or n0 + BN - 1 > r0 + off or r0 + 15 + off - n0 >= W
+                i = np.arange(r0, min(r0 + 16, Tq))[:, None]
+                if not masked and i.size:  # unmasked: every pair of real rows must be visible
+                    assert _visible(i, np.arange(n0, n0 + BN)[None, :], Tq, Tk, W).all(), (Tq, Tk, BN, W, r0, n0)
+
+
+def _check_dkdv_model(Tq, Tk, BQ, W):
+    """attn_bwd_dkdv with SW: blocks of 64 keys (warps of 16), query tiles of BQ (queries >= Tq have p = 0 and keys
+    >= Tk are never stored, so only real pairs count)."""
+    off, nqb = Tk - Tq, -(-Tq // BQ)
+    for k0 in range(0, Tk, 64):
+        qstart = max(0, k0 - off) // BQ
+        qend = min(nqb, (max(-1, min(k0 + 64, Tk) - 1 - off + W - 1) + BQ) // BQ)
+        for n in range(k0, min(k0 + 64, Tk)):
+            i = np.arange(Tq)[_visible(np.arange(Tq), n, Tq, Tk, W)]
+            assert i.size == 0 or (i.min() // BQ >= qstart and i.max() // BQ < qend), (Tq, Tk, BQ, W, n)
+        for qi in range(qstart, qend):
+            r = qi * BQ
+            for w in range(4):
+                kw = k0 + 16 * w
+                masked = r + off < kw + 15 or r + BQ - 1 + off - kw >= W
+                n = np.arange(kw, min(kw + 16, Tk))[:, None]
+                if not masked and n.size:
+                    assert _visible(np.arange(r, min(r + BQ, Tq))[None, :], n, Tq, Tk, W).all(), (Tq, Tk, W, kw, r)
+
+
+@pytest.mark.parametrize("Tq,Tk", [(1, 1), (130, 130), (200, 200), (70, 190), (190, 70), (333, 333)])
+def test_window_tile_ranges_cover_every_visible_pair(Tq, Tk):
+    """Model of attention.cu's sliding-window loops for every head_dim's tiles (TILES) and windows below, across and
+    above the tile sizes: each visible pair is in a computed tile, and a tile left unmasked holds visible pairs only."""
+    from cukernels.ops.attention import TILES
+
+    src = CU.read_text()
+    assert "const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;" in src
+    assert "if (SW) qend = min(qend, (window_last_query(min(k0 + BM, Tk) - 1, off, W) + BQ) / BQ);" in src
+    assert "const bool cut = SW && window_cuts(q0 + warp * 16 + 15, n0, off, W);" in src
+    assert "(SW && window_cuts(r + BQ - 1, k0 + warp * 16, off, W))" in src
+    for W in sorted({1, 5, 31, 32, 33, 64, 65, 100, 129, max(1, Tk - 1)}):
+        if W >= Tk:
+            continue
+        for bn_fwd, bn_dq, bq in TILES.values():
+            _check_fwd_model(Tq, Tk, bn_fwd, W)
+            _check_fwd_model(Tq, Tk, bn_dq, W)
+            _check_dkdv_model(Tq, Tk, bq, W)
+
+
+def test_functional_window_reaches_forward_and_backward(rng):
+    """F.flash_attention / F.flash_attention_packed pass ``window`` to the forward and the backward: outputs and
+    gradients equal the ops' windowed calls (NumPy path)."""
+    from cukernels import functional as F
+    from cukernels.autograd import Tensor
+
+    Bsz, T, H, Hkv, D, W = 2, 11, 4, 2, 32, 3
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    g = qkv(rng, Bsz, T, T, H, Hkv, D)[0]
+    o, lse = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    ref = ck.flash_attention_backward(g, q, k, v, o, lse, window=W)
+    ts = [Tensor(x.copy(), requires_grad=True) for x in (q, k, v)]
+    out = F.flash_attention(*ts, window=W)
+    np.testing.assert_array_equal(out.data.view(np.uint16), o.view(np.uint16))
+    out.backward(g)
+    for t, r in zip(ts, ref):
+        np.testing.assert_array_equal(t.grad.astype(np.float32), r.astype(np.float32))
+    qkv_ = Tensor(np.concatenate([q, k, v], axis=2), requires_grad=True)
+    out = F.flash_attention_packed(qkv_, H, Hkv, window=W)
+    np.testing.assert_array_equal(out.data.view(np.uint16), o.view(np.uint16))
+    out.backward(g)
+    for got, r in zip((qkv_.grad[:, :, :H], qkv_.grad[:, :, H:H + Hkv], qkv_.grad[:, :, H + Hkv:]), ref):
+        np.testing.assert_array_equal(got.astype(np.float32), r.astype(np.float32))
 
 
 # ================================================================================================ GPU
@@ -693,3 +898,172 @@ def test_gpu_padded_batch_matches_each_sequence_alone(rng, D):
     assert np.isfinite(oh.astype(np.float32)).all()
     for x in (gqh, gkh, gvh):
         assert np.isfinite(x.astype(np.float32)).all()
+
+
+# ------------------------------------------------------------------------------------------ GPU: sliding window
+GPU_WINDOW_CASES = [  # (B, Tq, Tk, H, Hkv, D, window, key-mask kind or None)
+    (2, 1, 1, 2, 1, 64, 1, None),           # (W >= Tk: the plain kernels)
+    (2, 127, 127, 4, 2, 64, 1, None),       # each query sees itself only
+    (2, 127, 127, 4, 2, 32, 17, None),      # W below a tile
+    (1, 300, 300, 4, 1, 128, 100, None),    # W not a multiple of the tiles
+    (2, 1000, 1000, 4, 2, 64, 300, None),   # W across several tiles
+    (1, 1000, 1000, 2, 2, 128, 129, None),
+    (1, 257, 257, 8, 2, 64, 64, None),      # W = a whole tile
+    (1, 130, 700, 8, 2, 64, 200, None),     # Tq < Tk
+    (1, 300, 130, 4, 2, 64, 50, None),      # Tq > Tk: the first 170 rows see no key
+    (1, 4097, 4097, 2, 1, 64, 1000, None),  # long rows: most key tiles skipped
+    (1, 4097, 4097, 2, 1, 128, 4096, None),  # the last query alone loses key 0
+    (3, 200, 200, 4, 2, 64, 40, "left"),    # with a key mask: the *_km_sw kernels
+    (3, 1000, 1000, 4, 1, 128, 250, "left"),
+    (3, 127, 127, 2, 2, 32, 9, "holes"),
+    (2, 300, 300, 4, 4, 64, 70, "rowmasked"),
+    (3, 333, 500, 2, 1, 64, 64, "left64"),   # padding of whole tiles, Tq < Tk
+    (2, 77, 77, 4, 2, 128, 3, "right"),
+]
+
+
+@pytest.fixture(params=["dispatch", "mma"])
+def backend(request, monkeypatch):
+    """"dispatch": ck.flash_attention's own choice (the wgmma kernels on Hopper without a key mask); "mma": the
+    mma.sync kernels everywhere (ck.settings.attention_wgmma off)."""
+    if request.param == "mma":
+        monkeypatch.setattr(ck.settings, "attention_wgmma", False)
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_WINDOW_CASES,
+                         ids=lambda c: "B%dTq%dTk%dH%d/%dD%dW%d%s" % (*c[:7], "" if c[7] is None else c[7]))
+def test_gpu_window_matches_reference(rng, backend, case):
+    """Kernels vs reference under a sliding window (with a key mask too): o into a poisoned out=, the lse (its -inf
+    pattern exactly), dq / dk / dv into poisoned pool blocks; exact zeros where nothing is seen or nothing sees."""
+    Bsz, Tq, Tk, H, Hkv, D, W, kind = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0]
+    m = None if kind is None else make_key_mask(rng, kind, Bsz, Tk)
+    ro, rl = ck.flash_attention(q, k, v, key_mask=m, window=W, return_lse=True)
+    Q, K, V = _dev(q, k, v)
+    M = None if m is None else cp().asarray(m)
+    out = cp().full(q.shape, np.nan, dtype=BF16)
+    _poison_pool(((Bsz, H, Tq), np.float32))
+    o, lse = ck.flash_attention(Q, K, V, key_mask=M, window=W, out=out, return_lse=True)
+    assert o is out
+    close(o, ro, 2e-2, "o")
+    lh = to_host(lse)
+    np.testing.assert_array_equal(np.isneginf(lh), np.isneginf(rl))
+    fin = np.isfinite(rl)
+    np.testing.assert_allclose(lh[fin], rl[fin], rtol=1e-4, atol=1e-4)
+    dead = ~fin.transpose(0, 2, 1)
+    assert (to_host(o).astype(np.float32)[dead] == 0).all()
+    rq, rk, rv = ck.flash_attention_backward(w, q, k, v, ro, rl, key_mask=m, window=W)
+    _poison_pool((q.shape, BF16), (k.shape, BF16), (k.shape, BF16), ((Bsz, H, Tq), np.float32))
+    gq, gk, gv = ck.flash_attention_backward(cp().asarray(w), Q, K, V, cp().asarray(ro), cp().asarray(rl),
+                                             key_mask=M, window=W)
+    close(gq, rq, 3e-2, "dq")
+    close(gk, rk, 3e-2, "dk")
+    close(gv, rv, 3e-2, "dv")
+    assert (to_host(gq).astype(np.float32)[dead] == 0).all()
+    # keys no query sees (padding, or Tq < Tk: keys behind every query's window): dk = dv = 0 exactly
+    seen = np.zeros((Bsz, Tk), bool)
+    off = Tk - Tq
+    for b in range(Bsz):
+        for i in range(Tq):
+            lo, hi = max(0, i + off - W + 1), i + off
+            if hi >= 0:
+                seen[b, lo:hi + 1] = True
+    if m is not None:
+        seen &= m
+    assert (to_host(gk).astype(np.float32)[~seen] == 0).all()
+    assert (to_host(gv).astype(np.float32)[~seen] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 200, 200, 4, 2, 64), (1, 300, 130, 4, 1, 128), (2, 100, 260, 4, 4, 32)])
+def test_gpu_window_at_least_seq_k_is_no_window_bit_for_bit(rng, backend, shape):
+    Bsz, Tq, Tk, H, Hkv, D = shape
+    Q, K, V, G = _dev(*qkv(rng, Bsz, Tq, Tk, H, Hkv, D), qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0])
+    o0, l0 = ck.flash_attention(Q, K, V, return_lse=True)
+    g0 = ck.flash_attention_backward(G, Q, K, V, o0, l0)
+    for W in (Tk, Tk + 7):
+        o1, l1 = ck.flash_attention(Q, K, V, window=W, return_lse=True)
+        np.testing.assert_array_equal(to_host(o1).view(np.uint16), to_host(o0).view(np.uint16))
+        np.testing.assert_array_equal(to_host(l1), to_host(l0))
+        for a, b in zip(ck.flash_attention_backward(G, Q, K, V, o0, l0, window=W), g0):
+            np.testing.assert_array_equal(to_host(a).view(np.uint16), to_host(b).view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 700, 700, 4, 2, 64, 300), (1, 600, 900, 4, 1, 128, 500),
+                                   (2, 500, 500, 4, 4, 32, 260), (1, 1000, 1000, 8, 2, 64, 700)])
+def test_gpu_window_leaves_what_it_does_not_hide_bit_identical(rng, backend, shape):
+    """The windowed kernels do the plain kernels' arithmetic wherever the window hides nothing: the queries whose
+    whole causal range fits in the window (i + Tk - Tq < W: o, lse and dq) and the keys of every 128-key block from
+    Tk - W on (no query loses them: dk, dv) equal the no-window call bit for bit (same tiles, same order)."""
+    Bsz, Tq, Tk, H, Hkv, D, W = shape
+    Q, K, V, G = _dev(*qkv(rng, Bsz, Tq, Tk, H, Hkv, D), qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0])
+    o0, l0 = ck.flash_attention(Q, K, V, return_lse=True)
+    o1, l1 = ck.flash_attention(Q, K, V, window=W, return_lse=True)
+    rows = slice(0, W - (Tk - Tq))  # queries i with i + Tk - Tq < W
+    np.testing.assert_array_equal(to_host(o1)[:, rows].view(np.uint16), to_host(o0)[:, rows].view(np.uint16))
+    np.testing.assert_array_equal(to_host(l1)[:, :, rows], to_host(l0)[:, :, rows])
+    assert not np.array_equal(to_host(o1).view(np.uint16), to_host(o0).view(np.uint16))  # (the window does act)
+    a = [to_host(x) for x in ck.flash_attention_backward(G, Q, K, V, o0, l0, window=W)]
+    b = [to_host(x) for x in ck.flash_attention_backward(G, Q, K, V, o0, l0)]
+    np.testing.assert_array_equal(a[0][:, rows].view(np.uint16), b[0][:, rows].view(np.uint16))
+    keys = slice(-(-(Tk - W) // 128) * 128, Tk)
+    for x, y, n in zip(a[1:], b[1:], ("dk", "dv")):
+        np.testing.assert_array_equal(x[:, keys].view(np.uint16), y[:, keys].view(np.uint16), err_msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 32])
+def test_gpu_window_strided_views_packed_grads_and_rope(rng, backend, D):
+    """q, k, v as head slices of one fused projection, dO a transposed view, the gradients into the head slices of one
+    packed dqkv (poisoned), and the rope's backward fused into the store (sm_90) or applied after: against the
+    reference with the window."""
+    Bsz, T, H, Hkv, W = 2, 333, 4, 2, 90
+    qkv_ = rng.standard_normal((Bsz, T, H + 2 * Hkv, D)).astype(np.float32).astype(BF16)
+    hq, hk, hv = qkv_[:, :, :H], qkv_[:, :, H:H + Hkv], qkv_[:, :, H + Hkv:]
+    do = np.ascontiguousarray(rng.standard_normal((Bsz, H, T, D)).astype(np.float32).astype(BF16))
+    ro, rl = ck.flash_attention(hq, hk, hv, window=W, return_lse=True)
+    ref = ck.flash_attention_backward(do.transpose(0, 2, 1, 3), hq, hk, hv, ro, rl, window=W)
+    G = cp().asarray(qkv_)
+    q, k, v = G[:, :, :H], G[:, :, H:H + Hkv], G[:, :, H + Hkv:]
+    dO = cp().asarray(do).transpose(0, 2, 1, 3)
+    o, lse = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    close(o, ro, 2e-2, "o")
+    dqkv = cp().full((Bsz, T, H + 2 * Hkv, D), np.nan, dtype=BF16)
+    outs = (dqkv[:, :, :H], dqkv[:, :, H:H + Hkv], dqkv[:, :, H + Hkv:])
+    got = ck.flash_attention_backward(dO, q, k, v, o, lse, window=W, grads_out=outs)
+    assert all(x is y for x, y in zip(got, outs))
+    for x, y, n in zip(got, ref, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n)
+    cos, sin = (cp().asarray(a) for a in ck.rope_cache(T, D, xp=np))
+    plain = ck.flash_attention_backward(dO, q, k, v, o, lse, window=W)
+    roped = ck.flash_attention_backward(dO, q, k, v, o, lse, window=W, rope=(cos, sin, None))
+    for g, r, n in zip(roped[:2], plain[:2], ("dq", "dk")):
+        want = to_host(ck.rope_backward(r, cos, sin)).astype(np.float32)
+        np.testing.assert_allclose(to_host(g).astype(np.float32), want, rtol=2 ** -7,
+                                   atol=np.abs(want).max() * 2 ** -7, err_msg=n)
+    assert np.array_equal(to_host(roped[2]).view(np.uint16), to_host(plain[2]).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_gpu_window_large_scores_and_determinism(rng, backend):
+    """Scores of +-1e3 under a window: no overflow, finite gradients; reruns bit-identical."""
+    Bsz, T, H, Hkv, D, W = 2, 700, 4, 2, 64, 150
+    q, k, v = qkv(rng, Bsz, T, T, H, Hkv, D)
+    q, k = (q.astype(np.float32) * 40).astype(BF16), (k.astype(np.float32) * 40).astype(BF16)
+    ro, rl = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    Q, K, V = _dev(q, k, v)
+    o1, l1 = ck.flash_attention(Q, K, V, window=W, return_lse=True)
+    o2, l2 = ck.flash_attention(Q, K, V, window=W, return_lse=True)
+    close(o1, ro, 2e-2, "o")
+    np.testing.assert_array_equal(to_host(o1).view(np.uint16), to_host(o2).view(np.uint16))
+    np.testing.assert_array_equal(to_host(l1), to_host(l2))
+    do = cp().asarray(qkv(rng, Bsz, T, T, H, Hkv, D)[0])
+    a = ck.flash_attention_backward(do, Q, K, V, o1, l1, window=W)
+    b = ck.flash_attention_backward(do, Q, K, V, o1, l1, window=W)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(to_host(x).view(np.uint16), to_host(y).view(np.uint16))
+        assert np.isfinite(to_host(x).astype(np.float32)).all()

@@ -282,19 +282,29 @@ def test_config_mirrors_the_kernel_instantiations():
     assert WG * int(p3["PRODUCER_REGS3"]) + 3 * WG * int(p3["CONSUMER_REGS3"]) <= 65536
 
 
-def dkdv_iters(fused, G, nq, qstart, nqb):
-    """Kernel: dkdv_iter<FQ> over a work tile's G * nq iterations -> [(query head in the group, query tile)]."""
+def dkdv_iters(fused, G, nq, qstart, qend):
+    """Kernel: dkdv_iter<FQ> over a work tile's G * nq iterations -> [(query head in the group, query tile)]; qend is
+    one past the last query tile (nqb, or QueryTiles::end under a sliding window)."""
     if fused:
-        return [(it % G, nqb - 1 - it // G) for it in range(G * nq)]
+        return [(it % G, qend - 1 - it // G) for it in range(G * nq)]
     return [(it // nq, qstart + it % nq) for it in range(G * nq)]
 
 
-def simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid):
+def query_tiles(k0, Tq, Tk, causal, bq, window=None, bm=128):
+    """Kernel query_tiles<SW>: (first, n, end) of the query tiles a dkdv work tile of keys from k0 walks."""
+    off, nqb = Tk - Tq, -(-Tq // bq)
+    first = max(0, int((k0 - off) / bq)) if causal else 0  # C's truncating division
+    end = nqb if window is None else min(nqb, (max(-1, min(k0 + bm, Tk) - 1 - off + window - 1) + bq) // bq)
+    return first, max(0, end - first), end
+
+
+def simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid, window=None):
     """Kernel model of attn_sm90_bwd_dkdvq's dQ semaphores: `grid` persistent CTAs walk the snake list of work tiles
-    (key tile j, K/V head, batch); every iteration of a work tile adds into dq_acc[b, h, query tile] once sem == j
-    (key tile 0 without waiting) and then publishes sem = j + 1 (the dQ writer warps: each round every CTA that is
-    not blocked moves one iteration; the writers' lag behind their consumers only delays). Returns the adds of each
-    (b, h, query tile) in order, and raises on a deadlock (a round where no CTA moved)."""
+    (key tile j, K/V head, batch); every iteration of a work tile adds into dq_acc[b, h, query tile] once sem == jr
+    (jr = j, or j minus the first key tile that sees the query tile under a sliding window; jr = 0 without waiting)
+    and then publishes sem = jr + 1 (the dQ writer warps: each round every CTA that is not blocked moves one
+    iteration; the writers' lag behind their consumers only delays). Returns the adds of each (b, h, query tile) in
+    order, and raises on a deadlock (a round where no CTA moved)."""
     BQ, BMK = 64, 128
     off, nkt, nqb, G = Tk - Tq, -(-Tk // BMK), -(-Tq // BQ), H // Hkv
     ntiles = nkt * Hkv * Bsz
@@ -313,10 +323,8 @@ def simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid):
         for t in tl:
             r, rest = divmod(t, per)
             hk, b = rest % Hkv, rest // Hkv
-            k0 = r * BMK
-            first = max(0, int((k0 - off) / BQ)) if causal else 0  # C's truncating division
-            nq = max(0, nqb - first)
-            its += [(r, b, hk * G + g, qi) for g, qi in dkdv_iters(True, G, nq, first, nqb)]
+            first, nq, end = query_tiles(r * BMK, Tq, Tk, causal, BQ, window)
+            its += [(r, b, hk * G + g, qi) for g, qi in dkdv_iters(True, G, nq, first, end)]
         work.append(its)
     sem, adds = {}, {}
     pos = [0] * grid
@@ -327,10 +335,11 @@ def simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, causal, grid):
                 continue
             j, b, h, qi = work[c][pos[c]]
             key = (b, h, qi)
-            if j > 0 and sem.get(key, 0) != j:
+            jr = j if window is None else j - max(0, qi * BQ + off - window + 1) // BMK
+            if jr > 0 and sem.get(key, 0) != jr:
                 continue
             adds.setdefault(key, []).append(j)
-            sem[key] = j + 1
+            sem[key] = jr + 1
             pos[c] += 1
             moved = True
         if not moved:
@@ -353,6 +362,29 @@ def test_fused_dq_semaphores_never_deadlock_and_add_in_key_order(case):
             for qi in range(-(-Tq // 64)):
                 last_key = min(Tk, qi * 64 + 64 + off) - 1 if causal else Tk - 1
                 want = list(range(min(nkt - 1, last_key // 128) + 1)) if last_key >= 0 else []
+                assert adds.get((b, h, qi), []) == want, (b, h, qi)
+
+
+@pytest.mark.parametrize("case", [(1, 1024, 1024, 4, 1, 132, 300), (2, 1000, 1000, 8, 2, 7, 129),
+                                  (1, 300, 700, 4, 2, 5, 64), (1, 700, 300, 4, 4, 2, 100), (3, 257, 257, 2, 1, 1, 1),
+                                  (2, 4096, 4096, 32, 8, 132, 1024), (1, 2000, 2000, 8, 2, 3, 1999)])
+def test_fused_dq_semaphores_under_a_window(case):
+    """Under a sliding window the key tiles that see a query tile are a contiguous run from the first one (not key
+    tile 0): each (b, h, query tile) gets one add from each key tile that has a visible pair with it (found here by
+    brute force over the elements), in ascending order, the first of them a copy (jr = 0), with no deadlock."""
+    Bsz, Tq, Tk, H, Hkv, grid, W = case
+    adds = simulate_fused_schedule(Bsz, Tq, Tk, H, Hkv, True, grid, window=W)
+    off, nkt = Tk - Tq, -(-Tk // 128)
+    for qi in range(-(-Tq // 64)):
+        i = np.arange(qi * 64, min(qi * 64 + 64, Tq))[:, None]
+        want = []
+        for j in range(nkt):
+            n = np.arange(j * 128, min(j * 128 + 128, Tk))[None, :]
+            if ((n <= i + off) & (i + off - n < W)).any():
+                want.append(j)
+        assert want == list(range(want[0], want[0] + len(want))) if want else True
+        for b in range(Bsz):
+            for h in range(H):
                 assert adds.get((b, h, qi), []) == want, (b, h, qi)
 
 
@@ -391,6 +423,84 @@ def test_fused_dq_shared_layouts_are_bijective_and_conflict_free():
                     words += [(r * 64 + slot * 2) % 32, (r * 64 + slot * 2 + 1) % 32]
                 assert max(words.count(w) for w in set(words)) == 2
     assert len(slots) == 64 * 32
+
+
+def _vis(i, n, Tq, Tk, W):
+    off = Tk - Tq
+    return (i < Tq) & (n < Tk) & (n <= i + off) & (i + off - n < W)
+
+
+def _check_rows_kernel(Tq, Tk, W, rows, BN, skip):
+    """attn_sm90_fwd (rows 128 or 192, BN 128) / attn_sm90_bwd_dq (rows 128, BN 64) with SW: key tiles [jb0, nkb) of a
+    work tile; a consumer warpgroup (64 rows) skips a tile (skip: the serial forward and dq) when it sees none of it,
+    a warp (16 rows) masks a tile unless every pair of its real rows is visible."""
+    off = Tk - Tq
+    for q0 in range(0, Tq, rows):
+        kend = min(Tk, q0 + rows + off)
+        nkb = -(-kend // BN) if kend > 0 else 0
+        jb0 = min(nkb, max(0, q0 + off - W + 1) // BN)
+        for cw in range(rows // 64):
+            rbase = q0 + 64 * cw
+            done = set()
+            for jb in range(jb0, nkb):
+                n0 = jb * BN
+                if skip and (n0 > rbase + 63 + off or rbase + off - (n0 + BN - 1) >= W):
+                    continue
+                done.update(range(n0, n0 + BN))
+                for w in range(4):
+                    r0 = rbase + 16 * w
+                    masked = n0 + BN > Tk or n0 + BN - 1 > r0 + off or r0 + 15 + off - n0 >= W
+                    i = np.arange(r0, min(r0 + 16, Tq))[:, None]
+                    if not masked and i.size:
+                        assert _vis(i, np.arange(n0, n0 + BN)[None, :], Tq, Tk, W).all(), (Tq, Tk, W, r0, n0)
+            for i in range(rbase, min(rbase + 64, Tq)):  # every visible key of every row was computed
+                n = np.arange(Tk)[_vis(i, np.arange(Tk), Tq, Tk, W)]
+                assert set(n.tolist()) <= done, (Tq, Tk, W, rows, BN, i)
+
+
+def _check_dkdv_kernel(Tq, Tk, W, BQ):
+    """attn_sm90_bwd_dkdv(q) with SW: work tiles of 128 keys (consumer warpgroups of 64, warps of 16), query tiles of
+    BQ from query_tiles; a warpgroup skips a query tile it has no visible pair with, a warp masks unless all pairs of
+    the tile (real queries and keys included) are visible."""
+    off = Tk - Tq
+    for k0 in range(0, Tk, 128):
+        first, nq, end = query_tiles(k0, Tq, Tk, True, BQ, W)
+        for cw in range(2):
+            kbase = k0 + 64 * cw
+            done = set()
+            for qi in range(first, first + nq):
+                qb0 = qi * BQ
+                if qb0 + BQ - 1 + off < kbase or qb0 + off - (kbase + 63) >= W:
+                    continue
+                done.update(range(qb0, qb0 + BQ))
+                for w in range(4):
+                    r0 = kbase + 16 * w
+                    masked = qb0 + BQ > Tq or r0 + 15 >= Tk or r0 + 15 > qb0 + off or qb0 + BQ - 1 + off - r0 >= W
+                    if not masked:
+                        assert _vis(np.arange(qb0, qb0 + BQ)[None, :], np.arange(r0, r0 + 16)[:, None], Tq, Tk,
+                                    W).all(), (Tq, Tk, W, r0, qb0)
+            for n in range(kbase, min(kbase + 64, Tk)):
+                i = np.arange(Tq)[_vis(np.arange(Tq), n, Tq, Tk, W)]
+                assert set(i.tolist()) <= done, (Tq, Tk, W, BQ, n)
+
+
+@pytest.mark.parametrize("Tq,Tk", [(130, 130), (300, 300), (200, 450), (450, 200), (1000, 1000)])
+def test_window_tile_ranges_cover_every_visible_pair(Tq, Tk):
+    """The sliding window's loops in attention_sm90.cu, modelled: fwd (128- and 192-row work tiles; the serial
+    loop's per-warpgroup skips and the pipelined loops without them), dq, dkdv / dkdvq (64- and 32-query tiles):
+    every visible pair is computed and a tile left unmasked holds visible pairs only."""
+    src = CU.read_text()
+    assert src.count("const int jb0 = SW ? min(nkb, window_first(q0, off, W) / BN) : 0;") == 4  # fwd, dq x 2 each
+    assert src.count("(SW && window_cuts(row0 + 15, n0, off, W))") == 2  # serial fwd, dq
+    assert "(SW && window_cuts(rbase, n0 + BN - 1, off, W))" in src
+    assert "(SW && window_cuts(qb0, kbase + 63, off, W))" in src
+    assert "(SW && window_cuts(qb0 + BQ - 1, row0, off, W))" in src
+    assert "const int end = SW ? min(nqb, (window_last_query(k1, off, W) + bq) / bq) : nqb;" in src
+    for W in sorted({1, 37, 64, 100, 128, 129, 300, Tk - 1}):
+        for rows, BN, skip in ((128, 128, True), (128, 128, False), (192, 128, False), (128, 64, True)):
+            _check_rows_kernel(Tq, Tk, W, rows, BN, skip)
+        for BQ in (64, 32):
+            _check_dkdv_kernel(Tq, Tk, W, BQ)
 
 
 def turn_events(cw, nblocks):
@@ -506,6 +616,32 @@ def test_backward_validation():
         A90.flash_attention_backward_sm90(o, q, k, v, o, lse[:, :1])
     with pytest.raises(ValueError, match="dout"):
         A90.flash_attention_backward_sm90(o[:, :2], q, k, v, o, lse)
+
+
+@pytest.mark.parametrize("W", [1, 5, 12, 13, 100])
+def test_reference_window_is_flash_attentions(rng, W):
+    q, k, v = qkv(rng, 2, 9, 13, 4, 2, 64)
+    w = qkv(rng, 2, 9, 13, 4, 2, 64)[0]
+    o, lse = ck.flash_attention(q, k, v, window=W, return_lse=True)
+    o2, lse2 = A90.flash_attention_sm90(q, k, v, window=W, return_lse=True)
+    np.testing.assert_array_equal(o.view(np.uint16), o2.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse2)
+    for x, y in zip(A90.flash_attention_backward_sm90(w, q, k, v, o, lse, window=W),
+                    ck.flash_attention_backward(w, q, k, v, o, lse, window=W)):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+
+
+def test_window_validation():
+    q, k, v = qkv(np.random.default_rng(0), 1, 4, 4, 2, 1, 64)
+    o, lse = ck.flash_attention(q, k, v, return_lse=True)
+    for call in (lambda **kw: A90.flash_attention_sm90(q, k, v, **kw),
+                 lambda **kw: A90.flash_attention_backward_sm90(o, q, k, v, o, lse, **kw)):
+        with pytest.raises(ValueError, match="^window: a sliding window .* needs causal=True"):
+            call(causal=False, window=2)
+        with pytest.raises(TypeError, match="^window: expected an integer >= 1"):
+            call(window=2.5)
+        with pytest.raises(ValueError, match="^window: expected an integer >= 1"):
+            call(window=0)
 
 
 # ------------------------------------------------------------------------------------------------ GPU (sm_90)
@@ -727,6 +863,93 @@ def test_gpu_fused_dq_matches_the_two_kernel_backward(rng, variant, monkeypatch,
             np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16), err_msg=f"{n}, grid cap {cap}")
     with pytest.raises(ValueError, match="attention_sm90_bwd_dq"):
         ck.settings.attention_sm90_bwd_dq = "bogus"
+
+
+WINDOWS = [  # (B, Tq, Tk, H, Hkv, D, window)
+    (1, 1000, 1000, 4, 2, 64, 1), (2, 1024, 1024, 32, 8, 64, 256), (1, 1000, 1000, 4, 4, 128, 129),
+    (2, 777, 777, 8, 2, 64, 100), (1, 300, 700, 4, 2, 128, 300), (1, 700, 300, 4, 1, 64, 64),
+    (2, 200, 200, 4, 2, 64, 5), (1, 4097, 4097, 4, 2, 64, 1000), (1, 2100, 2100, 4, 2, 128, 2048),
+    (1, 2500, 2500, 4, 1, 64, 2049)]
+
+
+def _mma_sync(fn, *a, **kw):
+    """fn through ck.flash_attention's mma.sync kernels (attention_wgmma off)."""
+    with ck.settings(attention_wgmma=False):
+        return fn(*a, **kw)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: "B%dTq%dTk%dH%d/%dD%dW%d" % c)
+def test_gpu_window_matches_reference_and_mma_sync(rng, variant, case):
+    """Sliding windows (W = 1, below, across and above the 64 / 128 / 192-row tiles, Tq != Tk) through every forward
+    and backward variant: o (poisoned out=), lse, dq, dk, dv against the mma.sync *_sw kernels (and the reference on
+    the smaller shapes); the backward rerun bit-identical."""
+    Bsz, Tq, Tk, H, Hkv, D, W = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0]
+    Q, K, V, Wd = (cp().asarray(x) for x in (q, k, v, w))
+    out = cp().full(q.shape, np.nan, dtype=BF16)
+    o, lse = A90.flash_attention_sm90(Q, K, V, window=W, out=out, return_lse=True)
+    assert o is out
+    mo, ml = _mma_sync(ck.flash_attention, Q, K, V, window=W, return_lse=True)
+    close(o, mo, 1.6e-2, "o vs mma.sync")
+    lse_equal(lse, ml, "lse vs mma.sync")
+    outs = tuple(cp().full(x.shape, np.nan, dtype=BF16) for x in (Q, K, K))
+    a = A90.flash_attention_backward_sm90(Wd, Q, K, V, mo, ml, window=W, grads_out=outs)
+    b = _mma_sync(ck.flash_attention_backward, Wd, Q, K, V, mo, ml, window=W)
+    for x, y, n in zip(a, b, ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n + " vs mma.sync")
+    if variant == "" and Bsz * H * Tq * Tk <= 4_200_000:
+        ro, rl = ck.flash_attention(q, k, v, window=W, return_lse=True)
+        close(o, ro, 2e-2, "o vs reference")
+        lse_equal(lse, rl, "lse vs reference")
+        for x, y, n in zip(a, ck.flash_attention_backward(w, q, k, v, to_host(mo), to_host(ml), window=W),
+                           ("dq", "dk", "dv")):
+            close(x, y, 3e-2, n + " vs reference")
+    a2 = A90.flash_attention_backward_sm90(Wd, Q, K, V, mo, ml, window=W)
+    for x, y in zip(a, a2):
+        np.testing.assert_array_equal(to_host(x).view(np.uint16), to_host(y).view(np.uint16))
+
+
+WINDOW_GRIDS = [(2, 1000, 1000, 8, 2, 64, 300), (1, 300, 700, 4, 2, 64, 129), (1, 700, 300, 4, 1, 64, 64),
+                (2, 500, 500, 4, 4, 128, 100), (3, 130, 130, 2, 1, 64, 1)]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", WINDOW_GRIDS, ids=lambda c: "B%dTq%dTk%dH%d/%dD%dW%d" % c)
+def test_gpu_window_fused_dq_and_persistent_grids_are_bit_identical(rng, variant, monkeypatch, case):
+    """Under a window: the fused (five-product) backward's semaphores, which count from each query tile's first
+    seeing key tile, against the two-kernel backward; fwd and bwd bit-identical on grids capped to 1 and 3 CTAs and
+    with one CTA per tile (fused dq: 1 and 5 CTAs; it needs all CTAs resident)."""
+    Bsz, Tq, Tk, H, Hkv, D, W = case
+    q, k, v = qkv(rng, Bsz, Tq, Tk, H, Hkv, D)
+    w = qkv(rng, Bsz, Tq, Tq, H, Hkv, D)[0]
+    Q, K, V, Wd = (cp().asarray(x) for x in (q, k, v, w))
+
+    def run():
+        o, lse = A90.flash_attention_sm90(Q, K, V, window=W, return_lse=True)
+        outs = tuple(cp().full(x.shape, np.nan, dtype=BF16) for x in (Q, K, K))
+        g = A90.flash_attention_backward_sm90(Wd, Q, K, V, o, lse, window=W, grads_out=outs)
+        return [to_host(x) for x in (o, lse, *g)]
+
+    ref = run()
+    if D in A90.FUSED_DQ_DIMS:
+        monkeypatch.setattr(ck.settings, "attention_sm90_bwd_dq", "kernel")
+        for x, y, n in zip(run()[2:], ref[2:], ("dq", "dk", "dv")):
+            close(x, y, 2e-2, n + " fused vs two kernels")
+        monkeypatch.setattr(ck.settings, "attention_sm90_bwd_dq", "fused")
+    for cap, persistent in ((1, True), (3, True), (5, True), (None, False)):
+        monkeypatch.setattr(ck.settings, "attention_sm90_grid_cap", cap)
+        monkeypatch.setattr(ck.settings, "attention_sm90_persistent", persistent)
+        for x, y, n in zip(run(), ref, ("o", "lse", "dq", "dk", "dv")):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=f"{n}, grid cap {cap}")
+    mo, ml = _mma_sync(ck.flash_attention, Q, K, V, window=W, return_lse=True)
+    close(ref[0], mo, 1.6e-2, "o vs mma.sync")
+    for x, y, n in zip(ref[2:], _mma_sync(ck.flash_attention_backward, Wd, Q, K, V, mo, ml, window=W),
+                       ("dq", "dk", "dv")):
+        close(x, y, 3e-2, n + " vs mma.sync")
 
 
 @pytest.mark.gpu

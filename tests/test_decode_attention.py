@@ -15,9 +15,10 @@ from helpers import cp, poisoned, to_host
 BF16 = ck.bfloat16
 
 
-def f64_decode(q, k, v, L, scale, key_mask=None):
+def f64_decode(q, k, v, L, scale, key_mask=None, window=None):
     """Per (batch, token, head) loop in float64, written from the definition: query t sits at position
-    L - Tq + t and sees keys n <= that position, n < L, key_mask[b, n] != 0; none visible: zeros."""
+    L - Tq + t and sees keys n <= that position, n < L, key_mask[b, n] != 0 and, with a sliding window W,
+    position - n < W; none visible: zeros."""
     Bsz, Tq, H, D = q.shape
     Hkv = k.shape[2]
     o = np.zeros((Bsz, Tq, H, D))
@@ -25,6 +26,8 @@ def f64_decode(q, k, v, L, scale, key_mask=None):
         for t in range(Tq):
             n = np.arange(L)
             n = n[n <= L - Tq + t]
+            if window is not None:
+                n = n[(L - Tq + t) - n < window]
             if key_mask is not None:
                 n = n[np.asarray(key_mask)[b, n] != 0]
             if n.size == 0:
@@ -383,20 +386,22 @@ def test_choose_splits_edges():
 
 
 def test_workspace_size_includes_the_counters():
-    # B2, 8 K/V heads, G 4, Tq 1, D 64, 6 splits: partials 2 * 8 * 6 * 4 rows * 66 floats, then 2 * 8 counters
+    # B2, 8 K/V heads, G 4, Tq 1, D 64, 6 splits: 2 * 8 counters first, then partials 2 * 8 * 6 * 4 rows * 66 floats
     assert DA._partial_elems(2, 8, 4, 1, 64, 6) == 2 * 8 * 6 * 4 * 66
     assert DA._workspace_elems(2, 8, 4, 1, 64, 6) == 2 * 8 * 6 * 4 * 66 + 2 * 8
     # G 16, Tq 16: 256 rows = 4 row groups of 64 -> 4 counters per (b, K/V head)
     assert DA._workspace_elems(1, 4, 16, 16, 64, 3) == 4 * 3 * 256 * 66 + 4 * 4
+    # B1, one K/V head: 1 counter, padded to 4 (the partials after it are read as 16-byte float4)
+    assert DA._counter_elems(1, 1, 4, 1) == 4 and DA._workspace_elems(1, 1, 4, 1, 64, 2) == 4 + 2 * 4 * 66
     assert DA._workspace_elems(2, 8, 4, 1, 64, 1) == 0
     assert not decode_attention_workspace(np.zeros((1, 1, 4, 32), BF16), np.zeros((1, 8, 1, 32), BF16)).any()
 
 
 def _counters(ws, Bsz, Hkv, G, Tq, D, splits):
-    """The int32 counters at the end of the partials (all zero between launches)."""
-    off = DA._partial_elems(Bsz, Hkv, G, Tq, D, splits)
+    """The int32 counters at the start of the workspace (all zero between launches; where they are does not
+    depend on the split count)."""
     n = Bsz * Hkv * DA._row_tiles(G, Tq)[1]
-    return to_host(ws[off:off + n].view(np.int32))
+    return to_host(ws[:n].view(np.int32))
 
 
 def _bits(a):
@@ -1249,3 +1254,435 @@ def test_gpu_decode_attention_rope_graph_after_a_gemv_growing_length(rng, family
     if A["ws"].size > 1:
         sp = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, md, splits)
         assert not _counters(A["ws"], Bsz, Hkv, H // Hkv, 1, D, sp).any()
+
+
+
+# ------------------------------------------------------------------------------------- sliding windows (issue 37)
+# Query t at position p = cache_len - Tq + t sees the cache rows (p - W, p]; the kernels scan [lo, cache_len) with
+# lo = max(0, cache_len - Tq + 1 - W) computed on the device, and the split plan divides that range, not max_len.
+def _window_lo(L, Tq, W):
+    return 0 if W is None else max(0, L - Tq + 1 - W)
+
+
+def _hidden_rows(Bsz, Lmax, L, Tq, W, mask=None):
+    """[B, Lmax] rows no query may read: before the window, at or past the length, dropped by the mask."""
+    h = np.zeros((Bsz, Lmax), bool)
+    h[:, :_window_lo(L, Tq, W)] = True
+    h[:, L:] = True
+    if mask is not None:
+        h |= np.asarray(mask) == 0
+    return h
+
+
+WINDOW_CPU_CASES = [  # (B, Tq, H, Hkv, D, L, Lmax, W)
+    (1, 1, 4, 1, 32, 10, 12, 1),
+    (2, 1, 8, 2, 64, 37, 50, 5),
+    (3, 4, 6, 3, 64, 20, 21, 3),      # Tq > W: each query sees its own 3 rows, the first query rows 15..17
+    (2, 3, 4, 4, 128, 9, 9, 7),
+    (1, 5, 2, 1, 32, 3, 8, 2),        # cache_len < Tq: the first queries see nothing
+    (2, 2, 8, 2, 64, 30, 40, 35),     # cache_len <= W < max_len: every key (as without a window)
+    (2, 2, 8, 2, 64, 30, 40, 100),    # W >= max_len: no window
+]
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("case", WINDOW_CPU_CASES)
+def test_reference_window_matches_f64(rng, case, masked):
+    """The NumPy path against the float64 loop; rows before the window (and masked rows) hold NaN: never read."""
+    Bsz, Tq, H, Hkv, D, L, Lmax, W = case
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k, v = make_cache(rng, Bsz, Lmax, Hkv, D, L)
+    mask = left_pad_mask(Bsz, Lmax, [min(b * 3, L) for b in range(Bsz)]) if masked else None
+    hidden = _hidden_rows(Bsz, Lmax, L, Tq, W, mask)
+    k, v = _nan_rows(k, hidden), _nan_rows(v, hidden)
+    o = decode_attention(q, k, v, np.array(L, np.int32), key_mask=mask, window=W)
+    assert np.isfinite(o.astype(np.float32)).all()
+    ref = f64_decode(q, k, v, L, 1 / math.sqrt(D), mask, window=W)
+    np.testing.assert_allclose(o.astype(np.float64), ref, rtol=2**-7, atol=1e-5)
+    if W >= L:  # the window drops nothing: the same bits as without one
+        k0, v0 = _nan_rows(k, hidden), _nan_rows(v, hidden)
+        assert np.array_equal(o.view(np.uint16), decode_attention(q, k0, v0, L, key_mask=mask).view(np.uint16))
+
+
+def test_reference_window_one_is_the_own_value(rng):
+    """W = 1: query t sees only its own row: o[b, t, h] = v[b, L - Tq + t, h // G] exactly (left-padded row:
+    zeros where its own row is padding)."""
+    Bsz, Tq, H, Hkv, D, L, Lmax = 2, 3, 8, 2, 64, 9, 12
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k, v = make_cache(rng, Bsz, Lmax, Hkv, D, L)
+    mask = left_pad_mask(Bsz, Lmax, [0, 7])  # row 1: query 0 (position 6) is padding itself
+    o = decode_attention(q, k, v, L, key_mask=mask, window=1)
+    want = np.repeat(v[:, L - Tq:L], H // Hkv, axis=2).astype(np.float32)
+    want[1, 0] = 0
+    np.testing.assert_array_equal(o.astype(np.float32), want)
+
+
+def test_span_and_split_plan_follow_the_window():
+    """The split plan (and the key_mask floor, the workspace) is made on the keys a launch scans: W + Tq - 1 at
+    most, not max_len. The H200 plan of a 4096-key window over a 32768-row cache (B1, 8 K/V heads, D 128: 3
+    blocks a SM, 64-key stages of 32 KB) is that of a 4096-row cache: its splits divide the window."""
+    assert DA._span(32768, 1, None) == 32768
+    assert DA._span(32768, 1, 4096) == 4096 and DA._span(32768, 4, 4096) == 4099
+    assert DA._span(100, 1, 4096) == 100
+    d128 = dict(stage=64, stage_bytes=64 * 128 * 2 * 2, sms=132, per_sm=3)
+    s_full = DA._choose_splits(8, 32768, **d128)
+    s_win = DA._choose_splits(8, DA._span(32768, 1, 4096), **d128)
+    chunk = -(-(-(-4096 // s_win)) // 64) * 64
+    assert chunk * s_win >= 4096 and chunk * (s_win - 1) < 4096, "every split holds window keys"
+    t_full = DA._split_time(s_full, 8, 32768, **d128)
+    t_win = DA._split_time(s_win, 8, 4096, **d128)
+    assert t_win < t_full / 4, (t_full, t_win)  # modelled 36.1 vs 7.4 us (NOTES.md, decode_attention)
+    assert DA._window_arg(None, 100) == DA.NO_WINDOW and DA._window_arg(100, 100) == DA.NO_WINDOW
+    assert DA._window_arg(99, 100) == 99
+
+
+def test_windowed_split_count_never_exceeds_the_unwindowed_one(monkeypatch):
+    """The split model is not monotone in the key count: on the H200's numbers (132 SMs, 4 blocks a SM of the
+    D 64 kernel) one (b, K/V head) takes 64 splits for 4096 keys but 35 for 4418. A 4096-key window over a
+    4418-row cache then runs 35 (the unwindowed plan), so a workspace made without ``window`` holds it."""
+    from cukernels import _backend
+
+    monkeypatch.setattr(DA, "_split_kernel", lambda D, mtb: (None, DA._smem(D, mtb)))
+    monkeypatch.setattr(_backend, "blocks_per_sm", lambda k, threads, smem: 4)
+    monkeypatch.setattr(_backend, "sm_count", lambda: 132)
+    assert DA._choose_splits(1, 4096, **H200) == 64 and DA._choose_splits(1, 4418, **H200) == 35
+    assert DA._splits(1, 1, 64, 4418, 4, 1, None, None) == 35
+    assert DA._splits(1, 1, 64, 4418, 4, 1, None, None, window=4096) == 35
+    assert DA._splits(1, 1, 64, 8192, 4, 1, None, None, window=4096) == 64  # (8192 keys: 64 as well)
+    assert DA._splits(1, 1, 64, 4418, 4, 1, None, None, window=300) == DA._choose_splits(1, 300, **H200)
+
+
+def test_window_relaxes_the_key_mask_split_floor():
+    """With key_mask a split covers at most 8192 keys: of the window, when there is one."""
+    q, kc = np.zeros((1, 1, 1, 32), BF16), np.zeros((1, 9000, 1, 32), BF16)
+    mask = np.ones((1, 9000), np.bool_)
+    decode_attention(q, kc, kc, 9000, key_mask=mask, num_splits=1, window=4096)  # 4096 keys: one split holds them
+    with pytest.raises(ValueError, match="need >= 2 splits for max_len 9000"):
+        decode_attention(q, kc, kc, 9000, key_mask=mask, num_splits=1)
+    with pytest.raises(ValueError, match="need >= 2 splits for a window of 8500 keys"):
+        decode_attention(q, kc, kc, 9000, key_mask=mask, num_splits=1, window=8500)
+
+
+_WBAD = [
+    (0, ValueError, "window: expected an integer >= 1"),
+    (-2, ValueError, "window: expected an integer >= 1"),
+    (2**40, ValueError, "window: expected an integer <= 2147483647"),
+    (4.0, TypeError, "window: expected an integer >= 1 .* or None; got"),
+    (True, TypeError, "window: expected an integer"),
+    ("8", TypeError, "window: expected an integer"),
+]
+
+
+@pytest.mark.parametrize("window, exc, match", _WBAD)
+def test_window_bad_input_messages(window, exc, match):
+    a = _args()
+    with pytest.raises(exc, match=match):
+        decode_attention(a["q"], a["k_cache"], a["v_cache"], a["cache_len"], window=window)
+    with pytest.raises(exc, match=match):
+        decode_attention_workspace(a["q"], a["k_cache"], window=window)
+    with pytest.raises(exc, match=match):
+        decode_attention_rope(_FQKV, 8, 2, _FKC, _FKC.copy(), 3, window=window)
+
+
+@pytest.mark.parametrize("W", [1, 3, 6, 40])
+def test_decode_attention_rope_window_reference(rng, W):
+    """The fused op's NumPy path with a window: the composition (rope_kv_write, then decode_attention with the
+    window), and the float64 loop on the rotated q and the written cache."""
+    Bsz, H, Hkv, D, Lmax, L = 3, 8, 2, 32, 12, 9
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, pos_kind="batch")
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, L - 1)
+    mask = left_pad_mask(Bsz, Lmax, [0, 2, 5])
+    k1, v1, k2, v2 = k0.copy(), v0.copy(), k0.copy(), v0.copy()
+    o = decode_attention_rope(qkv, H, Hkv, k1, v1, L, cos=cos, sin=sin, positions=pos, key_mask=mask, window=W)
+    q = rope_kv_write(qkv, H, Hkv, k2, v2, L, cos=cos, sin=sin, positions=pos)
+    want = decode_attention(q, k2, v2, L, key_mask=mask, window=W)
+    assert np.array_equal(o.view(np.uint16), want.view(np.uint16))
+    np.testing.assert_allclose(o.astype(np.float64), f64_decode(q, k2, v2, L, 1 / math.sqrt(D), mask, window=W),
+                               rtol=2**-7, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------- GPU: windows
+WINDOWS = (1, 7, 64, 100, 1000)  # 1; below a 16/32/64-key stage; one stage; a stage and a half; > most lengths
+WLENS = (0, 1, 5, 63, 64, 65, 300, 1100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 3, 40])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("Tq", [1, 4])
+@pytest.mark.parametrize("W", WINDOWS)
+def test_gpu_window_matches_reference(rng, W, Tq, masked, splits):
+    """decode_attention with a window against the reference at lengths 0 .. max_len, the device length, rows
+    before the window / past the length / masked holding NaN (a loaded one would leak NaN through P V),
+    outputs poisoned (one element off 16 bytes), the workspace from decode_attention_workspace(window=), its
+    counters back at zero, a rerun bit-identical."""
+    c = cp()
+    Bsz, H, Hkv, D, Lmax = 2, 32, 8, 64, 1100
+    G = H // Hkv
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    mask = None
+    if masked:
+        mask = rng.random((Bsz, Lmax)) > 0.3
+        mask[1, :70] = False  # left padding
+    qd = c.asarray(q)
+    md = c.asarray(mask) if masked else None
+    ws = decode_attention_workspace(qd, c.asarray(k0), key_mask=md, num_splits=splits, window=W)
+    s = DA._splits(Bsz, Hkv, D, Lmax, G, Tq, md, splits, W)
+    if splits is None:  # planned on the window, at most the unwindowed plan
+        assert s == min(DA._splits(Bsz, Hkv, D, min(Lmax, W + Tq - 1), G, Tq, md, None),
+                        DA._splits(Bsz, Hkv, D, Lmax, G, Tq, md, None))
+    length = c.zeros((), c.int32)
+    for L in WLENS:
+        hidden = _hidden_rows(Bsz, Lmax, L, Tq, W, mask)
+        k, v = _nan_rows(k0, hidden), _nan_rows(v0, hidden)
+        kd, vd = c.asarray(k), c.asarray(v)
+        ref = decode_attention(q, k, v, L, key_mask=mask, window=W)
+        length.fill(L)
+        what = f"W={W} splits={splits} ({s}) L={L}"
+        o = poisoned(q.shape, BF16, misalign=bool(L % 2))
+        decode_attention(qd, kd, vd, length, key_mask=md, window=W, out=o, num_splits=splits, workspace=ws)
+        close(o, ref.astype(np.float32), what=what)
+        if s > 1:
+            assert not _counters(ws, Bsz, Hkv, G, Tq, D, s).any(), f"{what}: counters not reset"
+        again = decode_attention(qd, kd, vd, length, key_mask=md, window=W, num_splits=splits)
+        assert np.array_equal(_bits(o), _bits(again)), f"{what}: rerun (pool workspace) not bit-identical"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W, splits", [(500, None), (100, 2), (100, 7)])
+def test_gpu_full_and_window_launches_share_one_workspace(rng, W, splits):
+    """A model's full layers and sliding-window layers take turns on one workspace made without ``window`` (what
+    the static cache keeps per query shape), with different split counts: the window's own plan (W 500: 8 splits
+    against the full layers' 12 on the H200) or forced ones (2, 7). Had the counters followed the partials, one
+    launch's partials would cover the other's counters. Every result right, the counters back at zero."""
+    c = cp()
+    Bsz, Tq, H, Hkv, D, Lmax = 2, 1, 32, 8, 64, 2304
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k, v = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    qd, kd, vd = c.asarray(q), c.asarray(k), c.asarray(v)
+    ws = decode_attention_workspace(qd, kd)
+    s_full = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, None, None)
+    ns = None if splits is None else min(splits, s_full)  # (a forced count past the full plan would not fit)
+    s_win = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, None, ns, W)
+    assert s_win <= s_full and ws.size >= DA._workspace_elems(Bsz, Hkv, H // Hkv, Tq, D, s_win)
+    for L in (2000, 150, 2304, 77, 1000):
+        length = c.array(L, c.int32)
+        for win, n in ((None, None), (W, ns), (None, None), (W, ns)):
+            o = decode_attention(qd, kd, vd, length, window=win, num_splits=n, workspace=ws,
+                                 out=poisoned(q.shape, BF16))
+            close(o, decode_attention(q, k, v, L, window=win).astype(np.float32),
+                  what=f"L={L} window={win} splits={s_win if win else s_full}")
+            assert not _counters(ws, Bsz, Hkv, H // Hkv, Tq, D, 0).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [1, 5, 100])
+@pytest.mark.parametrize("shape", [(16, 2, 128, 3), (12, 12, 32, 2), (64, 4, 64, 16)],
+                         ids=["g8d128t3", "g1d32t2", "g16d64t16"])  # (H, Hkv, D, Tq): MTB 2; MTB 1; MTB 4 x 4 groups
+def test_gpu_window_head_layouts(rng, shape, W):
+    """Other head layouts with a window: D 128 (MTB 2 at G 8 x Tq 3), GPT-2's G = 1 at D 32, and G 16 x Tq 16 =
+    256 rows (4 row groups of 64, each block re-reading the window's K/V); several splits."""
+    H, Hkv, D, Tq = shape
+    Bsz, L, Lmax = 2, 700, 777
+    for splits in (None, 7):
+        *_, ref, o = _gpu_window_case(rng, Bsz, Tq, H, Hkv, D, L, Lmax, W, splits=splits)
+        close(o, ref.astype(np.float32), what=f"{shape} W={W} splits={splits}")
+
+
+def _gpu_window_case(rng, Bsz, Tq, H, Hkv, D, L, Lmax, W, *, mask=None, splits=None):
+    """Host inputs with NaN in every row no query may read, the reference, and the kernel's output (poisoned,
+    the length on the device)."""
+    c = cp()
+    q = rng.standard_normal((Bsz, Tq, H, D), dtype=np.float32).astype(BF16)
+    k, v = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    hidden = _hidden_rows(Bsz, Lmax, L, Tq, W, mask)
+    k, v = _nan_rows(k, hidden), _nan_rows(v, hidden)
+    ref = decode_attention(q, k, v, L, key_mask=mask, window=W)
+    o = decode_attention(c.asarray(q), c.asarray(k), c.asarray(v), c.array(L, c.int32),
+                         key_mask=None if mask is None else c.asarray(mask), window=W, num_splits=splits,
+                         out=poisoned(q.shape, BF16))
+    return q, k, v, ref, o
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Tq", [1, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_gpu_window_over_a_long_cache_reads_only_the_window(rng, Tq, masked):
+    """The benchmark's shape: B1, 32 / 8 heads, D 128, a 4096-key window over a 32768-row cache. Every row
+    before the window is NaN: one loaded row would make o NaN. The split plan is the window's."""
+    Bsz, H, Hkv, D, Lmax, W = 1, 32, 8, 128, 32768, 4096
+    G = H // Hkv
+    assert DA._splits(Bsz, Hkv, D, Lmax, G, Tq, None, None, W) == min(
+        DA._splits(Bsz, Hkv, D, W + Tq - 1, G, Tq, None, None), DA._splits(Bsz, Hkv, D, Lmax, G, Tq, None, None))
+    for L in (Lmax, 20001, W + 1, W, 3):
+        mask = None
+        if masked:
+            mask = np.ones((Bsz, Lmax), np.bool_)
+            mask[0, :max(0, L - W + 50)] = False  # padding reaching 50 rows into the window
+        _, _, _, ref, o = _gpu_window_case(rng, Bsz, Tq, H, Hkv, D, L, Lmax, W, mask=mask)
+        close(o, ref.astype(np.float32), what=f"L={L}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["decode_attention", "decode_attention_rope"])
+def test_gpu_window_at_least_the_length_is_no_window_bit_for_bit(rng, fused):
+    """W >= max_len: the launch is the unwindowed one (same plan, same bits). max_len > W >= cache_len with the
+    same forced split count: lo = 0 and no key dropped, so the same bits too (the model's own plan differs there:
+    it plans on W, so only the tolerance is checked)."""
+    c = cp()
+    Bsz, H, Hkv, D, Lmax = 2, 32, 8, 64, 600
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, pos_kind="batch")
+    q = rng.standard_normal((Bsz, 1, H, D), dtype=np.float32).astype(BF16)
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    mask = left_pad_mask(Bsz, Lmax, [0, 9])
+    qd, md, qkvd = c.asarray(q), c.asarray(mask), c.asarray(qkv)
+    cd, sd, pd = c.asarray(cos), c.asarray(sin), c.asarray(pos)
+
+    def run(L, W, splits):
+        kd, vd = c.asarray(k0), c.asarray(v0)
+        length = c.array(L, c.int32)
+        if fused:
+            return decode_attention_rope(qkvd, H, Hkv, kd, vd, length, cos=cd, sin=sd, positions=pd, key_mask=md,
+                                         window=W, num_splits=splits, out=poisoned((Bsz, 1, H, D), BF16))
+        return decode_attention(qd, kd, vd, length, key_mask=md, window=W, num_splits=splits,
+                                out=poisoned(q.shape, BF16))
+
+    for L in (1, 64, 333, Lmax):
+        base = run(L, None, None)
+        for W in (Lmax, Lmax + 1, 2**31 - 1):
+            _assert_same_bits(run(L, W, None), base, f"L={L} W={W}")
+        for W in sorted({L, L + 1, Lmax - 1}):
+            if not L <= W < Lmax:
+                continue
+            for splits in (1, 3, 40):
+                _assert_same_bits(run(L, W, splits), run(L, None, splits), f"L={L} W={W} splits={splits}")
+            close(run(L, W, None), to_host(base).astype(np.float32), what=f"L={L} W={W} (model's split count)")
+
+
+FUSED_WINDOWS = (1, 5, 64, 100, 300)  # 300 >= max_len 257: no window
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 3, 40])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("W", FUSED_WINDOWS)
+@pytest.mark.parametrize("shape", FUSED_SHAPES[:2] + FUSED_SHAPES[3:],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}{'' if s[3] else '-norope'}")
+def test_gpu_decode_attention_rope_window_is_the_composition_bit_for_bit(rng, shape, W, masked, splits):
+    """decode_attention_rope with a window against rope_kv_write + decode_attention(window=) on the GPU at every
+    length 0 .. max_len: o and both caches bit-identical, rows before the window (as well as the newest and the
+    masked rows) NaN in the input caches, the counters back at zero, o within tolerance of the NumPy path."""
+    c = cp()
+    H, Hkv, D, rope = shape
+    Bsz, Lmax = 2, 257
+    qkv, cos, sin, pos = _fused_case(rng, Bsz, H, Hkv, D, Lmax, rope=rope, pos_kind="batch")
+    k0, v0 = make_cache(rng, Bsz, Lmax, Hkv, D, Lmax, poison=False)
+    mask = None
+    if masked:
+        mask = rng.random((Bsz, Lmax)) > 0.3
+        mask[0, :40] = False
+    qd = c.asarray(qkv)
+    cd, sd = (c.asarray(cos), c.asarray(sin)) if rope else (None, None)
+    pd = c.asarray(pos) if pos is not None else None
+    md = c.asarray(mask) if masked else None
+    q_like = c.empty((Bsz, 1, H, D), BF16)
+    wsA = decode_attention_workspace(q_like, c.asarray(k0), key_mask=md, num_splits=splits, window=W)
+    wsB = decode_attention_workspace(q_like, c.asarray(k0), key_mask=md, num_splits=splits, window=W)
+    s = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, md, splits, W)
+    length = c.zeros((), c.int32)
+    for L in FUSED_LENS:
+        hidden = _hidden_rows(Bsz, Lmax, L, 1, W, mask)
+        hidden[:, max(L - 1, 0):] = True  # the newest row comes from qkv
+        k, v = _nan_rows(k0, hidden), _nan_rows(v0, hidden)
+        kA, vA, kB, vB = c.asarray(k), c.asarray(v), c.asarray(k), c.asarray(v)
+        length.fill(L)
+        what = f"W={W} splits={splits} ({s}) L={L}"
+        oA = poisoned((Bsz, 1, H, D), BF16, misalign=bool(L % 2))
+        decode_attention_rope(qd, H, Hkv, kA, vA, length, cos=cd, sin=sd, positions=pd, key_mask=md, window=W,
+                              out=oA, num_splits=splits, workspace=wsA)
+        qB = rope_kv_write(qd, H, Hkv, kB, vB, length, cos=cd, sin=sd, positions=pd)
+        oB = decode_attention(qB, kB, vB, length, key_mask=md, window=W, out=poisoned(oA.shape, BF16),
+                              num_splits=splits, workspace=wsB)
+        _assert_same_bits(oA, oB, f"{what}: o")
+        _assert_same_bits(kA, kB, f"{what}: k_cache")
+        _assert_same_bits(vA, vB, f"{what}: v_cache")
+        if s > 1:
+            assert not _counters(wsA, Bsz, Hkv, H // Hkv, 1, D, s).any(), f"{what}: counters not reset"
+        ref = decode_attention_rope(qkv, H, Hkv, k.copy(), v.copy(), L, cos=cos, sin=sin, positions=pos,
+                                    key_mask=mask, window=W)
+        close(oA, ref.astype(np.float32), what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("fused, pdl", [(False, False), (False, True), (True, False)],
+                         ids=["decode_attention", "decode_attention-pdl", "decode_attention_rope"])
+def test_gpu_window_graph_replay_moves_the_window_on_the_device(rng, fused, splits, pdl):
+    """One captured step (length += 1, then per layer the append and the windowed attention, one workspace),
+    replayed 16 times from length 142 with W = 150: the window start leaves row 0 at length 151 and then moves
+    one row a replay, computed on the device from the length; the rows before it turn NaN as it passes (the
+    replay must not read them). Every replay's outputs are those of its length. (The fused op under PDL reads
+    the length before its wait, so the kernel right before it must not write the length: the existing
+    test_gpu_decode_attention_rope_graph_after_a_gemv_growing_length covers that shape of use, a GEMV between.)"""
+    c = cp()
+    if pdl and not _launch.pdl_enabled():
+        pytest.skip("programmatic dependent launch needs sm_90")
+    layers, Bsz, H, Hkv, D, Lmax, L0, W = 2, 2, 32, 8, 64, 384, 142, 150
+    q = rng.standard_normal((layers, Bsz, 1, H, D), dtype=np.float32).astype(BF16)
+    qkv = rng.standard_normal((layers, Bsz, 1, (H + 2 * Hkv) * D), dtype=np.float32).astype(BF16)
+    k = rng.standard_normal((layers, Bsz, Lmax, Hkv, D), dtype=np.float32).astype(BF16)
+    v = rng.standard_normal((layers, Bsz, Lmax, Hkv, D), dtype=np.float32).astype(BF16)
+    knew = rng.standard_normal((layers, Bsz, 1, Hkv, D), dtype=np.float32).astype(BF16)
+    vnew = rng.standard_normal((layers, Bsz, 1, Hkv, D), dtype=np.float32).astype(BF16)
+    k[:, :, L0:] = np.nan
+    v[:, :, L0:] = np.nan
+    mask = np.ones((Bsz, Lmax), np.bool_)
+    mask[1, :3] = False
+    qd, kd, vd, knd, vnd, md, qkvd = (c.asarray(x) for x in (q, k, v, knew, vnew, mask, qkv))
+    ws = decode_attention_workspace(qd[0], kd[0], key_mask=md, num_splits=splits, window=W)
+    outs = [c.empty((Bsz, 1, H, D), BF16) for _ in range(layers)]
+    length = c.array(L0, dtype=c.int32)
+
+    def step(kk, vv, ln):
+        c.add(ln, 1, out=ln)
+        for i in range(layers):
+            with (_launch.pdl_scope() if pdl else _nullcontext()):
+                if fused:
+                    decode_attention_rope(qkvd[i], H, Hkv, kk[i], vv[i], ln, key_mask=md, window=W, out=outs[i],
+                                          num_splits=splits, workspace=ws)
+                else:
+                    ck.kv_cache_write(knd[i], kk[i], ln)
+                    ck.kv_cache_write(vnd[i], vv[i], ln)
+                    decode_attention(qd[i], kk[i], vv[i], ln, key_mask=md, window=W, out=outs[i],
+                                     num_splits=splits, workspace=ws)
+
+    s = c.cuda.Stream(non_blocking=True)
+    with s:  # compile + warm up outside the capture on scratch caches and length
+        step(c.empty_like(kd), c.empty_like(vd), c.array(L0, c.int32))
+        s.synchronize()
+        s.begin_capture()
+        step(kd, vd, length)
+        g = s.end_capture()
+    for rep in range(16):
+        L = L0 + rep + 1
+        lo = max(0, L - W)
+        kd[:, :, :lo] = np.nan  # rows the window has left: never read again
+        vd[:, :, :lo] = np.nan
+        for o in outs:
+            o.fill(np.nan)
+        c.cuda.Device().synchronize()
+        g.launch(s)
+        s.synchronize()
+        assert int(length) == L
+        hk, hv = to_host(kd), to_host(vd)
+        for i in range(layers):
+            if fused:
+                hk[i, :, L - 1] = hv[i, :, L - 1] = np.nan  # (the reference rewrites the newest row from qkv)
+                ref = decode_attention_rope(qkv[i], H, Hkv, hk[i], hv[i], L, key_mask=mask, window=W)
+            else:
+                ref = decode_attention(q[i], hk[i], hv[i], L, key_mask=mask, window=W)
+            close(outs[i], ref.astype(np.float32), what=f"replay {rep} (L={L}) layer {i}")
+    if ws.size > 1:
+        sp = DA._splits(Bsz, Hkv, D, Lmax, H // Hkv, 1, md, splits, W)
+        assert not _counters(ws, Bsz, Hkv, H // Hkv, 1, D, sp).any()

@@ -20,7 +20,9 @@ def f64_softmax(z):
     return out
 
 
-def f64_attn(scores, key_mask, causal, scale):
+def f64_attn(scores, key_mask, causal, scale, window=None):
+    """From the definition: query i (position i + K - Q) sees keys j <= its position (causal) and, with a window
+    W, j > its position - W (Hugging Face's kv_idx > q_idx - sliding_window)."""
     B, H, Q, K = scores.shape
     z = scores.astype(np.float64) * float(np.float32(scale))
     if key_mask is not None:
@@ -31,6 +33,8 @@ def f64_attn(scores, key_mask, causal, scale):
     if causal:
         for i in range(Q):
             z[:, :, i, i + (K - Q) + 1:] = -np.inf
+            if window is not None:
+                z[:, :, i, :max(0, i + (K - Q) + 1 - window)] = -np.inf
     return f64_softmax(z)
 
 
@@ -612,3 +616,207 @@ def test_gpu_cluster_captures(rng):
     st.synchronize()
     assert_close(y, ck.softmax(to_host(x)), BF, rtol=TOL[np.dtype(BF)][0], atol=TOL[np.dtype(BF)][1] / 256)
     assert_close(dx, ck.softmax_backward(to_host(y), to_host(dy)), BF)
+
+
+# ---------------------------------------------------------------- sliding windows (issue 37: Mistral, Qwen)
+def window_keep(Q, K, W):
+    """[Q, K]: key j visible to query i: 0 <= (i + K - Q) - j < W (W None: causal only)."""
+    d = (np.arange(Q)[:, None] + (K - Q)) - np.arange(K)[None, :]
+    return (d >= 0) & (d < (W if W is not None else K + 1))
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "f32", "bf16"])
+@pytest.mark.parametrize("QK", [(5, 9), (9, 9), (1, 7)], ids=["q5k9", "q9k9", "q1k7"])
+@pytest.mark.parametrize("W", [1, 2, 3, 6, 9, 40])
+def test_reference_attn_window_matches_f64(rng, mask_kind, QK, W):
+    Q, K = QK
+    B, H = 2, 3
+    dt = BF if mask_kind == "bf16" else F
+    s = randn(rng, (B, H, Q, K), dt, scale=2.0)
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((B, K)) > 0.3
+        mask[1, :K // 2] = False  # left padding: early queries of small windows see nothing
+    elif mask_kind is not None:
+        mask = np.where(rng.random((B, K)) > 0.3, 0.0, -np.inf).astype(F if mask_kind == "f32" else BF)
+        mask[0, :3] = -1.5
+    p = ck.attn_softmax(s, key_mask=mask, causal=True, scale=0.7, window=W)
+    ref = f64_attn(s, mask, True, 0.7, window=W)
+    rt, at = (1e-6, 1e-7) if dt == F else (2**-8, 1e-6)
+    np.testing.assert_allclose(p.astype(np.float64), ref, rtol=rt, atol=at)
+    pf = p.astype(np.float64)
+    assert np.isfinite(pf).all()
+    assert (pf[..., ~window_keep(Q, K, W)] == 0).all(), "keys outside the window must be exactly 0"
+    assert ((pf != 0).sum(-1) <= W).all(), "a query sees at most W keys"
+    if W >= K:  # a window of >= k_len keys is no window: the same bits
+        np.testing.assert_array_equal(p, ck.attn_softmax(s, key_mask=mask, causal=True, scale=0.7))
+
+
+def test_reference_attn_window_one_is_the_diagonal(rng):
+    """W = 1: each query sees itself alone -> probability 1 on its diagonal key (unless masked: zeros)."""
+    s = randn(rng, (2, 2, 4, 6), F, scale=3.0)
+    keep = np.ones((2, 6), bool)
+    keep[1, 3] = False
+    p = ck.attn_softmax(s, key_mask=keep, causal=True, window=1)
+    want = np.zeros_like(p)
+    for i in range(4):
+        want[:, :, i, i + 2] = 1.0
+    want[1, :, 1, 3] = 0.0  # query 1 of batch 1: its only key is masked
+    np.testing.assert_array_equal(p, want)
+
+
+def test_reference_attn_window_backward_matches_finite_differences(rng):
+    s = rng.standard_normal((1, 2, 4, 6))
+    dp = rng.standard_normal(s.shape)
+    scale, W = 0.5, 3
+    mask = np.array([[True, True, False, True, True, True]])
+    p = ck.attn_softmax(s.astype(F), key_mask=mask, causal=True, scale=scale, window=W)
+    ds = ck.attn_softmax_backward(p, dp.astype(F), scale=scale)
+    h = 1e-6
+    fd = np.zeros_like(s)
+    for i in np.ndindex(s.shape):
+        sp, sm = s.copy(), s.copy()
+        sp[i] += h
+        sm[i] -= h
+        fd[i] = ((f64_attn(sp, mask, True, scale, W) * dp).sum() - (f64_attn(sm, mask, True, scale, W) * dp).sum()) / (
+            2 * h)
+    np.testing.assert_allclose(ds, fd, rtol=1e-4, atol=1e-5)
+    assert (ds[..., ~window_keep(4, 6, W)] == 0).all()  # keys outside the window get zero gradient
+
+
+@pytest.mark.parametrize("W", [None, 1, 2, 4])
+def test_functional_attn_softmax_window(rng, W):
+    """AttnSoftmaxF (fused) against the composite (fused=False) path: values, and the fused gradient against
+    finite differences of the float64 composite."""
+    from cukernels import functional as Fn
+    from cukernels.autograd import Tensor
+
+    s64 = rng.standard_normal((2, 2, 3, 5))
+    km = np.array([[True, True, True, False, True], [False, True, True, True, True]])
+    kw = dict(causal=True, scale=0.5, key_mask=km, window=W)
+    st = Tensor(s64.astype(F), requires_grad=True)
+    out = Fn.attn_softmax(st, **kw)
+    ref = Fn.attn_softmax(Tensor(s64), fused=False, **kw).data
+    np.testing.assert_allclose(out.data, ref, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(ref, f64_attn(s64, km, True, 0.5, W), rtol=1e-12, atol=1e-15)
+    R = rng.standard_normal(out.shape)
+    (out * R.astype(F)).sum().backward()
+    num = np.zeros_like(s64)
+    for i in np.ndindex(s64.shape):
+        a, b = s64.copy(), s64.copy()
+        a[i] += 1e-6
+        b[i] -= 1e-6
+        num[i] = ((Fn.attn_softmax(Tensor(a), fused=False, **kw).data * R).sum()
+                  - (Fn.attn_softmax(Tensor(b), fused=False, **kw).data * R).sum()) / 2e-6
+    np.testing.assert_allclose(st.grad, num, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(window=0, causal=True), ValueError, "window: expected an integer >= 1"),
+        (dict(window=-3, causal=True), ValueError, "window: expected an integer >= 1"),
+        (dict(window=2**40, causal=True), ValueError, "window: expected an integer <= 2147483647"),
+        (dict(window=2.0, causal=True), TypeError, "window: expected an integer >= 1 .* or None; got"),
+        (dict(window=True, causal=True), TypeError, "window: expected an integer"),
+        (dict(window="3", causal=True), TypeError, "window: expected an integer"),
+        (dict(window=3), ValueError, "window: a sliding window .* needs causal=True"),
+        (dict(window=3, causal=False), ValueError, "window: a sliding window .* needs causal=True"),
+    ],
+)
+def test_window_bad_input_messages(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ck.attn_softmax(np.ones((2, 1, 4, 4), F), **kw)
+    from cukernels import functional as Fn
+    from cukernels.autograd import Tensor
+
+    with pytest.raises(exc, match=match):
+        Fn.attn_softmax(Tensor(np.ones((2, 1, 4, 4))), fused=False, **kw)
+
+
+# GPU: every forward route with a window. (K, forced route) -> which kernel: reg rows (9 .. 16384: one or more rows a
+# warp / block), the element path (4097, odd), and past 16384 columns the cluster kernel (sm_90, 16-byte rows, no
+# mask), the wide kernel (softmax_cluster off, or sm_80) and the loop kernel (a key mask, or misaligned rows).
+WINDOW_SHAPES = [(2, 3, 5, 9), (2, 2, 64, 64), (2, 2, 37, 1000), (1, 2, 17, 4097), (1, 1, 6, 16384),
+                 (1, 1, 5, 32768), (1, 1, 3, 65536)]
+
+
+def _windows(K):
+    """1, a few keys (fewer than a 16-byte pack), not a multiple of the pack (13, 1000 + 3), half the row, k_len - 1,
+    k_len (= no window) and past it."""
+    return sorted({1, 3, 13, min(1003, K), max(1, K // 2), max(1, K - 1), K, K + 5})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask_kind", [None, "bool", "f32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("route", ["default", "nocluster", "misaligned"])
+def test_gpu_attn_window_matches_reference(rng, shape, mask_kind, dtype, route, monkeypatch):
+    """Kernel vs reference at every window size, every forward route; outputs poisoned with NaN; the scores
+    outside each query's window set to NaN on the device (a live key never reads them: the packs before the
+    window are not loaded, the straddling pack is masked per element); W >= k_len bit-identical to no window."""
+    Bn, H, Q, K = shape
+    if route == "nocluster":
+        monkeypatch.setattr(ck.settings, "softmax_cluster", False)
+    mis = route == "misaligned"
+    s = randn(rng, shape, dtype, scale=3.0)
+    mask = _mask(rng, mask_kind, Bn, K, dtype)
+    scale = 0.35
+    rt, at = TOL[np.dtype(dtype)]
+    dmask = None if mask is None else device_copy(mask, mis)
+    for W in _windows(K):
+        keep = window_keep(Q, K, W)
+        s_nan = s.copy()
+        s_nan[:, :, ~keep] = np.nan
+        p_ref = ck.attn_softmax(s, key_mask=mask, causal=True, scale=scale, window=W)
+        p = ck.attn_softmax(device_copy(s_nan, mis), key_mask=dmask, causal=True, scale=scale, window=W,
+                            out=poisoned(shape, dtype, mis))
+        what = f"W={W}"
+        assert_close(p, p_ref, dtype, rtol=rt, atol=at / max(1, K ** 0.5), what=what)
+        ph = to_host(p).astype(np.float64)
+        assert np.isfinite(ph).all(), what
+        assert (ph[:, :, ~keep] == 0).all(), f"{what}: keys outside the window must be 0"
+        if mask_kind is not None:
+            assert (ph[-1] == 0).all(), f"{what}: an all-masked batch must be zeros"
+        if W >= K:
+            p0 = ck.attn_softmax(device_copy(s, mis), key_mask=dmask, causal=True, scale=scale,
+                                 out=poisoned(shape, dtype, mis))
+            assert np.array_equal(to_host(p0).view(np.uint8), to_host(p).view(np.uint8)), \
+                f"{what}: W >= k_len must equal no window bit for bit"
+    # the backward needs nothing new (probs outside the window are 0): one check on the last window's probs
+    W = max(1, K // 2)
+    p = ck.attn_softmax(device_copy(s, mis), key_mask=dmask, causal=True, scale=scale, window=W)
+    dp = randn(rng, shape, dtype)
+    ds = ck.attn_softmax_backward(p, device_copy(dp, mis), scale=scale, out=poisoned(shape, dtype, mis))
+    assert_close(ds, ck.attn_softmax_backward(to_host(p), dp, scale=scale), dtype, what="dscores")
+    assert (to_host(ds).astype(np.float64)[:, :, ~window_keep(Q, K, W)] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_attn_window_in_place_large_magnitudes_and_capture(rng, dtype):
+    """out=scores in place with a window (every thread reads its packs before writing them; packs before the
+    window are written zeros, never read), large scores, and a captured graph."""
+    import cupy as cp
+
+    shape = (2, 4, 64, 4096)
+    s = randn(rng, shape, dtype, scale=1e3)
+    keep = rng.random((2, 4096)) > 0.2
+    p_ref = ck.attn_softmax(s, key_mask=keep, causal=True, scale=0.125, window=300)
+    sd, kd = device_copy(s), device_copy(keep)
+    p = ck.attn_softmax(sd, key_mask=kd, causal=True, scale=0.125, window=300, out=sd)
+    assert p is sd
+    rt, at = TOL[np.dtype(dtype)]
+    assert_close(p, p_ref, dtype, rtol=rt, atol=at / 64, what="in place")
+    sd, out = device_copy(s), cp.empty(shape, dtype)
+    ck.attn_softmax(sd, key_mask=kd, causal=True, scale=0.125, window=300, out=out)
+    st = cp.cuda.Stream(non_blocking=True)
+    with st:
+        st.begin_capture()
+        ck.attn_softmax(sd, key_mask=kd, causal=True, scale=0.125, window=300, out=out)
+        g = st.end_capture()
+    out.fill(np.nan)
+    g.launch(st)
+    st.synchronize()
+    assert_close(out, p_ref, dtype, rtol=rt, atol=at / 64, what="graph replay")

@@ -6,11 +6,18 @@ forward, fwd+bwd 3.5x). The "x cupy" column is the mma.sync kernels (ck.flash_at
 ck.flash_attention_backward, attention.cu) on the same inputs, the "x torch" column PyTorch's
 scaled_dot_product_attention (cuDNN / flash backend) on the same [B, T, H, D] views, timed in the same run
 ("fwd+bwd": SDPA's forward + autograd backward).
+
+Sliding-window rows (not in --quick): cases/attention.py's window_cases on these kernels, at WINDOWED: each shape
+causal without and with the window; the windowed rows' "x cupy" is the no-window call, "x torch" FlexAttention.
 """
 import math
 
 import cukernels as ck
 from bench_ops import Case
+from cases.attention import window_cases
+
+# (B, T, H, Hkv, D, window): Mistral-7B's heads and window at 8192 tokens, and head_dim 64 (the fused backward)
+WINDOWED = [(2, 8192, 32, 8, 128, 4096), (2, 8192, 32, 8, 64, 4096)]
 
 # (B, T, H, Hkv, D, causal): the issue-17 targets (LLaMA-3.2-1B training shape, a long sequence), 128-wide heads,
 # and the full (non-causal) mask.
@@ -23,6 +30,8 @@ def cases(ctx):
 
     if not A90.supported():
         return []
+    if ctx.group == "window":  # (bench_ops.py --group window)
+        return window_cases(ctx, "flash_attention_sm90", _fwd, _bwd, shapes=WINDOWED)
     cp, torch = ctx.cp, ctx.torch
     out = []
     for Bsz, T, H, Hkv, D, causal in (SHAPES[:2] if ctx.quick else SHAPES):
@@ -92,4 +101,18 @@ def cases(ctx):
                         mma_b, None, note="x cupy = mma.sync bwd", extra=dict(nsets=k_), flops=2.5 * f_fwd))
         out.append(Case("flash_attention_sm90 fwd+bwd", shape, "bf16", 3 * per_set, "fwd + bwd (wgmma)", ours_fb,
                         mma_fb, tfb, note="x cupy = mma.sync fwd+bwd", extra=dict(nsets=k_), flops=3.5 * f_fwd))
+    if not ctx.quick:
+        out += window_cases(ctx, "flash_attention_sm90", _fwd, _bwd, shapes=WINDOWED)
     return out
+
+
+def _fwd(q, k, v, window):
+    from cukernels.ops import attention_sm90 as A90
+
+    return A90.flash_attention_sm90(q, k, v, causal=True, window=window, return_lse=True)
+
+
+def _bwd(do, q, k, v, o, lse, window):
+    from cukernels.ops import attention_sm90 as A90
+
+    return A90.flash_attention_backward_sm90(do, q, k, v, o, lse, causal=True, window=window)

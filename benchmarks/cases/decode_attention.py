@@ -6,7 +6,13 @@ at B1 len384/384 force the split count (1: no combine; 2, 3) against the model's
 the A/B that calibrates decode_attention.py's split-count model (NOTES "Decode attention in one kernel").
 
 Memory-bound: the bytes are the valid K and V rows read once, 2 * B * cache_len * Hkv * D * 2, plus q and o
-(B * H * D * 2 each). "x cupy": the materialised path on the same cache slice (grouped GEMM, softmax, GEMM in
+(B * H * D * 2 each); with a sliding window W only the window's rows, 2 * B * min(cache_len, W) * Hkv * D * 2.
+
+Sliding windows (issue 37: Mistral, Qwen's "sliding_attention" layers): B1 / B8, 32 / 8 heads, D 128 (Mistral-7B's
+attention), a full 32768-row cache with W = 4096 against no window ("w4096" rows): the split plan divides the
+window, so the windowed row reads 1/8 of the bytes (NOTES.md "decode_attention": the prediction). Their "x torch"
+runs SDPA on the window's slice of the cache, [cache_len - W, cache_len) -- what a sliding-window cache holds --
+and "x cupy" the composite on that slice. "x cupy": the materialised path on the same cache slice (grouped GEMM, softmax, GEMM in
 CuPy); "x torch": PyTorch's scaled_dot_product_attention on the [:cache_len] slice (what a static-cache
 decode step runs). The length lives on the device, as in a captured decode step. The B1 rows' K/V (0.26-4.2 MB
 a set, at most 8 sets) stay in the 60 MB L2 between calls: an L2 figure, where the decode step reads DRAM.
@@ -33,37 +39,43 @@ from cukernels.ops.decode_attention import (decode_attention, decode_attention_r
                                              rope_kv_write)
 
 L_MAX = 2304
-# (batch, cache_len, max_len, H, Hkv, D, forced splits or None)
+# (batch, cache_len, max_len, H, Hkv, D, forced splits or None[, window])
 STEP = [(1, 128, 384, 32, 8, 64, None), (1, 384, 384, 32, 8, 64, None)] + \
        [(1, 384, 384, 32, 8, 64, s) for s in (1, 2, 3)]
 SHAPES = STEP + [(B, L, L_MAX, H, Hkv, 64, None) for (H, Hkv) in ((32, 8), (12, 12)) for B in (1, 8, 64)
                  for L in (128, 2048)]
-QUICK = STEP + [s for s in SHAPES[len(STEP):] if s[0] == 8 or (s[0] == 1 and s[3:5] == (32, 8))]
+WINDOW_SHAPES = [(B, 32768, 32768, 32, 8, 128, None, W) for B in (1, 8) for W in (None, 4096)]
+QUICK = STEP + [s for s in SHAPES[len(STEP):] if s[0] == 8 or (s[0] == 1 and s[3:5] == (32, 8))] + WINDOW_SHAPES[:2]
+SHAPES = SHAPES + WINDOW_SHAPES
 
 
 def cases(ctx):
     cp, torch = ctx.cp, ctx.torch
     out = []
-    for Bsz, L, Lmax, H, Hkv, D, forced in (QUICK if ctx.quick else SHAPES):
+    shapes = WINDOW_SHAPES if ctx.group == "window" else QUICK if ctx.quick else SHAPES  # (--group window)
+    for Bsz, L, Lmax, H, Hkv, D, forced, *win in shapes:
+        W = win[0] if win else None
+        lo = 0 if W is None else max(0, L - W)  # the rows the one new token sees: [lo, L)
         G = H // Hkv
         r = lambda *s: cp.random.standard_normal(s, dtype=cp.float32).astype(ck.bfloat16)  # noqa: E731
-        k_ = ctx.nsets(2 * Bsz * L * Hkv * D * 2)
+        k_ = ctx.nsets(2 * Bsz * (L - lo) * Hkv * D * 2)
         qs = [r(Bsz, 1, H, D) for _ in range(k_)]
         kc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
         vc = [r(Bsz, Lmax, Hkv, D) for _ in range(k_)]
         length = cp.array(L, dtype=cp.int32)
-        ws = decode_attention_workspace(qs[0], kc[0], num_splits=forced)
+        ws = decode_attention_workspace(qs[0], kc[0], num_splits=forced, window=W)
         os_ = [cp.empty_like(q) for q in qs]
         scale = 1.0 / math.sqrt(D)
-        splits = _splits(Bsz, Hkv, D, Lmax, G, 1, None, forced)
+        splits = _splits(Bsz, Hkv, D, Lmax, G, 1, None, forced, W)
 
-        def ours(i, qs=qs, kc=kc, vc=vc, length=length, ws=ws, os_=os_, forced=forced):
-            return decode_attention(qs[i], kc[i], vc[i], length, out=os_[i], workspace=ws, num_splits=forced)
+        def ours(i, qs=qs, kc=kc, vc=vc, length=length, ws=ws, os_=os_, forced=forced, W=W):
+            return decode_attention(qs[i], kc[i], vc[i], length, out=os_[i], workspace=ws, num_splits=forced,
+                                    window=W)
 
-        def comp(i, qs=qs, kc=kc, vc=vc, Bsz=Bsz, L=L, H=H, Hkv=Hkv, G=G, D=D, scale=scale):
+        def comp(i, qs=qs, kc=kc, vc=vc, Bsz=Bsz, L=L, lo=lo, H=H, Hkv=Hkv, G=G, D=D, scale=scale):
             q = qs[i].reshape(Bsz, Hkv, G, D).astype(cp.float32)
-            k = kc[i][:, :L].transpose(0, 2, 3, 1).astype(cp.float32)  # [B, Hkv, D, L]
-            v = vc[i][:, :L].transpose(0, 2, 1, 3).astype(cp.float32)  # [B, Hkv, L, D]
+            k = kc[i][:, lo:L].transpose(0, 2, 3, 1).astype(cp.float32)  # [B, Hkv, D, L - lo]
+            v = vc[i][:, lo:L].transpose(0, 2, 1, 3).astype(cp.float32)  # [B, Hkv, L - lo, D]
             s = cp.matmul(q, k) * scale
             p = cp.exp(s - s.max(-1, keepdims=True))
             return (cp.matmul(p / p.sum(-1, keepdims=True), v)).astype(ck.bfloat16)
@@ -73,18 +85,22 @@ def cases(ctx):
             import torch.nn.functional as Fn
 
             tq = [ctx.t(q).transpose(1, 2) for q in qs]                    # [B, H, 1, D]
-            tk = [ctx.t(k)[:, :L].transpose(1, 2) for k in kc]             # [B, Hkv, L, D] views
-            tv = [ctx.t(v)[:, :L].transpose(1, 2) for v in vc]
+            tk = [ctx.t(k)[:, lo:L].transpose(1, 2) for k in kc]           # [B, Hkv, L - lo, D] views
+            tv = [ctx.t(v)[:, lo:L].transpose(1, 2) for v in vc]
 
             def tf(i, tq=tq, tk=tk, tv=tv):
                 with torch.no_grad():
                     return Fn.scaled_dot_product_attention(tq[i], tk[i], tv[i], enable_gqa=True)
 
-        nbytes = 2 * Bsz * L * Hkv * D * 2 + 2 * Bsz * H * D * 2
-        live = -(-L // (-(-(-(-L // splits)) // 64) * 64)) if L else 1  # splits holding keys at this length
+        nbytes = 2 * Bsz * (L - lo) * Hkv * D * 2 + 2 * Bsz * H * D * 2
+        n = L - lo  # keys scanned: the window's with one
+        live = -(-n // (-(-(-(-n // splits)) // 64) * 64)) if n else 1  # splits holding keys at this length
         note = f"{'forced ' if forced else ''}splits={splits} ({live} live), one launch"
-        out.append(Case("decode_attention", f"B{Bsz} len{L}/{Lmax} {H}/{Hkv}x{D}" + (f" s{forced}" if forced else ""),
-                        "bf16", nbytes, "2*B*len*Hkv*D*2 + q,o", ours, comp if forced is None else None, tf,
+        if W is not None:
+            note += f"; window {W}: rows [{lo}, {L}) read"
+        out.append(Case("decode_attention", f"B{Bsz} len{L}/{Lmax} {H}/{Hkv}x{D}" + (f" s{forced}" if forced else "")
+                        + (f" w{W}" if W is not None else ""),
+                        "bf16", nbytes, "2*B*min(len,W)*Hkv*D*2 + q,o", ours, comp if forced is None else None, tf,
                         note=note, extra=dict(nsets=k_)))
     out += _rope_kv_cases(ctx)
     out += _fused_cases(ctx)

@@ -12,6 +12,7 @@ SOFTMAX_SHAPES = [(131072, 1024), (1 << 22, 1), (1 << 19, 128), (65536, 1000), (
                   (1024, 65536), (512, 131072)]
 ATTN_SHAPE = (4, 32, 1024, 1024)
 SCALE = 0.125
+WINDOW = 256  # the sliding-window row (causal): query i reads min(i + 1, WINDOW) keys, writes all k_len
 
 
 def _softmax_cases(ctx, dt, dn, N, C):
@@ -94,6 +95,7 @@ def _attn_cases(ctx, dt, dn):
     outs = [cp.empty_like(s) for s in ss]
     ps = [ck.attn_softmax(s, key_mask=keep, scale=SCALE) for s in ss]
     causal_keep = cp.tril(cp.ones((Q, K), dtype=cp.bool_), K - Q)
+    window_keep = causal_keep & ~cp.tril(cp.ones((Q, K), dtype=cp.bool_), K - Q - WINDOW)
 
     def comp(i, keep4, ss=ss, dt=dt):
         z = cp.where(keep4, ss[i].astype(cp.float32) * SCALE, -cp.inf)
@@ -106,12 +108,13 @@ def _attn_cases(ctx, dt, dn):
         p, g = ps[i].astype(cp.float32), dps[i].astype(cp.float32)
         return (SCALE * p * (g - (g * p).sum(-1, keepdims=True))).astype(dt)
 
-    t_mask = t_causal = t_none = tb = None
+    t_mask = t_causal = t_window = t_none = tb = None
     if torch is not None:
         ts, tp, tdp = [ctx.t(s) for s in ss], [ctx.t(p) for p in ps], [ctx.t(d) for d in dps]
         tkeep = torch.as_tensor(keep, device="cuda")
         tdrop = ~tkeep[:, None, None, :]
         tcausal_drop = ~torch.as_tensor(causal_keep, device="cuda")
+        twindow_drop = ~torch.as_tensor(window_keep, device="cuda")
 
         def t_none(i, ts=ts):
             return torch.softmax(ts[i] * SCALE, -1)
@@ -122,12 +125,16 @@ def _attn_cases(ctx, dt, dn):
         def t_causal(i, ts=ts):
             return torch.softmax((ts[i] * SCALE).masked_fill(tcausal_drop, float("-inf")), -1)
 
+        def t_window(i, ts=ts):
+            return torch.softmax((ts[i] * SCALE).masked_fill(twindow_drop, float("-inf")), -1)
+
         def tb(i, tp=tp, tdp=tdp):
             return torch._softmax_backward_data(tdp[i], tp[i], -1, tp[i].dtype) * SCALE
 
     shape = "x".join(map(str, ATTN_SHAPE))
     io = 2 * N * K * sz
     causal_read = Bn * H * (Q * (K - Q) + Q * (Q + 1) // 2) * sz
+    window_read = Bn * H * sum(min(i + K - Q + 1, WINDOW) for i in range(Q)) * sz
     return [
         Case("attn_softmax fwd", shape, dn, io, "2*N*K*s",
              lambda i, ss=ss, outs=outs: ck.attn_softmax(ss[i], scale=SCALE, out=outs[i]),
@@ -139,6 +146,11 @@ def _attn_cases(ctx, dt, dn):
              lambda i, ss=ss, outs=outs: ck.attn_softmax(ss[i], causal=True, scale=SCALE, out=outs[i]),
              lambda i: comp(i, causal_keep), t_causal, extra=dict(nsets=k),
              note="reads only the live keys"),
+        Case(f"attn_softmax fwd window {WINDOW}", shape, dn, window_read + N * K * sz,
+             "B*H*sum_i min(i+K-Q+1, W)*s + N*K*s",
+             lambda i, ss=ss, outs=outs: ck.attn_softmax(ss[i], causal=True, scale=SCALE, window=WINDOW, out=outs[i]),
+             lambda i: comp(i, window_keep), t_window, extra=dict(nsets=k),
+             note="reads only the keys in each query's window"),
         Case("attn_softmax bwd", shape, dn, 3 * N * K * sz, "3*N*K*s",
              lambda i, ps=ps, dps=dps, outs=outs: ck.attn_softmax_backward(ps[i], dps[i], scale=SCALE, out=outs[i]),
              comp_bwd, tb, extra=dict(nsets=k)),

@@ -1,6 +1,6 @@
 """Softmax as autograd Functions: :func:`softmax` (``SoftmaxF``: ``ck.softmax``) and the attention-score softmax
-:func:`attn_softmax` (``AttnSoftmaxF``: ``ck.attn_softmax``, scale + causal / key masks): ops/softmax.py,
-kernels_cu/softmax.cu.
+:func:`attn_softmax` (``AttnSoftmaxF``: ``ck.attn_softmax``, scale + causal / sliding-window / key masks):
+ops/softmax.py, kernels_cu/softmax.cu.
 """
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ class SoftmaxF(Function):
 
 
 class AttnSoftmaxF(Function):
-    """``softmax(scale * scores + mask)`` over the last axis of [B, H, Tq, Tk] scores (ck.attn_softmax)."""
+    """``softmax(scale * scores + mask)`` over the last axis of [B, H, Tq, Tk] scores (ck.attn_softmax). The
+    backward needs nothing of the masks: keys they (or the causal diagonal, or the window) drop have probs 0, so
+    ``dscores = scale * p * (g - sum(g * p))`` is 0 there."""
 
     @staticmethod
-    def forward(ctx, scores, key_mask=None, causal=False, scale=1.0):
-        p = _attn_sm(scores, key_mask=key_mask, causal=causal, scale=scale)
+    def forward(ctx, scores, key_mask=None, causal=False, scale=1.0, window=None):
+        p = _attn_sm(scores, key_mask=key_mask, causal=causal, scale=scale, window=window)
         ctx.save_for_backward(p)
         ctx.scale = scale
         return p
@@ -39,7 +41,7 @@ class AttnSoftmaxF(Function):
     @staticmethod
     def backward(ctx, g):
         (p,) = ctx.saved_tensors
-        return _attn_sm_bwd(p, _contig(g, p.dtype), scale=ctx.scale), None, None, None
+        return _attn_sm_bwd(p, _contig(g, p.dtype), scale=ctx.scale), None, None, None, None
 
 
 def softmax(x, fused=True):
@@ -53,18 +55,23 @@ def softmax(x, fused=True):
     return cast(div(e, sum(e, axis=-1, keepdims=True)), dt)
 
 
-def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, fused=True):
+def attn_softmax(scores, *, causal=False, scale=1.0, key_mask=None, window=None, fused=True):
     """softmax(scale * scores) over [B, H, Tq, Tk] with a causal mask aligned at the end (query i sees keys
-    <= i + Tk - Tq) and an optional boolean key mask [B, Tk] (True = keep). Fully masked rows give zeros."""
+    <= i + Tk - Tq), with ``window`` W (causal only) also only keys > i + Tk - Tq - W (at most W keys, itself
+    included), and an optional boolean key mask [B, Tk] (True = keep). Fully masked rows give zeros."""
     if fused:
-        return AttnSoftmaxF.apply(scores, key_mask, causal, scale)
+        return AttnSoftmaxF.apply(scores, key_mask, causal, scale, window)
     s = _data(scores)
     xp, (Tq, Tk) = _xp(s), s.shape[-2:]
     dt = s.dtype
+    window = B.check_window(window, causal)
     x = mul(cast(scores, np.float32) if dt == B.bfloat16 else scores, scale)
     drop = None
     if causal:
-        drop = xp.arange(Tk)[None, :] > (xp.arange(Tq)[:, None] + (Tk - Tq))
+        pos = xp.arange(Tq)[:, None] + (Tk - Tq)
+        drop = xp.arange(Tk)[None, :] > pos
+        if window is not None:
+            drop = drop | (pos - xp.arange(Tk)[None, :] >= window)
     if key_mask is not None:
         km = ~key_mask.astype(bool)[:, None, None, :]
         drop = km if drop is None else (drop | km)

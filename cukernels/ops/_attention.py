@@ -122,6 +122,14 @@ def _check_key_mask(key_mask, xp, Bsz, Tk):
     return np.int64(key_mask.strides[0] // isz), np.int32(isz)
 
 
+def check_window(window, causal, Tk):
+    """``window`` of a call (``_backend.check_window``: None or an int >= 1 that needs ``causal=True``). Returns the
+    W the kernels take, or None when there is none or when W >= seq_k: a query then already sees at most seq_k <= W
+    keys, so the window hides nothing and the plain kernels run (bit for bit the no-window result)."""
+    window = B.check_window(window, causal)
+    return window if window is not None and window < Tk else None
+
+
 def gqa_shapes(q, k, v, head_dims, *, k_name="k", v_name="v", len_name="seq_k", d_hint=""):
     """``(batch, q_len, heads, head_dim, k_len, kv_heads)`` of grouped-query attention operands laid out
     [batch, len, heads, head_dim], checked: head_dim in ``head_dims``, k [batch, k_len, kv_heads, head_dim] with
@@ -150,16 +158,19 @@ def _validate(q, k, v, causal, scale):
     return Bsz, Tq, Tk, H, Hkv, D, B.check_bool("causal", causal), _check_scale(scale, D)
 
 
-def _ref_probs(q, k, causal, scale, key_mask=None):
+def _ref_probs(q, k, causal, scale, key_mask=None, window=None):
     """NumPy path: fp32 scores [B, H, Tq, Tk] with the masks applied (-inf), and lse [B, H, Tq] (-inf for a row
-    that sees no key)."""
+    that sees no key). ``window`` W (causal): query i sees key n iff ``i + Tk - Tq - W < n <= i + Tk - Tq``."""
     Bsz, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     qf = q.astype(np.float32).transpose(0, 2, 1, 3)
     kf = np.repeat(k.astype(np.float32).transpose(0, 2, 1, 3), H // Hkv, axis=1)
     s = np.matmul(qf, kf.transpose(0, 1, 3, 2)) * np.float32(scale)
     if causal:
-        vis = np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + (Tk - Tq)
+        back = np.arange(Tq)[:, None] + (Tk - Tq) - np.arange(Tk)[None, :]  # how far key n lies behind query i
+        vis = back >= 0
+        if window is not None:
+            vis &= back < window
         s = np.where(vis, s, np.float32(-np.inf))
     if key_mask is not None:
         s = np.where((key_mask != 0)[:, None, None, :], s, np.float32(-np.inf))
@@ -170,11 +181,11 @@ def _ref_probs(q, k, causal, scale, key_mask=None):
     return s, lse[..., 0]
 
 
-def reference_forward(q, k, v, causal, scale, key_mask, o):
+def reference_forward(q, k, v, causal, scale, key_mask, o, window=None):
     """NumPy: the attention output into ``o`` (bf16, q's shape); returns lse [B, H, Tq] (-inf for a row that sees no
-    key). ``scale`` the float32 of :func:`_validate`."""
+    key). ``scale`` the float32 of :func:`_validate`, ``window`` that of :func:`check_window`."""
     H, Hkv = q.shape[2], k.shape[2]
-    s, lse = _ref_probs(q, k, causal, scale, key_mask)
+    s, lse = _ref_probs(q, k, causal, scale, key_mask, window)
     with np.errstate(invalid="ignore"):
         p = np.where(np.isfinite(lse)[..., None], np.exp(s - lse[..., None]), 0).astype(np.float32)
     vf = np.repeat(v.astype(np.float32).transpose(0, 2, 1, 3), H // Hkv, axis=1)
@@ -182,7 +193,7 @@ def reference_forward(q, k, v, causal, scale, key_mask, o):
     return lse
 
 
-def reference_backward(dout, q, k, v, out, lse, causal, scale, key_mask, grads_out, rope):
+def reference_backward(dout, q, k, v, out, lse, causal, scale, key_mask, grads_out, rope, window=None):
     """NumPy: ``(dq, dk, dv)`` of ``flash_attention_backward`` (the inputs past :func:`_check_saved`): ``grads_out``
     checked and filled when given, the rope's backward applied to dq and dk when ``rope`` is given."""
     Bsz, Tq, H, D = q.shape
@@ -192,7 +203,7 @@ def reference_backward(dout, q, k, v, out, lse, causal, scale, key_mask, grads_o
     if grads_out is not None:
         grads_out = check_grads_out(grads_out, q, k, np)
     G = H // Hkv
-    s, _ = _ref_probs(q, k, causal, scale, key_mask)
+    s, _ = _ref_probs(q, k, causal, scale, key_mask, window)
     lse_ = lse.astype(np.float32)[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(np.isfinite(lse_) & np.isfinite(s), np.exp(s - lse_), 0).astype(np.float32)

@@ -15,8 +15,8 @@ from .. import _backend as B
 from .._loader import get_function
 from ..settings import settings
 from . import _launch
-from ._attention import (_check_saved, _strides, _validate, check_grads_out, check_rope_grads, reference_backward,
-                         reference_forward)
+from ._attention import (_check_saved, _strides, _validate, check_grads_out, check_rope_grads, check_window,
+                         reference_backward, reference_forward)
 from .rope import rope_backward as _rope_backward
 
 FAMILY = "attention_sm90"
@@ -132,22 +132,31 @@ def grid(tiles: int, persistent_only: bool = False) -> int:
     return max(1, n)
 
 
-def _kernel(D, variant, kind="fwd"):
+def _kernel(D, variant, kind="fwd", window=None):
+    """The kernel and its dynamic shared memory; ``window``: the sliding-window twin (``..._d{D}_sw{variant}``: same
+    tiles and shared memory, the window as one more, last, argument)."""
+    sw = "_sw" if window else ""
     if kind == "fwd":
-        k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{variant}"), smem_bytes(D, variant)
+        k, smem = get_function(FAMILY, f"attn_sm90_fwd_d{D}{sw}{variant}"), smem_bytes(D, variant)
     else:
-        k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}{variant}"), bwd_smem_bytes(kind, D)
+        k, smem = get_function(FAMILY, f"attn_sm90_bwd_{kind}_d{D}{sw}{variant}"), bwd_smem_bytes(kind, D)
     return _launch.with_smem(k, smem), smem
 
 
+def _window_args(window):
+    """The *_sw kernels' last argument (the window, 1 <= W < seq_k: check_window), or none."""
+    return () if window is None else (np.int32(window),)
+
+
 @B.interop
-def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_lse=False):
+def flash_attention_sm90(q, k, v, *, causal=True, scale=None, window=None, out=None, return_lse=False):
     """Scaled-dot-product attention forward on Hopper's wgmma tensor-core path (bf16, fp32 softmax).
 
     ``o[b, i, h] = sum_n softmax_n(scale * <q[b, i, h], k[b, n, h // G]>) * v[b, n, h // G]`` with
-    ``G = heads / kv_heads``; ``causal=True`` masks key n for query i when ``n > i + seq_k - seq_q``. Same
-    contract as :func:`flash_attention` without ``key_mask``; the probabilities enter the second product rounded
-    to bf16, so the result matches an fp32 reference to bf16 accuracy.
+    ``G = heads / kv_heads``; ``causal=True`` masks key n for query i when ``n > i + seq_k - seq_q``, and
+    ``window=W`` also when ``i + seq_k - seq_q - n >= W`` (sliding window). Same contract as
+    :func:`flash_attention` without ``key_mask``; the probabilities enter the second product rounded to bf16, so
+    the result matches an fp32 reference to bf16 accuracy.
 
     Args:
         q: bfloat16 ``[batch, seq_q, heads, head_dim]``; head_dim 64 or 128.
@@ -155,6 +164,8 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
             place (last axis contiguous, pointer and other strides multiples of 16 bytes).
         causal: the causal mask (a bool).
         scale: the score multiplier, a finite number > 0; default ``1 / sqrt(head_dim)``.
+        window: None, or the sliding window W >= 1 (needs ``causal=True``; see :func:`flash_attention`): key tiles
+            outside every query's window are skipped.
         out: optional C-contiguous bfloat16 buffer of q's shape.
         return_lse: also return ``lse`` float32 ``[batch, heads, seq_q]`` (natural log; -inf for a query that
             sees no key), the input of :func:`flash_attention_backward`.
@@ -173,12 +184,13 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     xp = B.array_module(q=q, k=k, v=v, out=out)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
     return_lse = B.check_bool("return_lse", return_lse)
+    window = check_window(window, causal, Tk)
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention takes 32 too)")
     if xp is np:  # the NumPy reference is flash_attention's (same math, same lse)
         o = B.empty(xp, q.shape, B.bfloat16, out)
-        lse = reference_forward(q, k, v, causal, scale, None, o)
+        lse = reference_forward(q, k, v, causal, scale, None, o, window)
         return (o, lse) if return_lse else o
     _check_device()
     o = B.empty(xp, q.shape, B.bfloat16, out)
@@ -188,12 +200,14 @@ def flash_attention_sm90(q, k, v, *, causal=True, scale=None, out=None, return_l
     if Bsz * H * Tq == 0:
         return (o, lse) if return_lse else o
     sq, sk, sv = _strides("q", q), _strides("k", k), _strides("v", v)
-    var = fwd_variant(D, seq_k=Tk, causal=causal)
-    kern, smem = _kernel(D, var)
+    # A window leaves each query tile a loop of ~W keys: the auto policy picks by that length (unmeasured for
+    # windows; benchmarks/NOTES.md, "flash_attention")
+    var = fwd_variant(D, seq_k=Tk if window is None else window, causal=causal)
+    kern, smem = _kernel(D, var, window=window)
     *_, rows, threads = fwd_shape(D, var)
     kern((grid(-(-Tq // rows) * H * Bsz),), (threads, 1, 1),
          (q, k, v, o, lse, *sq, *sk, *sv, np.int32(Tq), np.int32(Tk), np.int32(H), np.int32(Hkv), scale,
-          np.bool_(causal), np.int32(Bsz)), shared_mem=smem)
+          np.bool_(causal), np.int32(Bsz), *_window_args(window)), shared_mem=smem)
     return (o, lse) if return_lse else o
 
 
@@ -205,7 +219,8 @@ def _check_device():
 
 
 @B.interop
-def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None, grads_out=None, rope=None):
+def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale=None, window=None, grads_out=None,
+                                  rope=None):
     """Gradients of :func:`flash_attention_sm90` (or of :func:`flash_attention` without key_mask) on Hopper's wgmma
     path: ``(dq, dk, dv)``.
 
@@ -217,7 +232,7 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
 
     Args:
         dout: bfloat16 like ``q`` (strided views allowed, as for q).
-        q, k, v, causal, scale: exactly as passed to the forward; head_dim 64 or 128.
+        q, k, v, causal, scale, window: exactly as passed to the forward; head_dim 64 or 128.
         out, lse: the forward's ``o`` (C-contiguous) and ``lse`` (float32 ``[batch, heads, seq_q]``, C-contiguous).
 
         grads_out: optional ``(dq, dk, dv)`` buffers the kernels store into (see ``flash_attention_backward``;
@@ -230,16 +245,17 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     """
     xp = B.array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     Bsz, Tq, Tk, H, Hkv, D, causal, scale = _validate(q, k, v, causal, scale)
+    window = check_window(window, causal, Tk)
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head_dim must be one of {HEAD_DIMS} for the wgmma kernels; got {D} "
                          f"(flash_attention_backward takes 32 too)")
     _check_saved(dout, q, out, lse, Bsz, H, Tq)
     if xp is np:  # the NumPy reference is flash_attention_backward's
-        return reference_backward(dout, q, k, v, out, lse, causal, scale, None, grads_out, rope)
+        return reference_backward(dout, q, k, v, out, lse, causal, scale, None, grads_out, rope, window)
     if rope is not None and rope[2] is not None and rope[2].dtype != np.int32:  # int64 positions: the rope after
         rope = check_rope_grads(rope, Bsz, Tq, Tk, D, xp)
         dq, dk, dv = flash_attention_backward_sm90(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                                   grads_out=grads_out)
+                                                   window=window, grads_out=grads_out)
         for g in (dq, dk):
             _rope_backward(g, rope[0], rope[1], positions=rope[2], out=g)
         return dq, dk, dv
@@ -264,10 +280,10 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
     rt = _rope_args(rope, Bsz, Tq, Tk, D)
     if D in FUSED_DQ_DIMS and settings.attention_sm90_bwd_dq == "fused":
         _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, tail, rt, Bsz, Tq, Tk, H, Hkv,
-                        D, scale, xp)
+                        D, scale, xp, window)
     else:
         _backward_two_kernels(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, tail, rt, Bsz, Tq, Tk,
-                              H, Hkv, D)
+                              H, Hkv, D, window)
     if copy_kv is not None:
         copy_kv[0][...] = dk
         copy_kv[1][...] = dv
@@ -276,25 +292,26 @@ def flash_attention_backward_sm90(dout, q, k, v, out, lse, *, causal=True, scale
 
 
 def _backward_two_kernels(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, tail, rt, Bsz, Tq, Tk, H,
-                          Hkv, D):
+                          Hkv, D, window=None):
     """dq kernel (writes delta), then dkdv: seven products a (query tile, key tile) pair."""
     if Tq:
-        kq, smq = _kernel(D, settings.attention_sm90_bwd_variant, "dq")
+        kq, smq = _kernel(D, settings.attention_sm90_bwd_variant, "dq", window)
         kq((grid(-(-Tq // BM) * H * Bsz),), (THREADS, 1, 1),
-           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq), *rt),
-           shared_mem=smq)
+           (q, k, v, out, dout, lse, delta, dq, *sq, *sk, *sv, *sd, *tail, *_strides("dq", dq), *rt,
+            *_window_args(window)), shared_mem=smq)
     if Tk:
-        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdv")
+        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdv", window)
         kd((grid(-(-Tk // BM) * Hkv * Bsz),), (THREADS, 1, 1),
-           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt),
-           shared_mem=smd)
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt,
+            *_window_args(window)), shared_mem=smd)
 
 
 def _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, tail, rt, Bsz, Tq, Tk, H, Hkv, D,
-                    scale, xp):
+                    scale, xp, window=None):
     """delta kernel, dkdvq (five products a pair; dq summed into an fp32 accumulator in key-tile order), then the
     accumulator to dq. Workspace: dq_acc, fp32 [B, H, ceil(Tq / 64) * 64, D] (67 MB at B8 x T1024 x H32 x D64),
-    and one int32 semaphore per (b, h, 64-query tile), zeroed here (memsetAsync)."""
+    and one int32 semaphore per (b, h, 64-query tile), zeroed here (memsetAsync). Under a sliding window the
+    semaphores count from the first key tile that sees their query tile (the kernel's jr)."""
     if Tq == 0:
         return
     nqb = -(-Tq // FUSED_BQ)
@@ -306,10 +323,10 @@ def _backward_fused(q, k, v, out, dout, lse, delta, dq, dk, dv, sq, sk, sv, sd, 
                                                      (out, dout, delta, *sd, np.int32(Tq), np.int32(H),
                                                       np.int32(Bsz)))
     if Tk:
-        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdvq")
+        kd, smd = _kernel(D, settings.attention_sm90_bwd_variant, "dkdvq", window)
         kd((grid(-(-Tk // BM) * Hkv * Bsz, persistent_only=True),), (THREADS, 1, 1),
-           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt, acc, sem),
-           shared_mem=smd)
+           (q, k, v, dout, lse, delta, dk, dv, *sq, *sk, *sv, *sd, *tail, *_strides("dk", dk), *rt, acc, sem,
+            *_window_args(window)), shared_mem=smd)
     get_function(FAMILY, f"attn_sm90_bwd_dq_convert_d{D}")((-(-rows * (D // 8) // threads),), (threads, 1, 1),
                                                           (acc, sem, dq, *_strides("dq", dq), np.int32(Tq),
                                                            np.int32(H), np.int32(Bsz), scale, *rt))

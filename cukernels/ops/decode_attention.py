@@ -70,8 +70,26 @@ def _is_int(v):
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
-def _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits):
-    """key_mask, scale and num_splits of decode_attention / decode_attention_rope; returns the scale (fp32)."""
+NO_WINDOW = 2**31 - 1  # the kernels' "no sliding window" (DArgs::window): every key n <= p_t is within it
+
+
+def _span(Lmax, Tq, window):
+    """The most keys one launch scans per (batch, K/V head): max_len, or with a sliding window W the W + Tq - 1
+    positions from the first query's window start to the last query (fewer when max_len is shorter). The split
+    plan, the key_mask split floor and the workspace size follow this, not max_len."""
+    return Lmax if window is None else min(Lmax, window + Tq - 1)
+
+
+def _window_arg(window, Lmax):
+    """The kernels' window argument: NO_WINDOW for None and for W >= max_len (no position p < max_len has a key
+    p - n >= W, so those launches are exactly the unwindowed ones), else W."""
+    return np.int32(NO_WINDOW if window is None or window >= Lmax else window)
+
+
+def _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits, span=None):
+    """key_mask, scale and num_splits of decode_attention / decode_attention_rope; returns the scale (fp32).
+    ``span``: the keys a launch scans at most (:func:`_span`; default max_len)."""
+    span = Lmax if span is None else span
     if key_mask is not None:
         if key_mask.dtype not in MASK_DTYPES:
             raise TypeError(f"key_mask: expected a bool or integer dtype (nonzero = keep); got {key_mask.dtype}")
@@ -91,13 +109,14 @@ def _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits):
         if int(num_splits) < 1:
             raise ValueError(f"num_splits: expected an int >= 1 or None; got {num_splits!r}")
         B.check_size("num_splits", num_splits)  # (a kernel argument: at most 2**31 - 1)
-        if key_mask is not None and -(-Lmax // int(num_splits)) > MASK_CHUNK:
+        if key_mask is not None and -(-span // int(num_splits)) > MASK_CHUNK:
+            what = f"max_len {Lmax}" if span == Lmax else f"a window of {span} keys"
             raise ValueError(f"num_splits: with key_mask a split covers at most {MASK_CHUNK} keys: need "
-                             f">= {-(-Lmax // MASK_CHUNK)} splits for max_len {Lmax}; got {int(num_splits)}")
+                             f">= {-(-span // MASK_CHUNK)} splits for {what}; got {int(num_splits)}")
     return scale
 
 
-def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
+def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits, window=None):
     _check_4d("q", q, "[batch, new_tokens, heads, head_dim]")
     _check_4d("k_cache", k_cache, "[batch, max_len, kv_heads, head_dim]")
     _check_4d("v_cache", v_cache, "[batch, max_len, kv_heads, head_dim]")
@@ -106,7 +125,7 @@ def _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits):
     if Lmax >= 2**31:
         raise ValueError(f"k_cache: max_len must be < 2**31; got {Lmax}")
     _check_cache_len(cache_len, Lmax)
-    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits)
+    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits, _span(Lmax, Tq, window))
     return Bsz, Tq, H, Hkv, D, Lmax, scale
 
 
@@ -155,17 +174,28 @@ def _choose_splits(units, Lmax, stage, stage_bytes, sms, per_sm, min_splits=1):
     return best
 
 
-def _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits):
-    """Key splits per (batch, K/V head): ``num_splits`` when given, else the model's choice from max_len (the
-    current length lives on the device); with key_mask at least ceil(max_len / MASK_CHUNK)."""
+def _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits, window=None):
+    """Key splits per (batch, K/V head): ``num_splits`` when given, else the model's choice from the longest key
+    range a launch scans (max_len, or with a sliding window min(max_len, window + Tq - 1): the current length
+    lives on the device, the window start is computed there); with key_mask at least ceil(that / MASK_CHUNK).
+    A 4096-key window over a 32768-row cache plans for 4096 keys: its splits divide the window, not the cache."""
     if num_splits is not None:
         return int(num_splits)
+    span = _span(Lmax, Tq, window)
     mtb, rg = _row_tiles(G, Tq)
     stage = (4 // mtb) * BN
     k, smem = _split_kernel(D, mtb)
     per_sm = B.blocks_per_sm(k, THREADS, smem)
-    min_s = -(-Lmax // MASK_CHUNK) if key_mask is not None else 1
-    return _choose_splits(max(1, Bsz * Hkv * rg), Lmax, stage, stage * D * 2 * 2, B.sm_count(), per_sm, min_s)
+    plan = functools.partial(_choose_splits, max(1, Bsz * Hkv * rg), stage=stage, stage_bytes=stage * D * 2 * 2,
+                             sms=B.sm_count(), per_sm=per_sm)
+    s = plan(span, min_splits=-(-span // MASK_CHUNK) if key_mask is not None else 1)
+    if span < Lmax:
+        # At most the unwindowed plan: the model is not monotone in the key count (4418 keys can take fewer
+        # splits than 4096), and a workspace made without ``window`` (one buffer for a model's full and sliding
+        # layers) must hold every windowed launch of those shapes. Modelled cost <= 2.5 % over D 32-128, 1-256
+        # (b, K/V head) units, max_len 512-131072, windows 128-8192.
+        s = min(s, plan(Lmax, min_splits=-(-Lmax // MASK_CHUNK) if key_mask is not None else 1))
+    return s
 
 
 def _partial_elems(Bsz, Hkv, G, Tq, D, splits):
@@ -173,12 +203,18 @@ def _partial_elems(Bsz, Hkv, G, Tq, D, splits):
     return 0 if splits == 1 else Bsz * Hkv * splits * G * Tq * (D + 2)
 
 
+def _counter_elems(Bsz, Hkv, G, Tq):
+    """The int32 counters at the start of the workspace, one per (batch, K/V head, row group), padded to a
+    multiple of 4 (the partials after them are read as 16-byte float4)."""
+    return -(-Bsz * Hkv * _row_tiles(G, Tq)[1] // 4) * 4
+
+
 def _workspace_elems(Bsz, Hkv, G, Tq, D, splits):
-    """The partials plus one int32 counter per (batch, K/V head, row group) at the end (4 bytes each, as a
-    float32 element); 0 with one split."""
+    """The counters (4 bytes each, as float32 elements; first, at a place no split count moves) plus the
+    partials; 0 with one split."""
     if splits == 1:
         return 0
-    return _partial_elems(Bsz, Hkv, G, Tq, D, splits) + Bsz * Hkv * _row_tiles(G, Tq)[1]
+    return _counter_elems(Bsz, Hkv, G, Tq) + _partial_elems(Bsz, Hkv, G, Tq, D, splits)
 
 
 def _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits):
@@ -195,7 +231,7 @@ def _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits):
         return workspace
     if need:
         ws = xp.empty((need,), dtype=np.float32)
-        B.zero_(ws[_partial_elems(Bsz, Hkv, G, Tq, D, splits):])  # the counters start at zero
+        B.zero_(ws[:_counter_elems(Bsz, Hkv, G, Tq)])  # the counters start at zero
         return ws
     return None
 
@@ -215,11 +251,14 @@ def _mask_args(key_mask, Bsz):
 
 
 @B.interop
-def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None):
+def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None, window=None):
     """A zero-initialised float32 buffer for :func:`decode_attention`'s split partials and its last-block
-    counters with these shapes (and the same ``key_mask`` / ``num_splits``), for a captured decode step that
-    must not allocate: pass it as ``workspace=``. Size: ``batch * kv_heads * splits * heads/kv_heads *
-    new_tokens * (head_dim + 2)`` partials plus ``batch * kv_heads * row_groups`` int32 counters at the end.
+    counters with these shapes (and the same ``key_mask`` / ``num_splits`` / ``window``: the split count is
+    planned on the window), for a captured decode step that must not allocate: pass it as ``workspace=``. Size:
+    ``batch * kv_heads * row_groups`` int32 counters first (padded to a multiple of 4), then ``batch * kv_heads *
+    splits * heads/kv_heads * new_tokens * (head_dim + 2)`` partials. A buffer made without ``window`` also
+    serves the windowed launches of the same shapes (their split count never exceeds the unwindowed one, and the
+    counters do not move with it), so a model's full and sliding-window layers may share one.
 
     The counters must be zero when a launch starts; every launch leaves them zero again (the last block of each
     group resets its counter), so the buffer may be reused by any number of calls one after the other on one
@@ -229,33 +268,40 @@ def decode_attention_workspace(q, k_cache, *, key_mask=None, num_splits=None):
     xp = B.array_module(q=q, k_cache=k_cache, key_mask=key_mask)
     Bsz, Tq, H, D = (int(s) for s in q.shape)
     Lmax, Hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
+    window = B.check_window(window)
     if xp is np:
         return np.zeros((1,), dtype=np.float32)
-    _validate(q, k_cache, k_cache, 0, None, key_mask, num_splits)
-    s = _splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, key_mask, num_splits)
+    _validate(q, k_cache, k_cache, 0, None, key_mask, num_splits, window)
+    s = _splits(Bsz, Hkv, D, Lmax, H // Hkv, Tq, key_mask, num_splits, window)
     return xp.zeros((max(1, _workspace_elems(Bsz, Hkv, H // Hkv, Tq, D, s)),), dtype=np.float32)
 
 
-def _reference(q, k_cache, v_cache, L, scale, key_mask, o):
-    """NumPy path: fp32 scores of the visible keys only (the cache tail past L is never touched). The G query
-    heads of a K/V head and the Tq tokens are the rows of one [G * Tq, L] score matrix, as in the kernel."""
+def _reference(q, k_cache, v_cache, L, scale, key_mask, o, window=None):
+    """NumPy path: fp32 scores of the visible keys only (the cache tail past L, and with a window the rows
+    before the first query's window, are never touched). The G query heads of a K/V head and the Tq tokens are
+    the rows of one [G * Tq, L - lo] score matrix, as in the kernel."""
     Bsz, Tq, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
-    if L == 0 or Bsz * Tq * H == 0:
+    lo = 0 if window is None else max(0, L - Tq + 1 - window)
+    if L == lo or Bsz * Tq * H == 0:
         o[...] = 0
         return o
-    keep = np.ones((Bsz, L), dtype=bool) if key_mask is None else (np.asarray(key_mask)[:, :L] != 0)
+    keep = np.ones((Bsz, L - lo), dtype=bool) if key_mask is None else (np.asarray(key_mask)[:, lo:L] != 0)
     # Masked rows may hold anything (NaN): zero them so that 0 * NaN never reaches o.
-    kf = np.where(keep[:, :, None, None], k_cache[:, :L].astype(np.float32), np.float32(0))
-    vf = np.where(keep[:, :, None, None], v_cache[:, :L].astype(np.float32), np.float32(0))
+    kf = np.where(keep[:, :, None, None], k_cache[:, lo:L].astype(np.float32), np.float32(0))
+    vf = np.where(keep[:, :, None, None], v_cache[:, lo:L].astype(np.float32), np.float32(0))
     kf = kf.transpose(0, 2, 3, 1)  # [B, Hkv, D, L]
     vf = vf.transpose(0, 2, 1, 3)  # [B, Hkv, L, D]
     # rows r = t * G + g of K/V head j: q[b, t, j * G + g]
     qg = q.astype(np.float32).reshape(Bsz, Tq, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(Bsz, Hkv, Tq * G, D)
     s = np.matmul(qg, kf) * np.float32(scale)  # [B, Hkv, Tq * G, L]
     pos = np.repeat(L - Tq + np.arange(Tq), G)  # row r's position
-    vis = (np.arange(L)[None, :] <= pos[:, None])[None, None] & keep[:, None, None, :]
+    n = np.arange(lo, L)[None, :]
+    vis = n <= pos[:, None]
+    if window is not None:
+        vis &= pos[:, None] - n < window
+    vis = vis[None, None] & keep[:, None, None, :]
     s = np.where(vis, s, np.float32(-np.inf))
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0).astype(np.float32)
@@ -268,19 +314,23 @@ def _reference(q, k_cache, v_cache, L, scale, key_mask, o):
 
 
 @B.interop
-def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=None, out=None, num_splits=None,
-                     workspace=None):
+def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=None, window=None, out=None,
+                     num_splits=None, workspace=None):
     """Attention of a few new query tokens against a static KV cache (flash-decoding, split-KV), bf16.
 
     The new tokens sit at positions ``cache_len - Tq .. cache_len - 1`` and their K/V are already written there.
-    Query ``t`` (head ``h``, K/V head ``h // G``, ``G = heads / kv_heads``) attends to keys
-    ``n < cache_len - Tq + t + 1`` (all of ``[0, cache_len)`` for the last query) with ``key_mask[b, n] != 0``::
+    Query ``t`` (head ``h``, K/V head ``h // G``, ``G = heads / kv_heads``) at position ``p = cache_len - Tq + t``
+    attends to keys ``n <= p`` (all of ``[0, cache_len)`` for the last query) with ``key_mask[b, n] != 0`` and,
+    with a sliding ``window`` W, ``p - n < W`` (the rows ``(p - W, p]``: at most W keys, itself included;
+    Hugging Face's ``kv_idx > q_idx - sliding_window``)::
 
         o[b, t, h] = sum_n softmax_n(scale * <q[b, t, h], k_cache[b, n, h // G]>) v_cache[b, n, h // G]
 
     A query that sees no key gets ``o = 0``. Keys at or past ``cache_len`` are never read (the cache tail may
-    hold anything, NaN included), nor are keys the mask drops. fp32 softmax and accumulation; the
-    probabilities enter the P V product rounded to bf16 (tensor cores), as in :func:`flash_attention`.
+    hold anything, NaN included), nor are keys the mask drops, nor rows before the first query's window (the
+    split-KV plan divides the window, not the cache: a 4096-key window over a 32768-row cache reads 4096 rows).
+    fp32 softmax and accumulation; the probabilities enter the P V product rounded to bf16 (tensor cores), as in
+    :func:`flash_attention`.
 
     ``cache_len`` may be a 0-d int32 device array: the kernels read it on the device (clamped to
     ``[0, max_len]``), so a decode step captured once in a CUDA graph stays valid as the length grows. One
@@ -300,10 +350,14 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
         scale: the score multiplier, > 0; default ``1 / sqrt(head_dim)``.
         key_mask: optional ``[batch, max_len]`` bool or integer array, nonzero = keep (left padding of batched
             prompts); last axis contiguous, read in place.
+        window: None (every earlier key) or an int >= 1: the sliding window in positions (padded rows count, as
+            in transformers); the window start is computed on the device from ``cache_len`` (graph-capturable).
+            ``window >= max_len`` is the same as None.
         out: optional C-contiguous bfloat16 buffer of q's shape.
         num_splits: override the number of key splits (tests, tuning); with ``key_mask`` a split may cover at
-            most 8192 keys.
-        workspace: optional float32 buffer from :func:`decode_attention_workspace` (same shapes and options;
+            most 8192 keys (of the window, with one).
+        workspace: optional float32 buffer from :func:`decode_attention_workspace` (same shapes and options,
+            ``window`` included;
             its counters zero, as that function returns them and every launch leaves them; not shared by two
             calls in flight at once): without it the split partials take a memory-pool temporary whose counters
             are zeroed (a memset) before the launch, which a captured graph must not rely on.
@@ -319,10 +373,12 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
     """
     xp = B.array_module(q=q, k_cache=k_cache, v_cache=v_cache, key_mask=key_mask, out=out, workspace=workspace,
                         cache_len=cache_len if B._kind(cache_len) is not None else None)
-    Bsz, Tq, H, Hkv, D, Lmax, scale = _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits)
+    window = B.check_window(window)
+    Bsz, Tq, H, Hkv, D, Lmax, scale = _validate(q, k_cache, v_cache, cache_len, scale, key_mask, num_splits, window)
     o = B.empty(xp, q.shape, B.bfloat16, out)
     if xp is np:
-        return _reference(q, k_cache, v_cache, min(max(int(cache_len), 0), Lmax), scale, key_mask, o)
+        return _reference(q, k_cache, v_cache, min(max(int(cache_len), 0), Lmax), scale, key_mask, o,
+                          None if window is None or window >= Lmax else window)
     G = H // Hkv
     if Bsz * Tq * H == 0:
         return o
@@ -332,7 +388,7 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
     if Hkv * rg > 65535:
         raise ValueError(f"k_cache: kv_heads * row groups ({Hkv} * {rg}) must be <= 65535")
     sq, sk, sv = _strides("q", q), _strides("k_cache", k_cache), _strides("v_cache", v_cache)
-    splits = _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits)
+    splits = _splits(Bsz, Hkv, D, Lmax, G, Tq, key_mask, num_splits, window)
     ws = _workspace(xp, workspace, Bsz, Hkv, G, Tq, D, splits)
     len_args = _len_args(cache_len)
     mask_args = _mask_args(key_mask, Bsz)
@@ -341,7 +397,7 @@ def decode_attention(q, k_cache, v_cache, cache_len, *, scale=None, key_mask=Non
                    (_launch.ptr(q), _launch.ptr(k_cache), _launch.ptr(v_cache), *len_args, *mask_args,
                     _launch.ptr(ws) if ws is not None else B.NULL, _launch.ptr(o), *sq, *sk, *sv, np.int32(Tq),
                     np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
-                    np.int32(1 if splits == 1 else 0)),
+                    _window_arg(window, Lmax), np.int32(1 if splits == 1 else 0)),
                    shared_mem=smem, pdl=True)
     return o
 
@@ -557,7 +613,8 @@ def rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=
 
 @B.interop
 def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, *, cos=None, sin=None,
-                          positions=None, scale=None, key_mask=None, out=None, num_splits=None, workspace=None):
+                          positions=None, scale=None, key_mask=None, window=None, out=None, num_splits=None,
+                          workspace=None):
     """One decode step's attention from the packed QKV projection of the newest token, in ONE launch: rotary
     positions on q and k, k and v appended to the static cache at the device length, and split-KV attention
     of the rotated q over the cache (the combine in the same launch). Bit-identical to::
@@ -565,7 +622,7 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
         q = rope_kv_write(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len, cos=cos, sin=sin,
                           positions=positions)
         o = decode_attention(q, k_cache, v_cache, cache_len, scale=scale, key_mask=key_mask,
-                             num_splits=num_splits)
+                             window=window, num_splits=num_splits)
 
     (q rounded to bf16 as rope_kv_write stores it, the same rotation arithmetic, the same split count and
     summation order), which is also the NumPy path. The newest key / value enter the attention from registers;
@@ -591,8 +648,9 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
         cos, sin: float32 ``[L, head_dim // 2]`` (:func:`rope_cache`), or both None (no rotation: GPT-2).
         positions: optional int32 / int64 ``[1]`` or ``[batch, 1]`` as rope_kv_write takes it (default:
             position 0); the kernel clamps into the table, the NumPy path raises.
-        scale, key_mask, num_splits, workspace: as :func:`decode_attention` (the workspace of
-            :func:`decode_attention_workspace` for a ``[batch, 1, n_heads, head_dim]`` q).
+        scale, key_mask, window, num_splits, workspace: as :func:`decode_attention` (the workspace of
+            :func:`decode_attention_workspace` for a ``[batch, 1, n_heads, head_dim]`` q and this ``window``):
+            the new token at position ``cache_len - 1`` sees the cache rows ``[cache_len - window, cache_len)``.
         out: optional C-contiguous bfloat16 ``[batch, 1, n_heads, head_dim]``.
 
     Returns:
@@ -609,6 +667,7 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
                         key_mask=key_mask, out=out, workspace=workspace,
                         cache_len=cache_len if B._kind(cache_len) is not None else None)
     B.check_dtype("qkv", qkv, (B.bfloat16,))
+    window = B.check_window(window)
     Bsz, T, H, Hkv, D, Lmax, Lc, mode = _validate_rope_kv(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
                                                           cos, sin, positions, None)
     if T != 1:
@@ -618,11 +677,11 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
         raise ValueError(f"qkv: head_dim must be one of {HEAD_DIMS}; got {D}")
     if H % Hkv:
         raise ValueError(f"n_kv_heads: ({Hkv}) must divide n_heads ({H})")
-    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits)
+    scale = _validate_options(key_mask, Bsz, Lmax, D, scale, num_splits, _span(Lmax, 1, window))
     o = B.empty(xp, (Bsz, 1, H, D), B.bfloat16, out)
     if xp is np:
         q = rope_kv_write(qkv, H, Hkv, k_cache, v_cache, cache_len, cos=cos, sin=sin, positions=positions)
-        return decode_attention(q, k_cache, v_cache, cache_len, scale=scale, key_mask=key_mask, out=o)
+        return decode_attention(q, k_cache, v_cache, cache_len, scale=scale, key_mask=key_mask, window=window, out=o)
     G = H // Hkv
     if Bsz == 0:
         return o
@@ -633,7 +692,7 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
         raise ValueError(f"n_kv_heads: kv_heads * row groups ({Hkv} * {rg}) must be <= 65535")
     sb = _row_strides("qkv", qkv, 3)[0] if Bsz > 1 else np.int64(0)
     sk, sv = _strides("k_cache", k_cache), _strides("v_cache", v_cache)
-    splits = _splits(Bsz, Hkv, D, Lmax, G, 1, key_mask, num_splits)  # decode_attention's choice: the same bits
+    splits = _splits(Bsz, Hkv, D, Lmax, G, 1, key_mask, num_splits, window)  # decode_attention's: the same bits
     ws = _workspace(xp, workspace, Bsz, Hkv, G, 1, D, splits)
     qkv_vec = B.aligned16(qkv) and (int(sb) * qkv.itemsize) % 16 == 0
     rot = cos is not None
@@ -649,7 +708,7 @@ def decode_attention_rope(qkv, n_heads, n_kv_heads, k_cache, v_cache, cache_len,
                     P(cos) if rot else B.NULL, P(sin) if rot else B.NULL, *pos_args, np.int32(cs_vec),
                     *_mask_args(key_mask, Bsz), P(ws) if ws is not None else B.NULL, P(o), *sk, *sv,
                     np.int32(H), np.int32(Hkv), np.int32(Lmax), np.int32(splits), np.int32(rg), scale,
-                    np.int32(1 if splits == 1 else 0)),
+                    _window_arg(window, Lmax), np.int32(1 if splits == 1 else 0)),
                    shared_mem=smem, pdl=True)
     return o
 

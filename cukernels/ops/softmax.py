@@ -3,6 +3,7 @@
 softmax is attention softmax with scale 1, no mask, not causal)."""
 from __future__ import annotations
 
+
 import numpy as np
 
 from .. import _backend as B
@@ -137,7 +138,10 @@ def _cluster_grid(rows: int, n: int) -> int:
     return min(rows, settings.softmax_cluster_max_grid // n) * n
 
 
-def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
+def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal, window=0):
+    # window: the sliding window W (causal only), 0 for none. Every forward kernel (reg, wide, loop, cluster) skips
+    # the packs before each row's window as it skips those past the diagonal (softmax.cu), so the route is the
+    # same with or without one.
     vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, y)
     mvec = bool(mvec and vec)
     kind, plan = _fwd_route(C, x.itemsize, vec, mask is not None, B.capability())
@@ -148,7 +152,7 @@ def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
         k = get_function(FAMILY, f"sm_fwd_cluster{n}_{tag}_v")
         k((_cluster_grid(rows, n),), (threads, 1, 1),
           (x, y, np.int64(rows), np.int32(C), np.int32(Q), np.int64(HQ), np.float32(scale), np.bool_(causal),
-           np.int32(upc)))
+           np.int32(window), np.int32(upc)))
         return
     if kind == "reg":
         tpr, vpt, rpb = plan
@@ -162,7 +166,7 @@ def _launch_fwd(x, y, mask, mvec, rows, C, Q, HQ, scale, causal):
         grid, block = rows, (512, 1, 1)
     k((min(grid, 2**31 - 1),), block,
       (x, mask if mask is not None else B.NULL, y, np.int64(rows), np.int32(C), np.int32(Q), np.int64(HQ),
-       np.float32(scale), np.bool_(causal), np.bool_(mvec)))
+       np.float32(scale), np.bool_(causal), np.int32(window), np.bool_(mvec)))
 
 
 def _launch_bwd(y, dy, dx, rows, C, scale):
@@ -272,14 +276,26 @@ def _softmax_backward(y, dy, scale, out, names):
     return dx
 
 
+def _window_keep(Q, K, window):
+    """[Q, K] bool: key n visible to query i (causal, the diagonal at the end, off = K - Q) within ``window``."""
+    pos = np.arange(Q)[:, None] + (K - Q)
+    n = np.arange(K)[None, :]
+    keep = n <= pos
+    if window is not None:
+        keep &= pos - n < window
+    return keep
+
+
 @B.interop
-def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
+def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, window=None, out=None):
     """Masked, scaled softmax of attention scores over the keys.
 
-    ``z = scores * scale (+ key_mask if additive)``; keys where a boolean ``key_mask`` is False, and with
-    ``causal`` keys ``j > i + (k_len - q_len)`` of query ``i``, are excluded; ``probs = softmax(z, axis=-1)``.
-    A row with every key excluded (or every additive mask value -inf) is all zeros, never NaN. fp32 math.
-    With ``causal`` the masked tail of a row is written as zeros without being read.
+    ``z = scores * scale (+ key_mask if additive)``; keys where a boolean ``key_mask`` is False, with
+    ``causal`` keys ``j > i + (k_len - q_len)`` of query ``i``, and with a sliding ``window`` W also keys
+    ``j <= i + (k_len - q_len) - W`` are excluded (query i sees at most W keys, itself included: Hugging Face's
+    ``kv_idx > q_idx - sliding_window``); ``probs = softmax(z, axis=-1)``. A row with every key excluded (or every
+    additive mask value -inf) is all zeros, never NaN. fp32 math. With ``causal`` the masked tail of a row (and
+    with ``window`` its keys before the window) are written as zeros without being read.
 
     Args:
         scores: ``[batch, heads, q_len, k_len]`` float32 or bfloat16, C-contiguous.
@@ -287,6 +303,8 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
             (True = keep) or an additive float mask (float32, or the dtype of ``scores``).
         causal: mask keys after the query, the diagonal aligned at the end (needs ``q_len <= k_len``).
         scale: a finite number; multiplies the scores before the mask is added and before the max.
+        window: None (no window) or an int >= 1, with ``causal=True`` only: query i sees keys ``j`` with
+            ``0 <= (i + k_len - q_len) - j < window``; ``window >= k_len`` is the same as None.
         out: optional output buffer like ``scores``; ``out=scores`` works in place.
 
     Returns:
@@ -297,6 +315,7 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
         >>> s = cp.random.standard_normal((2, 8, 128, 128), dtype=cp.float32).astype(ck.bfloat16)
         >>> keep = cp.ones((2, 128), dtype=cp.bool_)
         >>> p = ck.attn_softmax(s, key_mask=keep, causal=True, scale=128 ** -0.5)
+        >>> p = ck.attn_softmax(s, causal=True, scale=128 ** -0.5, window=64)     # Mistral-style sliding window
     """
     xp = B.array_module(scores=scores, key_mask=key_mask, out=out)
     B.check_dtype("scores", scores, B.FLOATS)
@@ -312,6 +331,7 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
     if causal and Q > K:
         raise ValueError(f"causal: needs q_len <= k_len (the diagonal is aligned at the end); got q_len {Q} > k_len {K}")
     scale = B.check_f32("scale", scale)
+    window = B.check_window(window, causal)
     y = B.empty(xp, scores.shape, scores.dtype, out)
     if xp is np:
         z = (scores.astype(np.float32) * scale).astype(np.float32)
@@ -321,14 +341,14 @@ def attn_softmax(scores, *, key_mask=None, causal=False, scale=1.0, out=None):
             else:
                 z = (z + key_mask.astype(np.float32)[:, None, None, :]).astype(np.float32)
         if causal:
-            keep = np.arange(K)[None, :] <= np.arange(Q)[:, None] + (K - Q)
-            z = np.where(keep, z, -np.inf)
+            z = np.where(_window_keep(Q, K, window), z, -np.inf)
         y[...] = _ref_softmax(z.astype(np.float64), scores.dtype)
         return y
     rows = Bn * H * Q
     if rows and K:
+        # A window of >= k_len keys drops nothing: the kernel gets 0 (none), the same launch as without one.
         _launch_fwd(scores, y, key_mask, key_mask is not None and B.aligned16(key_mask), rows, K, max(Q, 1), H * Q,
-                    float(scale), causal)
+                    float(scale), causal, 0 if window is None or window >= K else window)
     return y
 
 
