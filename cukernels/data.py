@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .tokenizer import ByteTokenizer  # noqa: F401  (the trainer's text runs' tokenizer; one class, in tokenizer.py)
+from .tokenizer import pipeline
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -198,9 +199,12 @@ class RandomWindows:
 # Each input is a document: a text file, or a ``.jsonl`` file whose lines are JSON objects with a ``"text"`` field (one
 # document a line). A document becomes the tokens the tokenizer's post-processor puts around a text (Llama-3's BOS,
 # say) around the tokens of its text, then the EOS token (``--no-eos`` leaves it out). Large files are read in chunks
-# of about ``--chunk-mb`` that end after a newline followed by a non-space character -- a boundary the byte-level
-# pre-tokenizers (GPT-2's and Llama-3's patterns) never cross -- so the ids equal those of encoding the whole document
-# at once, and memory stays bounded whatever the input size. Chunks are encoded by ``--workers`` processes.
+# of about ``--chunk-mb`` cut before a " " between two non-space characters or after a "\n" between a non-space
+# character and a letter or digit (``_safe_cut``) -- boundaries the byte-level pre-tokenizers (GPT-2's, Llama-3's,
+# Qwen2's, GPT-4o's patterns) never cross -- and never inside an added token, so the ids equal those of encoding the
+# whole document at once, and memory stays bounded whatever the input size.
+# Chunks are encoded by ``--workers`` processes, with :class:`cukernels.tokenizer.FastEncoder` (exact, 3-7x the
+# tokenizers package's speed) when it reproduces the tokenizer's pipeline, else with the package's encode_batch.
 #
 # Output: ``DIR/train.bin`` and ``DIR/val.bin`` in llm.c's format (``cukernels.data``: uint16 tokens when the
 # vocabulary fits, else the uint32 LLaMA-3 format), the last ``--val-fraction`` of the input bytes going to val
@@ -211,22 +215,37 @@ class RandomWindows:
 _TOK = {}
 
 
-def _worker_init(folder):
-    from .tokenizer import Tokenizer
+def _worker_init(folder, fast=True, tok=None):
+    """The encoder of a process: the FastEncoder when it applies, else the tokenizers package (never truncating);
+    ``_TOK["why"]`` says why there is no FastEncoder. Workers forked from the parent find the parent's ready (a
+    Llama-3 tokenizer.json takes ~0.5 s to load)."""
+    from .tokenizer import FastEncoder, Tokenizer
 
-    _TOK["t"] = Tokenizer.from_pretrained(folder)
+    if _TOK.get("key") == (folder, fast):
+        return
+    _TOK.clear()
+    t = tok if tok is not None else Tokenizer.from_pretrained(folder)
+    t._tok.no_truncation()
+    t._tok.no_padding()
+    _TOK.update(t=t, avoid=spaced_added_tokens(t), fast=None, why="--no-fast")
+    if fast:
+        try:
+            _TOK["fast"] = FastEncoder(t)
+        except ValueError as e:
+            _TOK["why"] = str(e)
+    _TOK["key"] = (folder, fast)
 
 
 PIECE = 16384  # characters: tokenizers encodes a batch of pieces in parallel threads, a 1 MB string in one
 
 
-def _pieces(text: str) -> list[str]:
+def _pieces(text: str, avoid=()) -> list[str]:
     """``text`` cut into pieces of about PIECE characters at safe boundaries (see ``_split_point``)."""
     out, i = [], 0
     while len(text) - i > 2 * PIECE:
-        cut = _split_point(text[i:i + PIECE])
+        cut = _split_point(text[i:i + PIECE], avoid)
         if cut == 0:
-            cut = _split_point(text[i:i + 2 * PIECE]) or len(text) - i
+            cut = _split_point(text[i:i + 2 * PIECE], avoid) or len(text) - i
         out.append(text[i:i + cut])
         i += cut
     out.append(text[i:])
@@ -234,10 +253,12 @@ def _pieces(text: str) -> list[str]:
 
 
 def _encode(texts, split=True):
+    if _TOK["fast"] is not None:
+        return [_TOK["fast"].encode(text) for text in texts]
     t = _TOK["t"]
     pieces, owner = [], []
     for k, text in enumerate(texts):
-        for p in (_pieces(text) if split else [text]):
+        for p in (_pieces(text, _TOK["avoid"]) if split else [text]):
             pieces.append(p)
             owner.append(k)
     ids = t.encode_batch(pieces, add_special_tokens=False)
@@ -259,40 +280,71 @@ def specials_around(tok) -> tuple[list[int], list[int]]:
 
 
 def chunkable(tok) -> bool:
-    """Whether a document may be encoded in pieces cut after a newline: not for tokenizers that mark the start of
-    a text (SentencePiece's Metaspace with a prepend scheme, a Prepend normalizer: Llama-2, Mistral), which would
-    mark every piece."""
-    conf = json.loads(tok._tok.to_str())
-    spec = json.dumps(conf.get("pre_tokenizer")) + json.dumps(conf.get("normalizer"))
-    return "Metaspace" not in spec and "Prepend" not in spec
+    """Whether a document may be encoded in pieces cut at a space or newline between non-space characters: not for
+    tokenizers that mark the start of a text (SentencePiece's Metaspace with a prepend scheme, a Prepend normalizer:
+    Llama-2, Mistral; ByteLevel's add_prefix_space: RoBERTa), which would mark every piece, nor for those without a
+    pre-tokenizer (their model sees the whole text at once)."""
+    conf = pipeline(tok._tok)
+    pre = json.dumps(conf["pre_tokenizer"])
+    spec = pre + json.dumps(conf["normalizer"])
+    return (conf["pre_tokenizer"] is not None and "Metaspace" not in spec and "Prepend" not in spec
+            and '"add_prefix_space": true' not in pre)
 
 
-def _split_point(buf: str) -> int:
-    """The last index i with buf[i-1] == '\\n' and buf[i] not whitespace (0 when there is none)."""
-    i = len(buf) - 1
-    while i > 0:
-        j = buf.rfind("\n", 0, i)
-        if j < 0:
-            return 0
-        if j + 1 < len(buf) and not buf[j + 1].isspace():
-            return j + 1
-        i = j
-    return 0
+def spaced_added_tokens(tok) -> tuple[str, ...]:
+    """The added tokens holding whitespace: a chunk is never cut inside one of them."""
+    return tuple(t["content"] for t in pipeline(tok._tok)["added_tokens"] if any(c.isspace() for c in t["content"]))
 
 
-def _first_split_after(buf: str, k: int) -> int:
-    """The first index i >= k with buf[i-1] == '\n' and buf[i] not whitespace (0 when there is none)."""
-    j = buf.find("\n", max(0, k - 1))
-    while 0 <= j < len(buf) - 1:
-        if not buf[j + 1].isspace():
-            return j + 1
-        j = buf.find("\n", j + 1)
-    return 0
+def _safe_cut(buf: str, i: int, avoid=()) -> bool:
+    r"""Whether ``buf`` may be cut before index i: buf[i] is a " " between two non-space characters, or buf[i-1]
+    a "\n" between a non-space character and a letter or digit; and no added token of ``avoid`` spans i.
+    Pre-tokenizer patterns keep a space with the word after it and end a newline's pre-token before a letter: neither
+    GPT-2's, Llama-3's, Qwen2's nor GPT-4o's pattern crosses such a point, while a cut after "\r\n", "\n\n" or
+    "  \n" would (``\s+(?!\S)`` matches differently at the end of a piece), and one between "\n" and "/" would for
+    GPT-4o's (``[^\s\p{L}\p{N}]+[\r\n/]*``). A space or newline is a starter, so NFC composes nothing across."""
+    if buf[i] == " ":
+        ok = 0 < i < len(buf) - 1 and not buf[i - 1].isspace() and not buf[i + 1].isspace()
+    else:
+        ok = 1 < i < len(buf) and buf[i - 1] == "\n" and not buf[i - 2].isspace() and buf[i].isalnum()
+    return ok and not any(buf.startswith(t, s) for t in avoid for s in range(max(0, i - len(t) + 1), i))
 
 
-def iter_documents(path: Path, chunk_bytes: int, until=None):
+def _split_point(buf: str, avoid=(), end=None) -> int:
+    """The last index 0 < i < ``end`` where ``buf`` may be cut (``_safe_cut``), 0 when there is none. An added
+    token of ``avoid`` spanning i must lie within ``buf`` to be seen: i stays that far from its end."""
+    best = 0
+    end = min(len(buf) if end is None else end, len(buf) - max(map(len, avoid), default=0))
+    for sep, off in ((" ", 0), ("\n", 1)):  # the cut is before a " ", after a "\n"
+        j = end + 1 - off
+        while True:
+            j = buf.rfind(sep, 0, j)
+            if j < 0 or j + off <= best:
+                break
+            if j + off < end and _safe_cut(buf, j + off, avoid):
+                best = j + off
+                break
+    return best
+
+
+def _first_split_after(buf: str, k: int, avoid=()) -> int:
+    """The first index i >= k where ``buf`` may be cut (``_safe_cut``), 0 when there is none."""
+    best = 0
+    end = len(buf) - max(map(len, avoid), default=0)
+    for sep, off in ((" ", 0), ("\n", 1)):
+        j = buf.find(sep, max(0, k - off))
+        while 0 <= j < end and (not best or j + off < best):
+            if k <= j + off < end and _safe_cut(buf, j + off, avoid):
+                best = j + off
+                break
+            j = buf.find(sep, j + 1)
+    return best
+
+
+def iter_documents(path: Path, chunk_bytes: int, until=None, avoid=()):
     """Yield (document start?, document end?, text chunk, bytes read) for one input file. ``until()``: how many
-    more bytes may be read before the val split begins (reads stop short of it, so a chunk does not straddle it)."""
+    more bytes may be read before the val split begins (reads stop short of it, so a chunk does not straddle it);
+    ``avoid``: added tokens holding whitespace, never cut (``spaced_added_tokens``)."""
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):
@@ -313,7 +365,7 @@ def iter_documents(path: Path, chunk_bytes: int, until=None):
             if left is not None and 0 < left <= len(carry):
                 # The val split falls inside what is held: cut at the last safe point before it, else the first one
                 # after it.
-                cut = _split_point(carry[:left + 1]) or _first_split_after(carry, left)
+                cut = _split_point(carry, avoid, left + 1) or _first_split_after(carry, left, avoid)
                 if cut:
                     yield first, False, carry[:cut], len(carry[:cut].encode("utf-8"))
                     carry, first = carry[cut:], False
@@ -332,7 +384,10 @@ def iter_documents(path: Path, chunk_bytes: int, until=None):
                 yield first, True, carry, len(carry.encode("utf-8"))
                 return
             buf = carry + block
-            cut = _split_point(buf)
+            if left is not None and left <= len(carry):  # looking for a cut around the split: the branch above
+                carry = buf
+                continue
+            cut = _split_point(buf, avoid)
             if cut == 0:  # no safe boundary yet: read more
                 carry = buf
                 continue
@@ -365,15 +420,18 @@ class _Out:
         os.replace(self.tmp, self.path)
 
 
-def prepare(tokenizer, inputs, out, *, val_fraction=0.005, eos=True, workers=None, chunk_mb=1.0, progress=True):
+def prepare(tokenizer, inputs, out, *, val_fraction=0.005, eos=True, workers=None, chunk_mb=1.0, progress=True,
+            fast=True):
     """Tokenize ``inputs`` into ``out/train.bin`` and ``out/val.bin``; returns the summary written to
-    ``out/prepare.json``."""
+    ``out/prepare.json``. ``fast=False`` encodes with the tokenizers package even where the FastEncoder applies
+    (the same ids, 3-7x slower)."""
     from . import _backend as B
     from .tokenizer import Tokenizer
 
     B.check_real("val_fraction", val_fraction, min=0, max=1, max_open=True)
     B.check_real("chunk_mb", chunk_mb, min=0, min_open=True)
     workers = B.check_int("workers", workers if workers is not None else (os.cpu_count() or 1), min=1)
+    fast = B.check_bool("fast", fast)
     if not isinstance(tokenizer, (str, Path)):
         raise TypeError(f"tokenizer: expected a tokenizer folder; got {type(tokenizer).__name__}")
     paths = [Path(p) for p in inputs]
@@ -393,9 +451,14 @@ def prepare(tokenizer, inputs, out, *, val_fraction=0.005, eos=True, workers=Non
     tail = post + ([tok.eos_token_id] if eos and tok.eos_token_id is not None else [])
     total = sum(p.stat().st_size for p in paths)
     val_from = total - int(total * val_fraction) if val_fraction > 0 else total + 1
-    files = {"train": _Out(out / "train.bin", kind), "val": _Out(out / "val.bin", kind)}
     split = chunkable(tok)
     chunk_bytes = max(1, int(chunk_mb * 2**20)) if split else 1 << 62
+    avoid = spaced_added_tokens(tok)
+    # this process's encoder, which forked workers inherit; it says once why there is no fast path
+    _worker_init(str(tokenizer), fast, tok)
+    encoder = "tokenizers" if _TOK["fast"] is None else "FastEncoder"
+    if progress and fast and _TOK["fast"] is None:
+        print(f"prepare: no fast path ({_TOK['why']}): encoding with the tokenizers package", file=sys.stderr)
     t0, seen, shown = time.time(), 0, 0.0
 
     read = [0]
@@ -405,21 +468,29 @@ def prepare(tokenizer, inputs, out, *, val_fraction=0.005, eos=True, workers=Non
 
     def jobs():
         for p in paths:
-            for job in iter_documents(p, chunk_bytes, until):
+            for job in iter_documents(p, chunk_bytes, until, avoid):
                 read[0] += job[3]
                 yield job
 
-    batch = 64  # chunks a worker call: a few MB of text in flight a worker
-    ex = ProcessPoolExecutor(workers, initializer=_worker_init, initargs=(str(tokenizer),)) if workers > 1 else None
-    if ex is None:
-        _worker_init(str(tokenizer))
+    def take():  # a worker call: 4 MB of text, or 1024 documents (2 calls in flight a worker)
+        group, size = [], 0
+        for j in it:
+            group.append(j)
+            size += j[3]
+            if len(group) >= 1024 or size >= 4 << 20:
+                break
+        return group
+
+    files = {"train": _Out(out / "train.bin", kind), "val": _Out(out / "val.bin", kind)}
+    ex = None if workers == 1 else ProcessPoolExecutor(workers, initializer=_worker_init,
+                                                       initargs=(str(tokenizer), fast))
     try:
         pending = []
         it = jobs()
         done = False
         while not done or pending:
             while not done and len(pending) < 2 * workers:
-                group = [j for _, j in zip(range(batch), it)]
+                group = take()
                 if not group:
                     done = True
                     break
@@ -446,14 +517,16 @@ def prepare(tokenizer, inputs, out, *, val_fraction=0.005, eos=True, workers=Non
     finally:
         if ex is not None:
             ex.shutdown()
+        _TOK.clear()  # the caches (tens of MB) go with the call
         for f in files.values():
             f.close()
     secs = time.time() - t0
     if progress:
         print(f"\rprepare: {seen / 2**20:.1f} MB in {secs:.1f} s ({seen / 2**20 / max(secs, 1e-9):.1f} MB/s)"
               f"{' ' * 20}", file=sys.stderr)
-    summary = {"tokenizer": str(tokenizer), "vocab_size": tok.vocab_size, "kind": kind, "inputs": [str(p) for p in paths],
-               "bytes": seen, "train_tokens": files["train"].n, "val_tokens": files["val"].n, "eos": bool(eos),
+    summary = {"tokenizer": str(tokenizer), "vocab_size": tok.vocab_size, "kind": kind,
+               "inputs": [str(p) for p in paths], "bytes": seen, "train_tokens": files["train"].n,
+               "val_tokens": files["val"].n, "eos": bool(eos), "encoder": encoder, "chunked": split,
                "seconds": round(secs, 2)}
     (out / "prepare.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -468,11 +541,12 @@ def prepare_main(argv=None) -> int:
     ap.add_argument("--no-eos", action="store_true", help="no EOS token after each document")
     ap.add_argument("--workers", type=int, default=None, help="encoding processes (default: the CPU count)")
     ap.add_argument("--chunk-mb", type=float, default=1.0, help="text read at a time (MB)")
+    ap.add_argument("--no-fast", action="store_true", help="encode with the tokenizers package (same ids, slower)")
     ap.add_argument("--quiet", action="store_true", help="no progress line")
     a = ap.parse_args(argv)
     try:
         s = prepare(a.tokenizer, a.inputs, a.out, val_fraction=a.val_fraction, eos=not a.no_eos, workers=a.workers,
-                    chunk_mb=a.chunk_mb, progress=not a.quiet)
+                    chunk_mb=a.chunk_mb, progress=not a.quiet, fast=not a.no_fast)
     except (TypeError, ValueError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,3 +87,127 @@ def test_python_m_cukernels_data_prepare(tmp_path):
     assert D.read_token_file(tmp_path / "o" / "train.bin").size > 5
     r = subprocess.run([sys.executable, "-m", "cukernels.data"], capture_output=True, text=True)
     assert r.returncode == 2 and "usage: python -m cukernels.data prepare" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ chunks, fast path
+LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+         r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# lines with trailing spaces, CRLF, blank lines, indentation, specials, unicode: the places a careless cut breaks
+HARD = ("First line  \nSecond\r\nThird\r\n\r\nFourth\n\n\nFifth \t\n  indented  line\n\tTabbed, ok.\n/slash\n"
+        "x<|eos|>y <|eos|> z\n中文 テキスト 😀 e\u0301 ½ 12345678 'S 'll\n") * 40
+
+
+def _save(tok, folder, eos="<|eos|>"):
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return folder
+
+
+def _llama3_style(folder, *, normalizer=None, added=(), prefix_space=False, pre=None, pattern=LLAMA3):
+    from tokenizers import Regex, Tokenizer as HF, models, normalizers, pre_tokenizers, trainers
+
+    tok = HF(models.BPE())
+    if normalizer:
+        tok.normalizer = getattr(normalizers, normalizer)()
+    tok.pre_tokenizer = pre or pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|eos|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT.read_text(encoding="utf-8")[:100000], HARD], trainer)
+    if added:
+        tok.add_special_tokens(list(added))
+    return _save(tok, folder)
+
+
+def _whole(folder, docs, eos=True):
+    t = ck.Tokenizer.from_pretrained(folder)
+    return [i for d in docs for i in t.encode(d) + ([t.eos_token_id] if eos else [])]
+
+
+def _prepared(out):
+    return D.read_token_file(out / "train.bin").tolist() + D.read_token_file(out / "val.bin").tolist()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("which", ["fixture", "llama3-nfc"])
+def test_fast_and_tokenizers_paths_equal_whole_documents(tmp_path, fast, which):
+    folder = FIX if which == "fixture" else _llama3_style(tmp_path / "tok", normalizer="NFC")
+    docs = [HARD, "", " lone", TEXT.read_text(encoding="utf-8")[:30000]]
+    for i, d in enumerate(docs[:3]):
+        (tmp_path / f"{i}.txt").write_text(d, encoding="utf-8", newline="")
+    with open(tmp_path / "d.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": docs[3]}) + "\n" + json.dumps({"text": HARD[:999]}) + "\n")
+    inputs = [tmp_path / "0.txt", tmp_path / "1.txt", tmp_path / "2.txt", tmp_path / "d.jsonl"]
+    s = prepare(folder, inputs, tmp_path / "o", val_fraction=0.2, workers=2, chunk_mb=0.001, progress=False, fast=fast)
+    assert s["encoder"] == ("FastEncoder" if fast else "tokenizers") and s["chunked"]
+    assert _prepared(tmp_path / "o") == _whole(folder, docs[:3] + [docs[3], HARD[:999]])
+
+
+@pytest.mark.parametrize("which", ["fixture", "llama3-nfc", "o200k"])
+def test_every_safe_cut_splits_the_ids(tmp_path, which):
+    """Wherever a chunk may be cut (``_safe_cut``), encoding the two sides apart gives the ids of the whole."""
+    folder = (FIX if which == "fixture" else _llama3_style(tmp_path / "tok", normalizer="NFC") if which == "llama3-nfc"
+              else _llama3_style(tmp_path / "tok", pattern=O200K))
+    t = ck.Tokenizer.from_pretrained(folder)
+    rng = np.random.default_rng(0)
+    pool = list("ab XY 01 .,'\n\r\t/") + [" ", "\r\n", "  ", "\n\n", "é", "中", "😀", "\u0301", "<|eos|>", "'s"]
+    cuts = 0
+    for _ in range(150):
+        text = "".join(pool[i] for i in rng.integers(0, len(pool), size=60))
+        whole = t.encode(text, add_special_tokens=False)
+        for i in range(1, len(text)):
+            if D._safe_cut(text, i, ("<|eos|>",)):
+                cuts += 1
+                assert t.encode(text[:i], add_special_tokens=False) + t.encode(text[i:], add_special_tokens=False) \
+                    == whole, (text[:i], text[i:])
+    assert cuts > 300
+
+
+def test_old_newline_cut_broke_gpt2_pre_tokens():
+    r"""The cut the first version used (after any newline followed by a non-space) is unsafe for GPT-2's pattern:
+    "a  \n" + "B" pre-tokenizes as "a", "  ", "\n", "B" whole but "a", "  \n" | "B" apart (``\s+(?!\S)`` at the end
+    of a piece). The rule refuses it: "a  \nB x" may be cut only before " x", "a\nBc" after the newline."""
+    pre = ck.Tokenizer.from_pretrained(FIX)._tok.pre_tokenizer
+
+    def pieces(s):
+        return [p for p, _ in pre.pre_tokenize_str(s)]
+
+    text = "a  \nB"
+    assert pieces(text[:4]) + pieces(text[4:]) != pieces(text)
+    assert not D._safe_cut(text, 4) and D._split_point(text) == 0
+    assert D._split_point("a  \nB x") == 5 and D._split_point("a\nBc") == 2
+
+
+def test_added_tokens_with_spaces_are_never_cut(tmp_path):
+    folder = _llama3_style(tmp_path / "tok", added=["<end of text>", "a b"])
+    text = ("word <end of text> word a b c " * 300)
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    for fast in (True, False):
+        prepare(folder, [tmp_path / "t.txt"], tmp_path / f"o{fast}", val_fraction=0.1, workers=1, chunk_mb=0.0005,
+                progress=False, fast=fast)
+        assert _prepared(tmp_path / f"o{fast}") == _whole(folder, [text])
+
+
+def test_prefix_space_tokenizers_read_whole_documents(tmp_path, capsys):
+    folder = _llama3_style(tmp_path / "tok", prefix_space=True)
+    (tmp_path / "t.txt").write_text(HARD, encoding="utf-8", newline="")
+    s = prepare(folder, [tmp_path / "t.txt"], tmp_path / "o", val_fraction=0, workers=1, chunk_mb=0.001)
+    assert not s["chunked"] and s["encoder"] == "tokenizers"
+    assert "no fast path (ByteLevel add_prefix_space)" in capsys.readouterr().err
+    assert _prepared(tmp_path / "o") == _whole(folder, [HARD])
+
+
+def test_other_pipelines_fall_back_and_say_so_once(tmp_path, capsys):
+    from tokenizers import pre_tokenizers
+
+    folder = _llama3_style(tmp_path / "tok", pre=pre_tokenizers.Whitespace())
+    (tmp_path / "t.txt").write_text(HARD, encoding="utf-8", newline="")
+    s = prepare(folder, [tmp_path / "t.txt"], tmp_path / "o", val_fraction=0.1, workers=2, chunk_mb=0.001)
+    err = capsys.readouterr().err
+    assert s["encoder"] == "tokenizers" and err.count("no fast path") == 1 and "Whitespace" in err
+    assert _prepared(tmp_path / "o") == _whole(folder, [HARD])
