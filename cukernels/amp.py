@@ -1,4 +1,4 @@
-"""bf16 autocast policy.
+"""bf16 autocast policy, and FP8 GEMMs for the Linear layers (``autocast(ck.float8)``).
 
 Inside ``with ck.autocast(ck.bfloat16):`` the layers run their GEMMs on bf16 operands (cuBLAS accumulates in
 fp32) and keep the activations between them in bf16; the weights they read are the optimizer's bf16
@@ -6,12 +6,60 @@ fp32) and keep the activations between them in bf16; the weights they read are t
 :func:`attach_shadows`), so no weight is cast per use. Norms, softmax and the loss compute in fp32 inside their
 kernels whatever the storage dtype; master weights and gradients stay fp32 (a weight gradient is accumulated
 into the fp32 ``.grad`` buffer). Without shadows (or on the ``fused: false`` path) each use casts the weight.
+
+Inside ``with ck.autocast(ck.float8):`` everything is as under bf16 autocast except the fused Linear layers'
+GEMMs (LLaMA's q / k / v / o and gate / up / down, GPT-2's c_attn / c_proj / c_fc), which run on FP8 tensor
+cores through cuBLASLt (``functional/fp8.py``): the input and the weight (its bf16 shadow) cast to E4M3, the
+output gradient to E5M2 (or E4M3), per-tensor scales computed on the device, fp32 accumulation, bf16 outputs,
+the weight gradient accumulated in fp32 into ``.grad``. The LM head, the embedding and attention stay bf16.
+:class:`Float8Recipe` holds the choices; ``ck.float8`` is the default recipe.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
+
+from . import _backend as B
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """How ``autocast(recipe)`` runs the Linear layers' GEMMs in FP8 (``ck.float8`` is ``Float8Recipe()``).
+
+    Args:
+        grad_dtype: the FP8 format of the output gradients, ``ck.float8_e5m2`` (default: the wider range
+            gradients need, 2 mantissa bits) or ``ck.float8_e4m3fn``. Inputs and weights are always E4M3.
+        scaling: ``"current"`` (default): each cast scales by the amax of the tensor it casts (an amax pass, then
+            the cast pass); ``"delayed"``: by the amax the previous step's cast of the same tensor recorded, the
+            amax of this one recorded in the same pass (one pass; a tensor whose range jumps saturates for a step).
+        margin: an integer in [0, 8]: scales are divided by ``2**margin`` (headroom).
+        fast_accum: the forward GEMM uses cuBLASLt's fast FP8 accumulation (default True, as Transformer Engine);
+        fast_accum_grad: the two backward GEMMs do (default False: their sums over thousands of tokens keep the
+            periodic promotion to fp32).
+    """
+
+    grad_dtype: object = B.float8_e5m2
+    scaling: str = "current"
+    margin: int = 0
+    fast_accum: bool = True
+    fast_accum_grad: bool = False
+
+    def __post_init__(self):
+        g = B.check_dtype_arg("grad_dtype", self.grad_dtype, B.FP8)
+        object.__setattr__(self, "grad_dtype", g)
+        B.check_choice("scaling", self.scaling, ("current", "delayed"))
+        B.check_int("margin", self.margin, min=0, max=8)
+        B.check_bool("fast_accum", self.fast_accum)
+        B.check_bool("fast_accum_grad", self.fast_accum_grad)
+
+    def replace(self, **changes) -> "Float8Recipe":
+        """A copy with some fields changed (``ck.float8.replace(scaling="delayed")``)."""
+        return dataclasses.replace(self, **changes)
+
+
+float8 = Float8Recipe()
 
 # Per thread, as torch's autocast: ranks run as threads in the in-process FakeGroup, and one thread leaving its
 # autocast block must not switch another's off mid-forward (a module global did: rank 0's evaluation ended the
@@ -20,24 +68,32 @@ _state = threading.local()
 
 
 class autocast:
-    """``with autocast(ck.bfloat16): loss = model(x, y)``. ``enabled=False`` (or dtype None) is a no-op."""
+    """``with autocast(ck.bfloat16): loss = model(x, y)``; ``with autocast(ck.float8):`` the same with the Linear
+    layers' GEMMs in FP8 (a :class:`Float8Recipe`). ``enabled=False`` (or dtype None) is a no-op."""
 
     def __init__(self, dtype=None, enabled=True):
-        from ._backend import bfloat16
-        self.dtype = np.dtype(bfloat16 if dtype is None else dtype) if enabled else None
+        self.fp8 = dtype if isinstance(dtype, Float8Recipe) and enabled else None
+        if self.fp8 is not None:
+            dtype = B.bfloat16  # everything but the FP8 GEMMs runs as under bf16 autocast
+        self.dtype = np.dtype(B.bfloat16 if dtype is None else dtype) if enabled else None
 
     def __enter__(self):
-        self._prev = getattr(_state, "dtype", None)
-        _state.dtype = self.dtype
+        self._prev = (getattr(_state, "dtype", None), getattr(_state, "fp8", None))
+        _state.dtype, _state.fp8 = self.dtype, self.fp8
         return self
 
     def __exit__(self, *exc):
-        _state.dtype = self._prev
+        _state.dtype, _state.fp8 = self._prev
 
 
 def get_autocast_dtype():
-    """The active autocast dtype of this thread, or None."""
+    """The active autocast dtype of this thread, or None (bfloat16 under ``autocast(ck.float8)``)."""
     return getattr(_state, "dtype", None)
+
+
+def get_fp8_recipe():
+    """The active :class:`Float8Recipe` of this thread (``autocast(ck.float8)``), or None."""
+    return getattr(_state, "fp8", None)
 
 
 def lowp_weight(param, dtype):

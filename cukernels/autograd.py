@@ -16,6 +16,11 @@ backward -- whether it returned the leaf's gradient or wrote it into ``.grad`` /
 data-parallel optimizer starts reducing a bucket of gradients there while the rest of the backward runs. With no
 hook registered anywhere the backward does no extra work.
 
+Activation recompute (:mod:`cukernels.functional.recompute`) builds on two pieces here: :class:`collect_grad_inputs`
+(which tensors requiring a gradient a block reads: its parameters) and :func:`backward_from` (back-propagate from a
+block's outputs to its inputs inside an enclosing backward, the inputs' gradients handed back). The grad mode
+(``no_grad`` / ``enable_grad``) is per thread.
+
 The Functions themselves live in :mod:`cukernels.functional`, which also installs the Tensor's arithmetic
 operators and methods (``+``, ``**``, ``@``, ``exp``, ``sum``, ``reshape``, indexing, ...): this module imports
 nothing above the ops.
@@ -32,7 +37,17 @@ from .settings import settings
 from .ops.elementwise import add as _ck_add
 from .ops.elementwise import cast as _ck_cast
 
-_grad_enabled = True
+
+class _Mode(threading.local):
+    """Per thread, as autocast's state (amp.py) and torch's grad mode: ranks run as threads in the in-process
+    FakeGroup, and one rank's ``no_grad`` (the no-recording forward of a recomputed block,
+    :mod:`cukernels.functional.recompute`) must not switch off another rank's tape mid-forward."""
+
+    enabled = True  # record on the tape
+    sink = None     # {id: Tensor}: every Tensor requiring a gradient given to a Function (collect_grad_inputs)
+
+
+_mode = _Mode()
 _live_ready_hooks = 0  # gradient-ready hooks registered and not removed (0: backward skips the bookkeeping)
 # Ranks in threads (the CPU tests of data parallelism) register hooks at once; re-entrant because a tensor's
 # finalizer (_forget_hooks) may run from a garbage collection triggered inside a locked section. An update lost
@@ -41,25 +56,46 @@ _hooks_lock = threading.RLock()
 
 
 class no_grad:
-    """Context manager (and decorator) that records nothing on the tape."""
+    """Context manager (and decorator) that records nothing on the tape (in this thread)."""
+
+    _enabled = False
 
     def __enter__(self):
-        global _grad_enabled
-        self._prev, _grad_enabled = _grad_enabled, False
+        self._prev, _mode.enabled = _mode.enabled, self._enabled
 
     def __exit__(self, *exc):
-        global _grad_enabled
-        _grad_enabled = self._prev
+        _mode.enabled = self._prev
 
     def __call__(self, fn):
         def wrapped(*a, **k):
-            with no_grad():
+            with type(self)():
                 return fn(*a, **k)
         return wrapped
 
 
+class enable_grad(no_grad):
+    """Context manager (and decorator) that records on the tape again, even inside ``no_grad`` (a recomputed
+    block's second forward runs inside the backward)."""
+
+    _enabled = True
+
+
 def is_grad_enabled() -> bool:
-    return _grad_enabled
+    return _mode.enabled
+
+
+class collect_grad_inputs:
+    """``with collect_grad_inputs() as found:`` -- ``found`` ({id: Tensor}) receives every Tensor requiring a
+    gradient that a Function is applied to inside the block, leaf or not, recorded or not (under ``no_grad``
+    too): what a recomputed block reads besides its explicit inputs (its parameters). Nests: an inner
+    collection's Tensors are not seen by the outer one, except through the Functions the inner caller applies."""
+
+    def __enter__(self):
+        self._prev, _mode.sink = _mode.sink, {}
+        return _mode.sink
+
+    def __exit__(self, *exc):
+        _mode.sink = self._prev
 
 
 def _xp(a):
@@ -256,7 +292,12 @@ class Function:
 
     @classmethod
     def apply(cls, *args, **kw):
-        needs = tuple(_grad_enabled and isinstance(a, Tensor) and a.requires_grad for a in args)
+        sink = _mode.sink
+        if sink is not None:
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    sink[id(a)] = a
+        needs = tuple(_mode.enabled and isinstance(a, Tensor) and a.requires_grad for a in args)
         ctx = Context(args, needs)
         raw = cls.forward(ctx, *[a.data if isinstance(a, Tensor) else a for a in args], **kw)
         out = Tensor(raw, requires_grad=any(needs))
@@ -298,8 +339,10 @@ def _accumulate_leaf(t, g):
         t.grad += g
 
 
-def _toposort(root):
-    order, seen, stack = [], set(), [(root, False)]
+def _toposort(roots, stop=()):
+    """The tensors reachable from ``roots`` (inputs before outputs); the history of a tensor in ``stop`` is not
+    followed (a recomputed block's inputs: their gradients are handed back, not propagated)."""
+    order, seen, stack = [], set(), [(r, False) for r in roots]
     while stack:
         t, done = stack.pop()
         if done:
@@ -309,7 +352,7 @@ def _toposort(root):
             continue
         seen.add(id(t))
         stack.append((t, True))
-        if isinstance(t._node, tuple):
+        if isinstance(t._node, tuple) and id(t) not in stop:
             for a in t._node[1].inputs:
                 if isinstance(a, Tensor) and a.requires_grad and id(a) not in seen:
                     stack.append((a, False))
@@ -368,12 +411,31 @@ def backward(root: Tensor, grad=None, retain_graph=False):
                             "array")
         if tuple(grad.shape) != root.shape:
             raise ValueError(f"grad: expected shape {root.shape} (the tensor's); got {tuple(grad.shape)}")
-    grads = {id(root): grad}
-    order = _toposort(root)
+    _run_backward([root], [grad], retain_graph, seed=root if seeded else None, hooks=True)
+
+
+def _run_backward(roots, grads_in, retain_graph=False, *, seed=None, hooks=False, capture=None, expect=None):
+    """The backward walk of :func:`backward` from one or several roots (``grads_in``: one gradient array each).
+
+    ``seed``: the root whose gradient is the implicit ones of ``loss.backward()`` (``ctx.seed_one``).
+    ``hooks``: count contributions and run gradient-ready hooks (only the outermost backward does). ``capture``:
+    {id: Tensor} whose gradients are returned ({id: array}) instead of accumulated, their history not followed
+    (:func:`backward_from`). ``expect``: None, or the ids of the only leaves this walk may write a gradient to
+    (RuntimeError otherwise)."""
+    grads = {}
+    for r, g in zip(roots, grads_in):
+        grads[id(r)] = fast_add(grads[id(r)], g) if id(r) in grads else g
+    capture = capture or {}
+    order = _toposort(roots, capture)
     # Hook bookkeeping only while some hook is registered: without one this loop is the plain backward.
-    pending = _ready_counts(order, root) if _live_ready_hooks else None
+    pending = _ready_counts(order, roots[0]) if hooks and _live_ready_hooks else None
+    captured = {}
     for t in reversed(order):
         g = grads.pop(id(t), None)
+        if id(t) in capture:
+            if g is not None:
+                captured[id(t)] = g
+            continue
         if t._node is None:
             if g is not None:
                 _accumulate_leaf(t, g)
@@ -387,14 +449,16 @@ def backward(root: Tensor, grad=None, retain_graph=False):
                                "call backward(retain_graph=True) the first time to go through it twice")
         fn, ctx = t._node
         if g is not None:
-            ctx.seed_one = seeded and t is root
+            ctx.seed_one = t is seed
+            if expect is not None:
+                _check_expected(ctx, capture, expect)
             gin = fn.backward(ctx, g)
             if not isinstance(gin, tuple):
                 gin = (gin,)
             for a, need, ga in zip(ctx.inputs, ctx.needs_input_grad, gin):
                 if not need or ga is None:
                     continue
-                if a._node is None:
+                if a._node is None and id(a) not in capture:
                     _accumulate_leaf(a, ga)
                 elif id(a) in grads:
                     grads[id(a)] = fast_add(grads[id(a)], ga)
@@ -408,6 +472,33 @@ def backward(root: Tensor, grad=None, retain_graph=False):
             for a, need in zip(ctx.inputs, ctx.needs_input_grad):
                 if need and a._node is None and id(a) in pending:
                     _contributed(a, pending)
+    return captured
+
+
+def _check_expected(ctx, capture, expect):
+    for a, need in zip(ctx.inputs, ctx.needs_input_grad):
+        if need and a._node is None and id(a) not in capture and id(a) not in expect:
+            name = f" {a.name!r}" if a.name else ""
+            raise RuntimeError(f"recompute: the second forward of a recomputed block used a tensor{name} of shape "
+                               f"{a.shape} requiring a gradient that its first forward (under no_grad) did not use: "
+                               f"the block must compute the same thing both times (no branch on is_grad_enabled())")
+
+
+def backward_from(outputs, grads, inputs, retain_graph=False, expect=None):
+    """Back-propagate ``grads`` (one array or None per tensor of ``outputs``) through the graph that recorded
+    ``outputs``, stopping at ``inputs``: returns the gradient of each input (an array, or None where none
+    reached it) instead of accumulating it, and does not walk the inputs' own history. Every other leaf reached
+    gets its gradient accumulated into ``.grad`` as :func:`backward` does (in place, ``grad_stale`` honoured);
+    gradient-ready hooks are not run (the enclosing backward runs them: a recomputed block's parameters are
+    inputs of its node there). ``expect``: None, or the ids of the only leaves (other than ``inputs``) the walk
+    may give a gradient to -- those the enclosing graph knows the block reads, whose hooks it counts; another is a
+    RuntimeError. What :mod:`cukernels.functional.recompute` runs inside a backward."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and isinstance(o, Tensor) and o.requires_grad]
+    if not pairs:
+        return [None] * len(inputs)
+    capture = {id(t): t for t in inputs}
+    got = _run_backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph, capture=capture, expect=expect)
+    return [got.get(id(t)) for t in inputs]
 
 
 def tensor(data, requires_grad=False, name=None, dtype=None):

@@ -29,6 +29,13 @@ so the only layouts refused are those it cannot express: a last axis that is not
 view: pass the array itself with ``trans_a`` / ``trans_b``), negative or overlapping rows, strides that are
 no multiple of the element size, batch axes that no single stride walks, and (for ``out``) batch entries that
 overlap.
+
+FP8 (``a``, ``b`` FP8 data: uint8 bits with ``a_dtype`` / ``b_dtype``, or NumPy float8 arrays): cuBLASLt on a
+handle of our own (``blaslt.py``), ``out = alpha * (a_scale * a) @ (b_scale * b).T + beta * out`` with the scales
+0-d float32 device arrays, fp32 accumulation, a bfloat16 or float32 output. Hopper runs FP8 only with both
+operands K-major (cuBLASLt's "TN"), so ``trans_b=True`` (b is [N, K]) and ``trans_a=False`` are required; K and N
+multiples of 16, rows 16-byte aligned. ``ck.fp8_quantize(..., transpose=True)`` makes the transposed copies a
+product over the other axis needs.
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ import threading
 import numpy as np
 
 from . import _backend as B
+from . import blaslt as _lt
+from .ops.fp8 import fp8_operand as _fp8_operand
 
 _CUDA_R = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, B.bfloat16: 14}
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
@@ -53,28 +62,7 @@ class BlasError(RuntimeError):
 
 @functools.lru_cache(maxsize=1)
 def _lib():
-    import cupy  # noqa: F401  (CuPy loads libcublas; we bind the same library)
-
-    from cupy_backends.cuda.libs import cublas as _cb  # noqa: F401  forces the load
-
-    names = []
-    try:
-        from cuda import pathfinder
-
-        names.append(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
-    except Exception:
-        pass
-    names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
-    for n in names:
-        if not n:
-            continue
-        try:
-            lib = ctypes.CDLL(n)
-            break
-        except OSError:
-            continue
-    else:
-        raise BlasError(f"libcublas not found (tried {names})")
+    lib = _lt.load_library("cublas", BlasError)
     vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
     lib.cublasSetStream_v2.argtypes = [vp, vp]
@@ -268,7 +256,7 @@ def empty_padded(shape, dtype, *, xp=None, multiple=PAD_ELEMS):
 
 @B.interop
 def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alpha=1.0, beta=0.0,
-           allow_tf32=False):
+           allow_tf32=False, a_scale=None, b_scale=None, a_dtype=None, b_dtype=None, fast_accum=False):
     """``out = alpha * op(a) @ op(b) + beta * out`` with ``op(x) = x.T`` (last two axes) when asked.
 
     Args:
@@ -282,6 +270,13 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
             output accumulate and store in fp32.
         alpha, beta: finite host numbers (captured by value in a CUDA graph).
         allow_tf32: fp32 inputs use TF32 tensor cores (faster, ~1e-3 relative error).
+        a_scale, b_scale: FP8 operands only: 0-d float32 arrays (device scalars on the GPU; None: 1) that turn the
+            FP8 values into real ones, ``a ~ a_scale * a_fp8`` (``ck.fp8_quantize``'s ``scale_inv``).
+        a_dtype, b_dtype: the FP8 format of a uint8 operand, ``ck.float8_e4m3fn`` or ``ck.float8_e5m2`` (taken
+            from the dtype of a NumPy float8 array). cuBLASLt multiplies e4m3 x e4m3, e4m3 x e5m2 and e5m2 x e4m3.
+            FP8 operands need ``trans_b=True`` (b is ``(..., N, K)``), ``trans_a=False``, K and N multiples of 16,
+            16-byte aligned rows; the output is bfloat16 (default) or float32.
+        fast_accum: FP8 only: cuBLASLt's fast accumulation (fewer promotions of the partial sums to fp32).
 
     Returns:
         ``out`` (a new C-contiguous array when not given). On NumPy arrays: the same product computed in float32
@@ -293,7 +288,16 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         >>> ck.matmul(dy_bf16, x_bf16, trans_a=True, out=dw, beta=1.0)   # dw += dy^T @ x, fp32 accumulate
         >>> z = ck.blas.empty_padded((N, 50257), ck.bfloat16)             # rows 50304 apart
         >>> ck.matmul(h, wte, trans_b=True, out=z)                         # logits, ldc = 50304
+        >>> xq, sx = ck.fp8_quantize(x); wq, sw = ck.fp8_quantize(w)     # FP8: e4m3 bits + device scales
+        >>> y = ck.matmul(xq, wq, trans_b=True, a_scale=sx, b_scale=sw, a_dtype=ck.float8_e4m3fn,
+        ...               b_dtype=ck.float8_e4m3fn, out_dtype=ck.bfloat16)
     """
+    fast_accum = B.check_bool("fast_accum", fast_accum)
+    if _is_fp8(a, b, a_scale, b_scale, a_dtype, b_dtype):
+        return _matmul_fp8(a, b, trans_a, trans_b, out, out_dtype, alpha, beta, allow_tf32, a_scale, b_scale,
+                           a_dtype, b_dtype, fast_accum)
+    if fast_accum:
+        raise ValueError("fast_accum: applies to FP8 operands only (a and b here are not FP8 data)")
     xp = B.array_module(a=a, b=b, out=out)
     trans_a = B.check_bool("trans_a", trans_a)
     trans_b = B.check_bool("trans_b", trans_b)
@@ -378,3 +382,114 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
                                               ctypes.byref(be), ctypes.c_void_p(out.data.ptr), ot, ldc, sc,
                                               nbatch, compute, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
     return out
+
+
+# ================================================================================================== FP8
+_U8 = np.dtype(np.uint8)
+
+
+def _is_fp8(a, b, *fp8_args) -> bool:
+    """FP8 operands (uint8 bits or NumPy float8 arrays) or any FP8-only argument given: the cuBLASLt path, whose
+    validation then names what does not fit."""
+    if any(v is not None for v in fp8_args):
+        return True
+    return any(getattr(x, "dtype", None) in B.FP8 + (_U8,) for x in (a, b))
+
+
+def _fp8_scale_arg(name, s):
+    if s is None:
+        return None
+    if B._kind(s) is None:
+        raise TypeError(f"{name}: expected a 0-d float32 array (cuBLASLt reads the scale from device memory: make "
+                        f"it once with cupy.asarray(value, cupy.float32)) or None; got {B._got(s)}")
+    B.check_dtype(name, s, (np.float32,))
+    if s.ndim != 0:
+        raise ValueError(f"{name}: expected a 0-d float32 array; got shape {tuple(s.shape)}")
+    return s
+
+
+def _matmul_fp8(a, b, trans_a, trans_b, out, out_dtype, alpha, beta, allow_tf32, a_scale, b_scale, a_dtype,
+                b_dtype, fast_accum):
+    xp = B.array_module(a=a, b=b, out=out, a_scale=a_scale if B._kind(a_scale) is not None else None,
+                        b_scale=b_scale if B._kind(b_scale) is not None else None)
+    trans_a = B.check_bool("trans_a", trans_a)
+    trans_b = B.check_bool("trans_b", trans_b)
+    B.check_bool("allow_tf32", allow_tf32)
+    alpha = B.check_real("alpha", alpha)
+    beta = B.check_real("beta", beta)
+    a8, fa = _fp8_operand("a", a, a_dtype)
+    b8, fb = _fp8_operand("b", b, b_dtype)
+    if fa == fb == B.float8_e5m2:
+        raise TypeError("b_dtype: cuBLASLt has no e5m2 x e5m2 GEMM (e4m3 x e4m3, e4m3 x e5m2 and e5m2 x e4m3 "
+                        "only); cast one operand to ck.float8_e4m3fn")
+    a_scale = _fp8_scale_arg("a_scale", a_scale)
+    b_scale = _fp8_scale_arg("b_scale", b_scale)
+    if trans_a or not trans_b:
+        raise ValueError(f"trans_b: FP8 GEMMs take both operands K-major, a (..., M, K) and b (..., N, K) with "
+                         f"trans_a=False, trans_b=True (cuBLASLt's only FP8 layout on Hopper); got trans_a={trans_a}, "
+                         f"trans_b={trans_b} (make the transposed copy with ck.fp8_quantize(..., transpose=True))")
+    if a8.ndim < 2 or b8.ndim < 2:
+        raise ValueError(f"a, b: expected at least 2 dimensions; got shapes {a8.shape} and {b8.shape}")
+    lda, sa = _layout("a", a8)
+    ldb, sb = _layout("b", b8)
+    M, K = a8.shape[-2:]
+    N, Kb = b8.shape[-2:]
+    if K != Kb:
+        raise ValueError(f"b: inner dimensions disagree: a is {M}x{K} but b (N x K, trans_b) is {N}x{Kb}")
+    if K % 16 or N % 16:
+        raise ValueError(f"a, b: FP8 GEMMs need K and N multiples of 16; got M={M}, N={N}, K={K} (pad the "
+                         "features, or run this GEMM in bf16)")
+    for name, ld, st in (("a", lda, sa), ("b", ldb, sb)):
+        if ld % 16 or st % 16:
+            raise ValueError(f"{name}: FP8 rows must start 16 bytes apart (row stride {ld}, batch stride {st} "
+                             "bytes): a C-contiguous array with K a multiple of 16 is")
+    ba, bb = a8.shape[:-2], b8.shape[:-2]
+    if ba and bb and ba != bb:
+        raise ValueError(f"b: batch dimensions {bb} do not match a's {ba} (equal, or one operand 2-D)")
+    batch = ba or bb
+    nbatch = int(np.prod(batch)) if batch else 1
+    for what, v in (("M", M), ("N", N), ("K", K), ("the batch count", nbatch)):
+        if v > _INT_MAX:
+            raise ValueError(f"a, b: {what} = {v} exceeds cuBLAS' 32-bit sizes")
+    shape = (*batch, M, N)
+    odt = (B.check_dtype_arg("out_dtype", out_dtype) if out_dtype is not None
+           else out.dtype if out is not None else B.bfloat16)
+    if beta != 0 and out is None:
+        raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
+    if out is not None:
+        B.check_dtype("out", out, (odt,))
+        B.check_shape("out", out, shape)
+        B.check_writable("out", out)
+        ldc, sc = _check_out_layout(out, M, N, nbatch)
+        if (ldc * out.itemsize) % 16 or (nbatch > 1 and (sc * out.itemsize) % 16):
+            raise ValueError(f"out: FP8 GEMM output rows must start 16 bytes apart; got strides {out.strides}")
+    if xp is np:
+        af = a8.view(fa).astype(np.float64) * (1.0 if a_scale is None else float(a_scale))
+        bf = b8.view(fb).astype(np.float64) * (1.0 if b_scale is None else float(b_scale))
+        r = alpha * np.matmul(af, np.swapaxes(bf, -1, -2))
+        if beta != 0:
+            r = r + beta * out.astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if out is None:
+                return r.astype(odt)
+            out[...] = r.astype(odt)
+        return out
+    _lt.check_device()
+    for name, x in (("a", a8), ("b", b8), ("out", out)):
+        if x is not None and x.size and x.data.ptr % 16:
+            raise ValueError(f"{name}: FP8 GEMM operands must be 16-byte aligned; got a pointer {x.data.ptr % 16} "
+                             "bytes past a 16-byte boundary")
+    if out is None:
+        out = xp.empty(shape, dtype=odt)
+        ldc, sc = max(1, N), M * N
+    if out.size == 0:
+        return out
+    if K == 0:
+        if beta == 0:
+            B.zero_(out) if out.flags.c_contiguous else out.fill(0)
+        elif beta != 1:
+            out *= beta
+        return out
+    return _lt.gemm_fp8(a8, b8, out, a_fmt=fa, b_fmt=fb, a_scale=a_scale, b_scale=b_scale, M=M, N=N, K=K, lda=lda,
+                        ldb=ldb, ldc=ldc, sa=sa if ba else 0, sb=sb if bb else 0, sc=sc, nbatch=nbatch, alpha=alpha,
+                        beta=beta, fast_accum=fast_accum)

@@ -4,13 +4,18 @@ is sampled:
     python -m cukernels.sample --checkpoint runs/tiny --prompt "ROMEO:" --max-new-tokens 200 --top-k 40
     python -m cukernels.sample --checkpoint path/to/Llama-3.2-1B --prompt "The capital of France is" --temperature 0
     python -m cukernels.sample --checkpoint path/to/Llama-3.2-1B --prompt-ids "128000 791 6864" --max-new-tokens 20
+    python -m cukernels.sample --checkpoint path/to/Llama-3.2-1B --adapter runs/lora/adapter --prompt "Once upon"
 
 (``examples/generate.py`` is the same command.) ``--checkpoint``: a trainer checkpoint (``step_*.ckpt``), a run
 folder or its ``checkpoints/`` folder (the newest checkpoint), or a Hugging Face folder (``config.json`` +
 ``model.safetensors`` / a sharded index). ``--prompt`` text goes through the model's tokenizer: the folder's
 ``tokenizer.json`` (or ``--tokenizer FOLDER``), or the byte tokenizer of a 256-token model; the text is printed as
 it is sampled. Without a tokenizer, token ids go in (``--prompt-ids``) and come out. The prompt and the new tokens
-must fit the model's positions (``max_position_embeddings``; GPT-2's ``n_positions``).
+must fit the model's positions (``max_position_embeddings``; GPT-2's ``n_positions``). ``--adapter FOLDER`` adds a
+PEFT LoRA adapter (PEFT's ``save_pretrained`` or a LoRA run's ``adapter/``); a LoRA run folder or checkpoint given as
+``--checkpoint`` brings its base and adapters by itself. The adapters are merged into the weights before sampling
+(the fused decode step applies; ``--no-merge`` keeps them apart), and the base's tokenizer is used when the run
+has none.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from ._cli import UsageError, add_debug, run
 from .export import describe_source, find_tokenizer
 from .io.checkpoint import CheckpointError
 from .io.hf_folder import HFFormatError
+from .io.peft import PeftFormatError, is_adapter_folder
 from .models import from_pretrained
 from .models.generate import generate
 from .tokenizer import ByteTokenizer, TextStream
@@ -78,6 +84,8 @@ def main(argv=None, prog="python -m cukernels.sample"):
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="trainer checkpoint / run folder / Hugging Face folder")
+    ap.add_argument("--adapter", default=None, metavar="FOLDER", help="a PEFT LoRA adapter folder to add")
+    ap.add_argument("--no-merge", action="store_true", help="keep LoRA adapters unmerged (slower decoding)")
     ap.add_argument("--prompt", default=None, help="prompt text (through the model's tokenizer)")
     ap.add_argument("--prompt-ids", default=None, help="prompt token ids, space or comma separated")
     ap.add_argument("--tokenizer", default=None, metavar="FOLDER", help="a folder with tokenizer.json (default: the "
@@ -97,7 +105,7 @@ def main(argv=None, prog="python -m cukernels.sample"):
     ap.add_argument("--print-ids", action="store_true", help="print token ids, also when there is a tokenizer")
     add_debug(ap)
     a = ap.parse_args(argv)
-    return run(lambda: _sample(a), debug=a.debug, user_errors=(CheckpointError, HFFormatError))
+    return run(lambda: _sample(a), debug=a.debug, user_errors=(CheckpointError, HFFormatError, PeftFormatError))
 
 
 def _sample(a):
@@ -112,9 +120,15 @@ def _sample(a):
     xp = pick_xp("gpu" if a.device == "cuda" else a.device)
     fused = a.fused != "false"
     what = describe_source(a.checkpoint)
-    model = from_pretrained(a.checkpoint, xp=xp, fused=fused)
+    if a.adapter is not None and not is_adapter_folder(a.adapter):
+        raise UsageError(f"--adapter {a.adapter}: not a PEFT adapter folder (no adapter_config.json)")
+    model = from_pretrained(a.checkpoint, xp=xp, fused=fused, adapter=a.adapter)
+    if model.has_adapter():
+        what += f" + LoRA adapter{' (merged)' if not a.no_merge else ''}"
+        if not a.no_merge:
+            model.merge_adapter()
     V, P = model.config.vocab_size, model.max_positions()
-    tok = find_tokenizer(a.checkpoint, V, a.tokenizer)
+    tok = find_tokenizer(a.checkpoint, V, a.tokenizer, base=model.base_path)
     ids = prompt_ids(a, tok, V)
     if len(ids) + a.max_new_tokens > P:
         raise UsageError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {a.max_new_tokens} new ones exceed the "

@@ -49,10 +49,11 @@ def device_copy(a, misalign=False):
 
 
 def poisoned(shape, dtype, misalign=False):
-    """A device output buffer filled with NaN (or -1 for ints) so an unwritten element fails the check."""
+    """A device output buffer filled with NaN (or -1 for signed ints, the largest value for unsigned ones: FP8 bits in
+    uint8 then read as NaN) so an unwritten element fails the check."""
     c = cp()
     d = np.dtype(dtype)
     n = int(np.prod(shape))
     buf = c.empty(n + (1 if misalign else 0), dtype=d)
-    buf.fill(np.nan if d.kind == "f" or d == np.dtype(ck.bfloat16) else -1)
+    buf.fill(np.nan if d.kind == "f" or d == np.dtype(ck.bfloat16) else np.iinfo(d).max if d.kind == "u" else -1)
     return (buf[1:] if misalign else buf).reshape(shape)

@@ -2,7 +2,7 @@
 own package or to a lower layer, and there is no import cycle.
 
     runtime (_backend, _cli, _loader, _nvrtc, _public, build, graph, data, tokenizer, prepare, settings)
-      <  ops (+ blas, distributed)  <  autograd, amp  <  functional  <  nn, optim, io  <  models  <  generation
+      <  ops (+ blas, blaslt, distributed)  <  autograd, amp  <  functional  <  nn, optim, io  <  models  <  generation
       <  export, sample (the export and generator command lines)  <  train  <  run (the launcher)
       <  the package root (its __init__ only re-exports)
 """
@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "cukernels"
 
 LAYERS = [
     {"_backend", "_cli", "_loader", "_nvrtc", "_public", "build", "graph", "data", "tokenizer", "prepare", "settings"},
-    {"ops", "blas", "distributed"},
+    {"ops", "blas", "blaslt", "distributed"},
     {"autograd", "amp"},
     {"functional"},
     {"nn", "optim", "io"},

@@ -140,7 +140,8 @@ def test_from_pretrained_dispatches_on_model_type_and_bf16_holds_no_fp32(tmp_pat
     assert {p.dtype for p in mb.parameters()} == {np.dtype(ck.bfloat16)}
     cj = tmp_path / "hf" / "config.json"
     cj.write_text(json.dumps(dict(json.loads(cj.read_text()), model_type="mamba")))
-    with pytest.raises(ck.io.HFFormatError, match="model_type 'mamba' is not supported; supported: \\['gpt2', 'llama'\\]"):
+    with pytest.raises(ck.io.HFFormatError, match="model_type 'mamba' is not supported; supported: \\['gpt2', 'llama', "
+                                                       "'mistral', 'qwen2', 'qwen3'\\]"):
         ck.from_pretrained(tmp_path / "hf")
 
 

@@ -172,8 +172,8 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
         s.begin_capture()
         ck.rms_norm(x, w, out=y)
         g = s.end_capture()
-    y.fill(np.nan)
-    g.launch(s)
+        y.fill(np.nan)  # on s: a fill on the legacy default stream is not ordered before a non-blocking stream's
+    g.launch(s)        # replay (the race left y NaN under a loaded GPU)
     s.synchronize()
     assert_close(y, ck.rms_norm(to_host(x), to_host(w)), ck.bfloat16)
 

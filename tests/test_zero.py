@@ -1181,6 +1181,9 @@ def test_gpu_world_of_one_step_captures(wire):
         graph.launch(s)
         s.synchronize()
         og.zero_grad()
+        # zero_grad ran on the legacy default stream, which a non-blocking stream does not wait for: without this
+        # the next step's gradient write on s could land before the zeroing (seen under a loaded GPU)
+        cp.cuda.Device().synchronize()
     cp.cuda.Device().synchronize()
     for a, b in zip(pe, pg):
         assert np.array_equal(a.data.get(), b.data.get()), a.name

@@ -20,15 +20,19 @@ are the same array (as :class:`~cukernels.functional.array_ops.Add` does); dweig
 kernel's deterministic two-stage reduction (``ck.rms_norm_backward``).
 
 Nothing here touches the tape's internals: it uses Function.apply / ctx only.
+
+:func:`qk_rms_norm` (``QKRMSNormF``) is Qwen3's per-head RMSNorm of q and k on the heads of a packed projection output
+qkv [B, T, H + 2 Hkv, D], the rope after it, in place (see its docstring for the passes it costs).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _backend as B
-from ..autograd import Function
+from ..autograd import Function, _xp
 from ..ops.rms_norm import add_rms_norm as _add_rms, add_rms_norm_backward as _add_rms_bwd
 from ..ops.rms_norm import rms_norm as _rms, rms_norm_backward as _rms_bwd
+from ..ops.rope import rope as _rope, rope_backward as _rope_bwd
 from .array_ops import _composite_norm_args, _contig, _data, add, cast, mean, mul, pow, rsqrt
 
 
@@ -141,4 +145,71 @@ def add_rms_norm(x, r, w, eps=1e-6, fused=True):
     return rms_norm(h, w, eps, fused=fused), h
 
 
-__all__ = ['RMSNormF', 'AddRMSNormF', 'PickF', 'rms_norm', 'add_rms_norm']
+class QKRMSNormF(Function):
+    """Qwen3's q / k norms on a packed projection output, then the rope, **in place**: for qkv [B, T, H + 2 Hkv, D]
+    the q heads ``qkv[:, :, :H]`` become ``rope(rms_norm(q, wq))`` and the k heads ``qkv[:, :, H:H + Hkv]``
+    ``rope(rms_norm(k, wk))`` (v untouched); the output is qkv itself, which the packed attention then reads
+    (``flash_attention_packed(qkv, ..., rope=None)``), so the projection stays one GEMM and the attention one
+    packed gradient.
+
+    ``ck.rms_norm`` reads C-contiguous rows and the q heads of a packed output are token-strided, so each of q and
+    k is copied out once (that copy is also the pre-norm input the backward needs), normalised, and rotated by
+    ``ck.rope`` straight back into its strided heads (rope takes token-strided views): 3 passes of q + k forward
+    (a plain rope in place would be 1), against the 4 of a separate copy-back. Backward, on the incoming dqkv:
+    ``ck.rope_backward`` from the strided heads into a contiguous buffer, ``ck.rms_norm_backward``, the result
+    written back into the heads of dqkv (updated in place and returned: the packed attention's backward hands a
+    fresh array that nothing else holds). Bytes and launches: benchmarks/NOTES.md, "Qwen3's q / k norm".
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, wq, wk, H, Hkv, eps, rope):
+        xp = _xp(qkv)
+        heads = ((qkv[:, :, :H], wq), (qkv[:, :, H:H + Hkv], wk))
+        saved = []
+        for view, w in heads:
+            xc = xp.ascontiguousarray(view)  # the pre-norm heads, kept for the backward
+            y, rstd = _rms(xc, w, eps, return_rstd=True)
+            if rope is not None:
+                _rope(y, rope[0], rope[1], positions=rope[2], out=view)
+            else:
+                view[...] = y
+            saved += [xc, rstd]
+        ctx.save_for_backward(*saved, wq, wk)
+        ctx.H, ctx.Hkv, ctx.rope = H, Hkv, rope
+        return qkv
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, rq, xk, rk, wq, wk = ctx.saved_tensors
+        H, Hkv, rope = ctx.H, ctx.Hkv, ctx.rope
+        if g.dtype != xq.dtype:
+            g = g.astype(xq.dtype)  # (a fresh array: written in place below)
+        dws = []
+        for view, x, rstd, w in ((g[:, :, :H], xq, rq, wq), (g[:, :, H:H + Hkv], xk, rk, wk)):
+            if rope is not None:  # strided heads in, a contiguous dy out
+                dy = _rope_bwd(view, rope[0], rope[1], positions=rope[2])
+            else:
+                dy = _xp(g).ascontiguousarray(view)
+            dx, dw = _rms_bwd(dy, x, w, rstd)
+            view[...] = dx
+            dws.append(dw)
+        return g, dws[0], dws[1], None, None, None, None
+
+
+def qk_rms_norm(qkv, n_heads, n_kv_heads, q_weight, k_weight, eps=1e-6, *, rope=None):
+    """RMSNorm over head_dim of the q heads (``q_weight`` [D]) and the k heads (``k_weight`` [D]) of a packed
+    projection output qkv [B, T, n_heads + 2 n_kv_heads, D], then ``rope = (cos, sin, positions)`` if given, in
+    place (:class:`QKRMSNormF`); returns qkv (a Tensor over the same array) for the packed attention.
+
+    ``q = rope(q / sqrt(mean(q**2, -1) + eps) * q_weight)``, the same for k with ``k_weight`` (Qwen3's
+    ``self_attn.q_norm`` / ``k_norm``, applied before the rotary embedding).
+
+    Example::
+
+        >>> qkv = F.qk_rms_norm(qkv, 16, 8, att.q_norm.weight, att.k_norm.weight, 1e-6, rope=(cos, sin, None))
+        >>> o = F.flash_attention_packed(qkv, 16, 8)
+    """
+    return QKRMSNormF.apply(qkv, q_weight, k_weight, int(n_heads), int(n_kv_heads), eps, rope)
+
+
+__all__ = ['RMSNormF', 'AddRMSNormF', 'PickF', 'QKRMSNormF', 'rms_norm', 'add_rms_norm', 'qk_rms_norm']

@@ -17,12 +17,16 @@ import numpy as np
 
 from .. import _backend as B
 from .. import functional as F
-from ..autograd import Tensor, no_grad
+from ..autograd import Tensor, is_grad_enabled, no_grad
 from ..io import hf_folder
+from ..io import peft as _peft
 from ..io.checkpoint import CheckpointError, check_compatible
 from ..nn import (Attention, Dropout, KVCache, Module, Residual, StaticKVCache, autocast_input, init_context,
                   project, weight_for_gemm)
 from ..nn import decode as _decode
+from ..nn import lora as _lora
+from ..nn.dropout import current as _dropout_scope
+from ..nn import dropout as _dropout
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops import _launch
 from ..ops.gemv import gemv
@@ -30,6 +34,7 @@ from ..settings import settings
 from .generate import GenerationMixin
 
 REGISTRY: dict = {}
+RECOMPUTE_MODES = ("none", "attention", "full")
 
 
 def register(cls):
@@ -133,6 +138,7 @@ class CausalLM(GenerationMixin, Module):
     model_type = ""
     config_class = None
     fused_head_loss = True  # forward(ids, targets): the head and the loss in one chunked op (see above)
+    recompute = "none"  # activation recompute per block: set_recompute()
     hf_head = "lm_head.weight"
     hf_ignored_suffixes: tuple = ()
 
@@ -252,6 +258,12 @@ class CausalLM(GenerationMixin, Module):
         if kv_cache is not None:
             with no_grad():
                 return self._run(ids, None, attention_mask, position_ids, kv_cache, ignore_index)
+        drng = getattr(self, "dropout_rng", None)
+        if self.training and drng is not None and (_dropout_scope() or (None,))[0] is not drng:
+            # LoRA dropout in a family without dropout of its own (apply_lora gave the model a DropoutRNG; GPT-2
+            # opens this scope in its own forward): the masks' offset advances once per training forward
+            with drng.forward_pass():
+                return self._run(ids, targets, attention_mask, position_ids, None, ignore_index, return_logits)
         return self._run(ids, targets, attention_mask, position_ids, None, ignore_index, return_logits)
 
     def _run(self, ids, targets, attention_mask, position_ids, kv_cache, ignore_index, return_logits=False):
@@ -263,8 +275,10 @@ class CausalLM(GenerationMixin, Module):
         cos, sin = self.rope_tables(self.max_positions() if position_ids is not None else p0 + T, xp)
         x = self.embed(ids, position_ids if position_ids is not None else p0)
         caches = kv_cache.layers if kv_cache is not None else [None] * len(self.layers())
+        mode = self.recompute if kv_cache is None and is_grad_enabled() else "none"
         for block, lc in zip(self.layers(), caches):
-            x = block(x, cos=cos, sin=sin, position_ids=position_ids, attention_mask=attention_mask, kv_cache=lc)
+            kw = dict(cos=cos, sin=sin, position_ids=position_ids, attention_mask=attention_mask, kv_cache=lc)
+            x = block(x, **kw) if mode == "none" else _recomputed_block(block, x, kw, mode)
         if isinstance(kv_cache, StaticKVCache) and not kv_cache.prefilled:
             kv_cache.prefilled = True
             kv_cache.length[...] = T  # (the prefill runs eagerly: a host write)
@@ -282,6 +296,32 @@ class CausalLM(GenerationMixin, Module):
         loss = F.cross_entropy(F.reshape(logits, (Bsz * T, -1)), targets.reshape(-1), ignore_index=ignore_index,
                                fused=self.fused, inplace=not return_logits)
         return (loss, logits) if return_logits else loss
+
+    def set_recompute(self, mode="full"):
+        """Activation recompute for the blocks of a forward that records a gradient (a training forward):
+
+        * ``"none"``: every block keeps its activations for the backward (~82 KiB per token per layer at the
+          LLaMA-1B shape under bf16 autocast; benchmarks/NOTES.md, "Activation recompute");
+        * ``"attention"``: each block's attention sub-block (q/k/v projection, attention, output projection) runs
+          without keeping its inner activations (qkv, the attention output, its log-sum-exp: ~10 KiB per token
+          per layer at that shape; GPT-2 under attention dropout also the [B, H, T, T] probabilities) and runs
+          again in the backward;
+        * ``"full"``: each whole block keeps only its input (the pending residual pair, 8 KiB per token per layer)
+          and runs its forward again in the backward (about one more forward of the blocks a step).
+
+        Gradients equal those without recompute (the same Functions on the same values; dropout replays its
+        masks from the forward's offset; autocast is restored). Forwards under ``no_grad`` and with a KV cache
+        are unaffected. Returns the model. See :func:`cukernels.functional.recompute`.
+
+        Example::
+
+            >>> model.set_recompute("full")   # T=16384 at B1: ~2 GiB of activations kept instead of ~21
+        """
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute: expected one of {list(RECOMPUTE_MODES)}; got {mode!r}"
+                             f"{suggest(mode, RECOMPUTE_MODES) if isinstance(mode, str) else ''}")
+        self.recompute = mode
+        return self
 
     # -- the fused decode step ---------------------------------------------------------------------------------
     fast_decode = True  # False: decode through the generic forward (to compare, or to debug)
@@ -304,7 +344,8 @@ class CausalLM(GenerationMixin, Module):
             mods = list(self.modules())
             ok = (all(p.dtype == B.bfloat16 for p in self.parameters())
                   and all(hasattr(b, "decode") for b in self.layers())
-                  and all(m.D in DECODE_HEAD_DIMS for m in mods if isinstance(m, Attention)))
+                  and all(m.D in DECODE_HEAD_DIMS for m in mods if isinstance(m, Attention))
+                  and not any(isinstance(m, _lora.LoRALinear) for m in mods))  # (merge_adapter() first)
             self.__dict__["_fast_decode_checked"] = ok
         return ok and not any(isinstance(m, Dropout) and m.active() for m in self.modules())
 
@@ -331,6 +372,11 @@ class CausalLM(GenerationMixin, Module):
         head has no bias and the operands suit the op; else None (the caller takes the logits path)."""
         mod, w, b = self.output_weight()
         if not (self.fused_head_loss and self.fused and mod.fused):
+            return None
+        if not w.requires_grad and is_grad_enabled():
+            # A frozen head (LoRA): ck.linear_cross_entropy computes dW whenever it computes dx (4.3 TFLOP and a
+            # 1.05 GB fp32 buffer at LLaMA-1B, B8xT1024, dropped); the logits path's GEMMs skip it for the same
+            # peak (2.1 GB of bf16 logits against the op's 1 GiB workspace + that buffer). NOTES, "LoRA".
             return None
         x = autocast_input(x)
         wt, wl = weight_for_gemm(mod, w)
@@ -395,11 +441,12 @@ class CausalLM(GenerationMixin, Module):
         return _Converted(tensors, names, cls.hf_transposed)
 
     @classmethod
-    def from_pretrained(cls, path, *, xp=np, dtype=None, fused=True, **kw):
+    def from_pretrained(cls, path, *, xp=np, dtype=None, fused=True, adapter=None, **kw):
         """Load a Hugging Face checkpoint folder of this family (``config.json`` + ``model.safetensors`` or a
         sharded index; bf16, fp16 or fp32 tensors). Parameters become float32, or ``dtype`` (``ck.bfloat16`` for
         inference: no fp32 copy is ever made). Every name and shape is checked before anything is copied; the
-        tensors are then copied one at a time (host memory stays near one tensor).
+        tensors are then copied one at a time (host memory stays near one tensor). ``adapter``: a PEFT LoRA folder
+        added on top (:meth:`load_adapter`).
 
         Example::
 
@@ -416,6 +463,9 @@ class CausalLM(GenerationMixin, Module):
             model = cls(config, xp=xp, fused=fused, **kw)
         sd = cls._hf_state(tensors, config, str(hf_folder.weights_path(path)), model.state_dict())
         model.load_state_dict(sd)
+        model.__dict__["base_path"] = str(hf_folder.folder_of(path).resolve())  # (an adapter's base_model_name_or_path)
+        if adapter is not None:
+            model.load_adapter(adapter)
         return model
 
     def save_pretrained(self, path, *, dtype=np.float32, max_shard_size=None):
@@ -426,6 +476,9 @@ class CausalLM(GenerationMixin, Module):
         dt = np.dtype(dtype)
         if dt not in (np.dtype(np.float32), B.bfloat16, np.dtype(np.float16)):
             raise TypeError(f"dtype: expected float32, bfloat16 or float16; got {dt}")
+        if self.has_adapter():
+            raise ValueError("save_pretrained: the model has LoRA adapters; merge_adapter() first to export the "
+                             "adapted model, or save_adapter(folder) to write the adapter alone (PEFT's format)")
         state = self.state_dict()
         tr = type(self).hf_transposed
         specs = {k: (tuple(reversed(a.shape)) if tr(k) else tuple(a.shape), dt) for k, a in state.items()}
@@ -435,8 +488,137 @@ class CausalLM(GenerationMixin, Module):
             return a.T if tr(k) else a
         return hf_folder.save_folder(path, self.config.to_hf(dt), specs, get, max_shard_size=max_shard_size)
 
+    # -- LoRA adapters: PEFT's names and folder format (cukernels/nn/lora.py, cukernels/io/peft.py) -------------
+    lora_config = None  # the adapters' cukernels.nn.LoraConfig (set by apply_lora, cleared by merge_adapter)
+    base_path = None  # the folder or checkpoint the base weights came from (from_pretrained), or None
+
+    def lora_exclude(self):
+        """``{module name: reason}`` of the Linears no adapter can go on (:func:`cukernels.nn.apply_lora` asks): the
+        output head, whose weight the fused head + loss reads directly."""
+        mod = self.output_weight()[0]
+        return {n: "it is the output head (the fused head + loss reads its weight directly); adapt the blocks' "
+                   "projections" for n, m in self.named_modules() if n and m is mod}
+
+    def has_adapter(self) -> bool:
+        """Whether LoRA adapters are attached (unmerged)."""
+        return bool(_lora.lora_modules(self))
+
+    def add_adapter(self, config=None, **kw):
+        """Add LoRA adapters and freeze every base parameter: :func:`cukernels.nn.apply_lora` (a
+        :class:`cukernels.nn.LoraConfig`, or its keywords ``r``, ``alpha``, ``dropout``, ``target_modules``,
+        ``use_rslora``; ``seed``, ``dtype``). Returns the config.
+
+        Example::
+
+            >>> model.add_adapter(r=16, alpha=32, target_modules=["q_proj", "v_proj"])
+            >>> opt = ck.optim.AdamW(model.trainable_parameters(), lr=2e-4)
+        """
+        return _lora.apply_lora(self, config, **kw)
+
+    def load_adapter(self, path):
+        """Add the LoRA adapter of a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``: PEFT's
+        ``save_pretrained`` or :meth:`save_adapter`). The folder is checked (:mod:`cukernels.io.peft`), then its
+        fit: its targets match Linears of this model and every tensor has the shape the adapter there needs; on
+        any disagreement the model is left as it was and PeftFormatError names the folder. Returns the model."""
+        if self.has_adapter():
+            raise ValueError("load_adapter: the model has LoRA adapters already; one adapter a model: merge_adapter() "
+                             "first, or load the base again")
+        cfg, tensors = _peft.read(path)
+        lcfg = _lora.LoraConfig(**{k: cfg[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules",
+                                                        "use_rslora", "rank_pattern", "alpha_pattern")})
+        frozen = {id(p): p.requires_grad for p in self.parameters()}
+        try:
+            _lora.apply_lora(self, lcfg, strict=False, init=False)
+            _lora.load_lora_state_dict(self, tensors, where=str(_peft.WEIGHTS))
+        except (TypeError, ValueError) as e:
+            _lora.remove_lora(self)
+            for p in self.parameters():
+                p.requires_grad = frozen.get(id(p), p.requires_grad)
+            raise _peft.PeftFormatError(f"{path}: {e}") from None
+        return self
+
+    def save_adapter(self, path, *, dtype=None):
+        """Write the adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+        ``base_model.model.<module>.lora_A.weight``; tensors in ``dtype``, default as held: fp32) that
+        ``peft.PeftModel.from_pretrained(base, path)`` and :meth:`load_adapter` load. Returns the folder."""
+        if not self.has_adapter():
+            raise ValueError("save_adapter: the model has no LoRA adapter (add_adapter() or load_adapter() first)")
+        tr = type(self).hf_transposed
+        return _peft.write(path, self.lora_config.to_dict(), _lora.lora_state_dict(self),
+                           base_model_name_or_path=self.base_path, dtype=dtype,
+                           fan_in_fan_out=any(tr(n + ".weight") for n in _lora.lora_modules(self)))
+
+    def merge_adapter(self):
+        """Fold every adapter into its base weight (``W += scaling * B @ A`` in fp32, rounded once into W's dtype)
+        and remove the adapters: plain Linears again, so the fused decode step and :meth:`save_pretrained` (a merged
+        Hugging Face folder) apply. Returns the model."""
+        _lora.merge_lora(self)
+        return self
+
+    def named_trainable_parameters(self):
+        """``[(name, parameter)]`` of the parameters that require a gradient, in the optimizer's order
+        (:func:`cukernels.nn.lora.trainable_parameters`: the A matrices of sibling adapters back to back). Without
+        adapters: every parameter, in ``named_parameters()`` order."""
+        return _lora.trainable_parameters(self)
+
+    def trainable_parameters(self):
+        """The parameters that require a gradient (:meth:`named_trainable_parameters`' order): what an optimizer
+        takes. With LoRA adapters only the adapters: the frozen base has no gradient and no optimizer state."""
+        return [p for _, p in self.named_trainable_parameters()]
+
     def extra_repr(self):
         return f"params={self.num_parameters() / 1e6:.2f}M, fused={self.fused}"
+
+
+# ------------------------------------------------------------------------------------------------ recompute
+class _dropout_offset:
+    """Dropout's forward-pass state (the model's DropoutRNG and its offset snapshot, nn/dropout.py) set to ``snap``
+    for the block's second forward inside the backward, where no forward pass is running: the counter-based masks
+    are drawn again from the same (seed, offset), bit for bit."""
+
+    def __init__(self, snap):
+        self.snap = snap
+
+    def __enter__(self):
+        self.prev, _dropout._current[0] = _dropout._current[0], self.snap
+
+    def __exit__(self, *exc):
+        _dropout._current[0] = self.prev
+
+
+def _recomputed_block(block, x, kw, mode):
+    """``block(x, **kw)`` with recompute ``mode`` ("attention" or "full"; see :meth:`CausalLM.set_recompute`)."""
+    snap = _dropout.current()
+    if mode == "attention":
+        atts = [m for m in block.modules() if isinstance(m, Attention)]
+        # The attention sub-block is called from inside the family's block.forward; for this call each Attention
+        # module's forward is an instance attribute that recomputes (removed again below: nothing persists, and
+        # the second forward calls the class's forward, so it does not recurse).
+        for a in atts:
+            a.__dict__["forward"] = lambda t, _a=a, **akw: F.recompute(
+                lambda u: _replayed(snap, type(_a).forward, _a, u, **akw), t)
+        try:
+            return block(x, **kw)
+        finally:
+            for a in atts:
+                a.__dict__.pop("forward", None)
+    pair = isinstance(x, Residual)
+    parts = (x.h, x.branch) if pair else (x,)
+    kinds = []
+
+    def run(*ts):
+        out = _replayed(snap, block, Residual(*ts) if pair else ts[0], **kw)
+        if not kinds:
+            kinds.append(isinstance(out, Residual))
+        return (out.h, out.branch) if isinstance(out, Residual) else out
+
+    out = F.recompute(run, *parts)
+    return Residual(*out) if kinds[0] else out
+
+
+def _replayed(snap, fn, *a, **k):
+    with _dropout_offset(snap):
+        return fn(*a, **k)
 
 
 class _Spec:

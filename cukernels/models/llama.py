@@ -4,6 +4,11 @@ positions (LLaMA-3 frequency scaling), the SwiGLU MLP, no biases; output head ti
 ``Llama(config)(ids)`` -> logits [B, T, V]; ``Llama(config)(ids, targets)`` -> the mean token cross-entropy as a
 0-d fp32 device array (wrapped in a Tensor). Parameter names are Hugging Face's (``model.embed_tokens.weight``,
 ``model.layers.N.self_attn.q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight`` unless tied).
+
+This is also the base of the LLaMA-style families (``qwen2.py``, ``qwen3.py``, ``mistral.py``): the same blocks,
+names and head; a family's config subclasses :class:`LlamaConfig` (its Hugging Face fields and defaults,
+``from_hf`` / ``to_hf`` hooks) and says per layer what its attention has (:meth:`LlamaConfig.attention_options`:
+q / k / v and o biases, Qwen3's q / k norm, a sliding window), and its model class subclasses :class:`Llama`.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ class LlamaConfig(ModelConfig):
     """Hugging Face ``LlamaConfig`` fields (same names and meanings); checked at construction."""
 
     model_type = "llama"
+    hf_architecture = "LlamaForCausalLM"
+    hf_refused = ("attention_bias", "mlp_bias")  # config.json switches that must be false (this LLaMA has no biases)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -46,7 +53,7 @@ class LlamaConfig(ModelConfig):
     pad_token_id: Optional[int] = None
 
     def validate(self):
-        w = "LlamaConfig"
+        w = type(self).__name__
         for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "max_position_embeddings"):
             check_int(w, k, getattr(self, k))
@@ -78,17 +85,39 @@ class LlamaConfig(ModelConfig):
             msg = str(e)
             raise type(e)(f"{w}.rope_{msg}" if msg.startswith("scaling") else f"{w}.rope_scaling: {msg}") from None
 
+    # -- the attention of each layer (the LLaMA-style families override) ---------------------------------------
+    def attention_options(self, i) -> dict:
+        """Keyword arguments of layer ``i``'s :class:`cukernels.nn.Attention` besides the sizes: ``bias`` (q / k /
+        v), ``out_bias`` (o), ``qk_norm`` (None or the eps of Qwen3's per-head norm), ``window`` (None or the
+        sliding window). LLaMA: none of them."""
+        return dict(bias=False, out_bias=False, qk_norm=None, window=None)
+
+    def layer_windows(self) -> list:
+        """The sliding window of every layer (None: full attention)."""
+        return [self.attention_options(i)["window"] for i in range(self.num_hidden_layers)]
+
     # -- config.json ----------------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, d: dict, where="config.json"):
-        """From a Hugging Face ``config.json`` dict; HFFormatError for what this LLaMA cannot run (biases, another
-        activation, an unsupported rope_scaling)."""
+        """From a Hugging Face ``config.json`` dict; HFFormatError for what this family cannot run (biases it has
+        not, another activation, an unsupported rope_scaling)."""
+        d = cls._hf_common(d, where)
+        try:
+            return cls.from_dict(d, strict=False)
+        except (TypeError, ValueError) as e:
+            raise HFFormatError(f"{where}: {e}") from None
+
+    @classmethod
+    def _hf_common(cls, d: dict, where) -> dict:
+        """What every LLaMA-style ``config.json`` needs: the activation, the refused switches, rope_theta and
+        rope_scaling from transformers 5's ``rope_parameters`` (or the older top-level keys), the special ids
+        that fit the vocabulary, defaults for null head_dim / num_key_value_heads. Returns the field dict."""
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise HFFormatError(f"{where}: hidden_act {act!r}; the LLaMA MLP here is SwiGLU (silu)")
-        for k in ("attention_bias", "mlp_bias"):
+            raise HFFormatError(f"{where}: hidden_act {act!r}; the LLaMA-style MLP here is SwiGLU (silu)")
+        for k in cls.hf_refused:
             if d.get(k):
-                raise HFFormatError(f"{where}: {k}=true is not supported (no biases in this LLaMA)")
+                raise HFFormatError(f"{where}: {k}=true is not supported by {cls.__name__} (no such biases)")
         rs = d.get("rope_scaling")
         rp = d.get("rope_parameters")  # transformers >= 5 writes theta and scaling together under this key
         if isinstance(rp, dict):
@@ -112,20 +141,28 @@ class LlamaConfig(ModelConfig):
         for k in ("head_dim", "num_key_value_heads"):
             if d.get(k) is None:
                 d.pop(k, None)
-        try:
-            return cls.from_dict(d, strict=False)
-        except (TypeError, ValueError) as e:
-            raise HFFormatError(f"{where}: {e}") from None
+        return d
+
+    _HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings", "initializer_range", "rms_norm_eps")
+
+    def hf_fields(self) -> dict:
+        """The family's own ``config.json`` fields (LLaMA: transformers 4's rope_theta / rope_scaling, which
+        transformers 5 reads too, and the bias switches)."""
+        return {**{k: getattr(self, k) for k in (*self._HF_SIZES, "rope_theta", "rope_scaling", "tie_word_embeddings",
+                                                 *SPECIAL_IDS)},
+                "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False}
+
+    def rope_parameters(self) -> dict:
+        """transformers 5's ``rope_parameters`` (theta and the scaling together) for this config."""
+        rs = {k: v for k, v in (self.rope_scaling or {}).items() if k != "type"}
+        rs.setdefault("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        return {"rope_theta": self.rope_theta, **rs}
 
     def to_hf(self, dtype=np.float32) -> dict:
-        """The ``config.json`` dict Hugging Face's ``LlamaConfig`` reads."""
+        """The ``config.json`` dict Hugging Face's config class of this family reads."""
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **{k: getattr(self, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "head_dim",
-                                             "max_position_embeddings", "initializer_range", "rms_norm_eps",
-                                             "rope_theta", "rope_scaling", "tie_word_embeddings", *SPECIAL_IDS)},
-            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+            "architectures": [self.hf_architecture], "model_type": self.model_type, **self.hf_fields(),
             "use_cache": True,
             "torch_dtype": "bfloat16" if np.dtype(dtype) == bfloat16 else np.dtype(dtype).name,
         }
@@ -134,11 +171,11 @@ class LlamaConfig(ModelConfig):
 class LlamaBlock(Module):
     """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``."""
 
-    def __init__(self, c: LlamaConfig, *, xp=np, rng=None):
+    def __init__(self, c: LlamaConfig, i=0, *, xp=np, rng=None):
         std = c.initializer_range
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
         self.self_attn = Attention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                   bias=False, rope=True, causal=True, xp=xp, rng=rng, std=std)
+                                   rope=True, causal=True, xp=xp, rng=rng, std=std, **c.attention_options(i))
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
         self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, xp=xp, rng=rng, std=std)
 
@@ -162,7 +199,7 @@ class LlamaModel(Module):
     def __init__(self, c: LlamaConfig, *, xp=np, rng=None, sparse_embedding=False):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, sparse=sparse_embedding, xp=xp, rng=rng,
                                       std=c.initializer_range)
-        self.layers = ModuleList(LlamaBlock(c, xp=xp, rng=rng) for _ in range(c.num_hidden_layers))
+        self.layers = ModuleList(LlamaBlock(c, i, xp=xp, rng=rng) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, xp=xp)
 
 
@@ -185,8 +222,9 @@ class Llama(CausalLM):
     hf_ignored_suffixes = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: LlamaConfig, *, xp=np, seed=0, fused=True, sparse_embedding=False, dtype=None):
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"config: expected a LlamaConfig; got {type(config).__name__}")
+        want = type(self).config_class
+        if not isinstance(config, want) or config.model_type != self.model_type:
+            raise TypeError(f"config: expected a {want.__name__}; got {type(config).__name__}")
         self.config = c = config
         rng = np.random.default_rng(seed) if xp is np else xp.random.default_rng(seed)
         sparse = sparse_embedding and not c.tie_word_embeddings

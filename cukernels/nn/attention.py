@@ -12,6 +12,13 @@ Two paths compute the same thing:
 
 ``attention_mask``: [B, Tk] booleans (True = keep), Tk counting the cached keys. A query row that sees no key
 (a left-padding position under the causal mask) gets zeros, never NaN.
+
+Per layer, two options of the LLaMA-style families: ``window`` (sliding-window attention, Mistral / Qwen2 /
+Qwen3's "sliding_attention" layers: with the causal mask, query i -- at key index i + Tk - Tq -- sees key n iff
+``i + Tk - Tq - W < n <= i + Tk - Tq``, Hugging Face's ``kv_idx > q_idx - sliding_window``; handed to every
+attention op as ``window=``) and ``qk_norm`` (Qwen3: an RMSNorm over head_dim on every q and k head before the
+rope, parameters ``q_norm.weight`` / ``k_norm.weight``). On the fused path the norm runs on the q and k heads of the
+packed projection output (``F.qk_rms_norm``, rope included) so the packed GEMM and the packed attention stay.
 """
 from __future__ import annotations
 
@@ -27,8 +34,8 @@ from ..ops.attention import HEAD_DIMS as FLASH_HEAD_DIMS
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops.decode_attention import decode_attention, decode_attention_workspace, kv_cache_write
 from .dropout import Dropout
-from .layers import Linear, check_input, packable, project_packed
-from .module import Module, check_param_args
+from .layers import Linear, RMSNorm, check_input, packable, project_packed
+from .module import Module, check_eps, check_param_args
 
 SEPARATE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
@@ -45,10 +52,21 @@ class Attention(Module):
             packed projection whose output is q, k, v one after the other (GPT-2's ``c_attn``).
         attn_dropout: a :class:`Dropout` on the attention probabilities (GPT-2's attn_pdrop). While it is active
             (training, p > 0) attention takes the materialised path: the fused kernel has no dropout inside.
+        out_bias: the output projection's bias (default: ``bias``; Qwen2 has q / k / v biases and none on o_proj).
+        qk_norm: None, or the eps of an RMSNorm over head_dim applied to every q head (``q_norm``) and k head
+            (``k_norm``) before the rope (Qwen3).
+        window: None (full attention) or the sliding window W >= 1 (with ``causal``): a query sees itself and the
+            W - 1 keys before it (Hugging Face's ``sliding_window``).
+
+    Example::
+
+        >>> att = Attention(1024, 16, 8, 128, qk_norm=1e-6, window=4096)      # a Qwen3 sliding layer's shape
+        >>> y = att(x, cos=cos, sin=sin)                                      # x [B, T, 1024]
     """
 
     def __init__(self, hidden, n_heads, n_kv_heads=None, head_dim=None, *, bias=False, rope=True, causal=True,
-                 names=None, attn_dropout=None, xp=np, rng=None, std=0.02, out_std=None, dtype=None):
+                 names=None, attn_dropout=None, xp=np, rng=None, std=0.02, out_std=None, dtype=None,
+                 out_bias=None, qk_norm=None, window=None):
         hidden, n_heads = check_param_args(hidden=hidden, n_heads=n_heads, std=std, dtype=dtype, xp=xp)
         n_kv_heads = n_heads if n_kv_heads is None else B.check_size("n_kv_heads", n_kv_heads)
         if n_heads % n_kv_heads:
@@ -63,6 +81,15 @@ class Attention(Module):
         self.D = hidden // n_heads if head_dim is None else B.check_size("head_dim", head_dim)
         self.rope, self.causal = B.check_bool("rope", rope), B.check_bool("causal", causal)
         bias = B.check_bool("bias", bias)
+        out_bias = bias if out_bias is None else B.check_bool("out_bias", out_bias)
+        if window is not None:
+            window = B.check_int("window", window, min=1, max=2**31 - 1)
+            if not self.causal:
+                raise ValueError(f"window: a sliding window ({window}) is defined with the causal mask; got "
+                                 "causal=False (pass window=None)")
+        self.window = window
+        if qk_norm is not None:
+            qk_norm = check_eps(qk_norm)
         if attn_dropout is not None and not isinstance(attn_dropout, Dropout):
             raise TypeError(f"attn_dropout: expected None or a cukernels.nn.Dropout; got {B._got(attn_dropout)}")
         if names is not None:
@@ -81,12 +108,22 @@ class Attention(Module):
             setattr(self, self.names["q"], Linear(hidden, H * D, **kw))
             setattr(self, self.names["k"], Linear(hidden, Hkv * D, **kw))
             setattr(self, self.names["v"], Linear(hidden, Hkv * D, **kw))
-        setattr(self, self.names["o"], Linear(H * D, hidden, **dict(kw, std=out_std or std)))
+        setattr(self, self.names["o"], Linear(H * D, hidden, **dict(kw, bias=out_bias, std=out_std or std)))
+        self.qk_norm = qk_norm is not None
+        if self.qk_norm:  # (after the projections: q, k, v stay adjacent in the optimizer's flat buffer)
+            self.q_norm = RMSNorm(D, qk_norm, xp=xp, dtype=dtype)
+            self.k_norm = RMSNorm(D, qk_norm, xp=xp, dtype=dtype)
         self.flash = True  # use ck.flash_attention where it applies (False: GEMM + attn_softmax + GEMM)
         self.attn_dropout = attn_dropout
 
     def extra_repr(self):
-        return (f"heads={self.H}, kv_heads={self.Hkv}, head_dim={self.D}, rope={self.rope}, causal={self.causal}")
+        return (f"heads={self.H}, kv_heads={self.Hkv}, head_dim={self.D}, rope={self.rope}, causal={self.causal}"
+                + (f", window={self.window}" if self.window is not None else "")
+                + (", qk_norm=True" if self.qk_norm else ""))
+
+    def window_kw(self):
+        """``{"window": W}`` for a sliding-window layer, ``{}`` otherwise (what every attention op is handed)."""
+        return {} if self.window is None else {"window": self.window}
 
     def _flash_ok(self, data, dtype):
         """The fused kernel runs for q of this dtype and array kind: fused, flash on, CuPy bf16 activations, a
@@ -158,24 +195,33 @@ class Attention(Module):
                 cos_t, sin_t, pos = cos[p0:p0 + T], sin[p0:p0 + T], None
             else:
                 cos_t, sin_t, pos = cos, sin, position_ids
+        win = self.window_kw()
         qkv = self._packed_qkv(x) if kv_cache is None else None
         if qkv is not None:  # training / eval: one projection GEMM, rope on q and k in one launch, packed gradient
             if self._uses_flash(qkv):
+                rope = (cos_t, sin_t, pos) if self.rope else None
+                if self.qk_norm:  # q / k norms then the rope on the packed heads (F.qk_rms_norm), in place
+                    qkv = F.qk_rms_norm(qkv, H, Hkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                        rope=rope)
+                    rope = None
                 o = F.flash_attention_packed(qkv, H, Hkv, causal=self.causal, scale=scale, key_mask=attention_mask,
-                                             rope=(cos_t, sin_t, pos) if self.rope else None)
+                                             rope=rope, **win)
                 return o_proj(F.reshape(o, (Bsz, T, H * D)))
             q, k, v = self._split(qkv)
         else:
             q, k, v = self._qkv(x)
+        if self.qk_norm:  # over head_dim, before the rope (Qwen3)
+            q = self.q_norm(F.contiguous(q) if qkv is not None or self.packed else q)
+            k = self.k_norm(F.contiguous(k) if qkv is not None or self.packed else k)
         if self.rope:
-            if qkv is not None or self.packed:  # rope reads contiguous heads
+            if (qkv is not None or self.packed) and not self.qk_norm:  # rope reads contiguous heads
                 q, k = F.contiguous(q), F.contiguous(k)
             q = F.rope(q, cos_t, sin_t, positions=pos, fused=self.fused)
             k = F.rope(k, cos_t, sin_t, positions=pos, fused=self.fused)
         if isinstance(kv_cache, StaticLayerCache):
             return o_proj(F.reshape(kv_cache.attend(self, q, k, v, scale, attention_mask), (Bsz, T, H * D)))
         if kv_cache is None and self._uses_flash(q):
-            o = F.flash_attention(q, k, v, causal=self.causal, scale=scale, key_mask=attention_mask)
+            o = F.flash_attention(q, k, v, causal=self.causal, scale=scale, key_mask=attention_mask, **win)
             return o_proj(F.reshape(o, (Bsz, T, H * D)))
         q = F.reshape(F.contiguous(F.transpose(q, (0, 2, 1, 3))), (Bsz, Hkv, G * T, D))
         k = F.contiguous(F.transpose(k, (0, 2, 1, 3)))
@@ -185,7 +231,7 @@ class Attention(Module):
             k, v = Tensor(kk), Tensor(vv)
         L = k.shape[2]
         s = F.reshape(F.matmul(q, k, trans_b=True), (Bsz, H, T, L))
-        p = F.attn_softmax(s, causal=self.causal, scale=scale, key_mask=attention_mask, fused=self.fused)
+        p = F.attn_softmax(s, causal=self.causal, scale=scale, key_mask=attention_mask, fused=self.fused, **win)
         if self.attn_dropout is not None:
             p = self.attn_dropout(p)
         o = F.matmul(F.reshape(p, (Bsz, Hkv, G * T, L)), v)  # [B, Hkv, G*T, D]
@@ -277,17 +323,18 @@ class StaticLayerCache:
         kc, vc = c.k[self.i], c.v[self.i]
         qd, kd, vd = q.data, k.data, v.data
         T = qd.shape[1]
+        win = att.window_kw()
         if not c.prefilled:  # the prompt: rows 0 .. T-1, attention over the prompt itself
             kc[:, :T] = kd
             vc[:, :T] = vd
             if att._uses_flash(q):
-                return F.flash_attention(q, k, v, causal=att.causal, scale=scale, key_mask=attention_mask)
+                return F.flash_attention(q, k, v, causal=att.causal, scale=scale, key_mask=attention_mask, **win)
             return Tensor(_prompt_attention(att, qd, kd, vd, scale, attention_mask))
         kv_cache_write(kd, kc, c.length)  # (strided views of a packed projection are read in place)
         kv_cache_write(vd, vc, c.length)
         if qd.dtype == B.bfloat16 and att.D in DECODE_HEAD_DIMS:
             return Tensor(decode_attention(qd, kc, vc, c.length, scale=scale, key_mask=c.key_mask,
-                                           workspace=c.workspace(qd)))
+                                           workspace=c.workspace(qd), **win))
         raise ValueError("a static KV cache decodes bf16 attention with head_dim in "
                          f"{DECODE_HEAD_DIMS}; got {qd.dtype}, head_dim {att.D}")
 
@@ -302,6 +349,7 @@ def _prompt_attention(att, q, k, v, scale, key_mask):
     kk = xp.ascontiguousarray(k.transpose(0, 2, 1, 3))
     vv = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
     s = F.gemm(qq, kk, trans_b=True).reshape(Bsz, H, T, T)
-    p = F.attn_softmax(Tensor(s), causal=att.causal, scale=scale, key_mask=key_mask, fused=att.fused).data
+    p = F.attn_softmax(Tensor(s), causal=att.causal, scale=scale, key_mask=key_mask, fused=att.fused,
+                       **att.window_kw()).data
     o = F.gemm(xp.ascontiguousarray(p.reshape(Bsz, Hkv, G * T, T)).astype(vv.dtype), vv)
     return xp.ascontiguousarray(o.reshape(Bsz, H, T, D).transpose(0, 2, 1, 3))

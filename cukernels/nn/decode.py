@@ -6,7 +6,9 @@ output GEMM, add, norm, gate and up GEMMs, SwiGLU, down GEMM, add) ran ~20 kerne
 GEMMs streamed a 2-8 MB weight at 1.5-3 TB/s (session 4 profile: 1.50 ms of kernel time, 1.74 ms per captured
 step). Here, per block and with arrays only (no tape; generation runs under ``no_grad``):
 
-1. ``ck.gemv``: the first norm as the prologue of one GEMV over the packed q/k/v weight (+ bias);
+1. ``ck.gemv``: the first norm as the prologue of one GEMV over the packed q/k/v weight (+ bias); with Qwen3's
+   q / k norms, ``ck.rms_norm`` over the q heads and over the k heads of its output, in place (two launches of a
+   few KB at batch 1);
 2. ``ck.decode_attention_rope``: rotary positions on q and k, k and v appended to the static cache at its device
    length, split-KV attention and the combine, in one launch (session 6; before: ``ck.rope_kv_write`` then
    ``ck.decode_attention``, bit-identical, still taken with ``ck.settings.decode_fused_attention = False``);
@@ -18,6 +20,9 @@ On Hopper the step runs under programmatic dependent launch (``CausalLM._decode_
 ``ops._launch.pdl_scope()``): each kernel is scheduled while the one before it finishes and waits on it only
 before touching what that one writes; a GEMV requests its first weight chunk (and prefetches more into L2)
 before it waits. Session 5: 1.273 -> 1.182 ms per LLaMA-1B step.
+
+A sliding-window layer (Mistral, Qwen2 / Qwen3's "sliding_attention" layers) hands its ``window`` to the
+attention kernel, which reads only the keys inside it.
 
 Packed weights: q/k/v (and gate/up) are copied once into one [sum(out), in] buffer and the parameters become
 row views of it (no second copy of the model). That is done only for inference weights (bf16 parameters, no
@@ -33,6 +38,7 @@ import numpy as np
 from ..autograd import _xp
 from ..ops.decode_attention import decode_attention, decode_attention_rope, rope_kv_write
 from ..ops.gemv import gemv
+from ..ops.rms_norm import rms_norm
 from ..settings import settings
 from .layers import LayerNorm, RMSNorm
 
@@ -121,6 +127,8 @@ def attention(att, x, layer_cache, norm, *, cos=None, sin=None, positions=None):
     lins = [getattr(att, names["qkv"])] if att.packed else [getattr(att, names[n]) for n in ("q", "k", "v")]
     W, b = packed(att, "qkv", lins)
     qkv = gemv(x, W, bias=b, **norm_args(norm))
+    if att.qk_norm:
+        qk_norm_rows(qkv, H, Hkv, D, att.q_norm, att.k_norm)
     c = layer_cache.cache
     kc, vc = c.k[layer_cache.i], c.v[layer_cache.i]
     rope = dict(cos=cos, sin=sin, positions=positions) if att.rope else {}
@@ -130,16 +138,35 @@ def attention(att, x, layer_cache, norm, *, cos=None, sin=None, positions=None):
     # are written by no kernel of this layer: the length is advanced before the step's first kernel). The
     # workspace is keyed by q's shape: the q part of qkv stands in for it (a view, no allocation).
     ws = c.workspace(qkv[..., :H * D].reshape(Bsz, 1, H, D))
+    win = att.window_kw()
     if settings.decode_fused_attention:
         o = decode_attention_rope(qkv, H, Hkv, kc, vc, c.length, **rope, scale=1.0 / math.sqrt(D),
-                                  key_mask=c.key_mask, workspace=ws)
+                                  key_mask=c.key_mask, workspace=ws, **win)
     else:
         q = rope_kv_write(qkv, H, Hkv, kc, vc, c.length, **rope)
-        o = decode_attention(q, kc, vc, c.length, scale=1.0 / math.sqrt(D), key_mask=c.key_mask, workspace=ws)
+        o = decode_attention(q, kc, vc, c.length, scale=1.0 / math.sqrt(D), key_mask=c.key_mask, workspace=ws,
+                             **win)
     o_proj = getattr(att, names["o"])
     gemv(o.reshape(Bsz, H * D), o_proj.weight.data, bias=o_proj.bias.data if o_proj.bias is not None else None,
          residual=x, out=x)
     return x
+
+
+def qk_norm_rows(qkv, H, Hkv, D, q_norm, k_norm):
+    """Qwen3's q / k norms over the heads of the qkv GEMV's output [B, (H + 2 Hkv) * D], in place: ``ck.rms_norm``
+    rows of D over the q part, then the k part. At one row each part is contiguous and is normalised in place (the
+    kernel holds a row in registers before writing it); at several rows the parts are token-strided, so each is
+    copied out, normalised and copied back (decode rows are a few KB)."""
+    Bsz = qkv.shape[0]
+    for norm, lo, hi in ((q_norm, 0, H * D), (k_norm, H * D, (H + Hkv) * D)):
+        part = qkv[:, lo:hi]
+        w = norm.weight.data
+        if Bsz == 1:
+            rows = part.reshape(-1, D)
+            rms_norm(rows, w, norm.eps, out=rows)
+        else:
+            part[...] = rms_norm(_xp(qkv).ascontiguousarray(part).reshape(-1, D), w, norm.eps).reshape(Bsz, -1)
+    return qkv
 
 
 def swiglu_mlp(mlp, x, norm):

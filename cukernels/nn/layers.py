@@ -2,7 +2,8 @@
 
 Every layer has ``fused`` (default True): True runs the kernel-family Functions (``ck.rms_norm``, ...), False a
 composite of plain array operations (RMSNorm as pow/mean/rsqrt/mul, per-use weight casts), so each kernel's gain
-can be measured. Under ``ck.autocast(ck.bfloat16)`` the GEMM layers read the optimizer's bf16 shadow weights.
+can be measured. Under ``ck.autocast(ck.bfloat16)`` the GEMM layers read the optimizer's bf16 shadow weights; under
+``ck.autocast(ck.float8)`` the fused Linear layers (and their packs) run their GEMMs in FP8 (:func:`fp8_recipe`).
 """
 from __future__ import annotations
 
@@ -66,9 +67,35 @@ def packable(module, linears):
 def project_packed(module, x, linears):
     """``concat([lin(x) for lin in linears], axis=-1)`` as one :func:`functional.packed_linear` (autocast as
     :func:`project`: the GEMMs read the bf16 shadows). For :func:`packable` Linears."""
+    hook = next((lin.project_packed for lin in linears if hasattr(lin, "project_packed")), None)
+    if hook is not None:  # a LoRA adapter (nn/lora.py) among them: its Function runs the packed GEMMs
+        return hook(module, x, linears)
     x = autocast_input(x)
     ws, lows = zip(*(weight_for_gemm(module, lin.weight) for lin in linears))
+    r = fp8_recipe(module, x, linears[0].in_features, sum(lin.out_features for lin in linears))
+    if r is not None:  # autocast(ck.float8): the pack's GEMMs in FP8, one joined weight and scale
+        return F.fp8_packed_linear(x, ws, lows, recipe=r, state=fp8_state(module, "_fp8_packed_state"))
     return F.packed_linear(x, ws, lows)
+
+
+def fp8_recipe(module, x, in_features, out_features):
+    """The active :class:`amp.Float8Recipe` when this fused layer's GEMMs run in FP8 (``autocast(ck.float8)`` and
+    shapes cuBLASLt's FP8 GEMMs take: :func:`functional.fp8_ok`), else None (the bf16 path). Only the Linear
+    layers and their packs ask: the LM head (``models.base`` calls :func:`project`), embeddings and attention
+    stay bf16."""
+    r = amp.get_fp8_recipe()
+    if r is None or not module.fused:
+        return None
+    return r if F.fp8_ok(in_features, out_features, x.data if isinstance(x, Tensor) else x) else None
+
+
+def fp8_state(module, attr="_fp8_state"):
+    """The module's :class:`functional.Fp8State` under ``attr`` (made at the first FP8 call)."""
+    st = module.__dict__.get(attr)
+    if st is None:
+        st = F.Fp8State()
+        setattr(module, attr, st)
+    return st
 
 
 def check_input(x, weight, width, name="x"):
@@ -100,6 +127,11 @@ class Linear(Module):
 
     def forward(self, x):
         check_input(x, self.weight, self.in_features)
+        r = fp8_recipe(self, x, self.in_features, self.out_features)
+        if r is not None:  # autocast(ck.float8): the three GEMMs on FP8 tensor cores (functional/fp8.py)
+            x = autocast_input(x)
+            wt, wl = weight_for_gemm(self, self.weight)
+            return F.fp8_linear(x, wt, wl, self.bias, recipe=r, state=fp8_state(self))
         return project(self, x, self.weight, self.bias)
 
     def extra_repr(self):

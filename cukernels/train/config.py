@@ -85,6 +85,19 @@ ZERO = {
                         "update (cuBLAS SM target, Adam grid); 0: none", "int", check=_ge(0)),
 }
 
+LORA = {
+    "r": Key(16, "adapter rank", "int", check=_gt(0)),
+    "alpha": Key(32.0, "adapters add alpha / r times their product (alpha / sqrt(r) with use_rslora)", "float",
+                 check=_gt(0)),
+    "dropout": Key(0.0, "dropout on the adapters' input while training, in [0, 1) (0: none, no extra pass)", "float",
+                   check=lambda v: None if 0 <= v < 1 else f"expected a number in [0, 1); got {v}"),
+    "target_modules": Key("all-linear", "the Linears that get adapters, named as PEFT matches them: a list of module "
+                                        "names ([q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]), a "
+                                        "regular expression, or all-linear (every Linear but the output head)",
+                          "targets"),
+    "use_rslora": Key(False, "rank-stabilised scaling alpha / sqrt(r)", "bool"),
+}
+
 SCHEMA = {
     "model": Key({}, "the model family's config: model.type and that family's Hugging Face fields; a field not given "
                      "takes the family's default (LLaMA's are the 7B shape: a config gives the sizes)", "section"),
@@ -94,6 +107,9 @@ SCHEMA = {
     "fused": Key(True, "kernels (true) or the composite of plain array ops (false, the baseline); "
                        "use_fused_kernel is the same key (the fused-softmax/LayerNorm write-up's name)", "bool"),
     "autocast": Key(None, "bf16: bf16 GEMMs over fp32 master weights; null: fp32", "choice", ("bf16",), optional=True),
+    "fp8": Key(False, "the Linear layers' GEMMs on FP8 tensor cores (GPU of compute capability 8.9+: E4M3 inputs and "
+                      "weights, E5M2 gradients, per-tensor scales on the device, fp32 master weights); implies "
+                      "autocast: bf16 for the rest (LM head, embedding, attention stay bf16)", "bool"),
     "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
     "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
     "seq_len": Key(64, "tokens per sequence", "int", check=_gt(0)),
@@ -128,12 +144,20 @@ SCHEMA = {
     "sample_chars": Key(200, "bytes of text generated at the end of a run on text data (0: none)", "int",
                         check=_ge(0)),
     "graph": Key(False, "replay each step from one captured CUDA graph (GPU, fused)", "bool"),
+    "recompute": Key("none", "activation recompute per block, for long sequences: none (keep every activation), "
+                             "attention (the attention sub-block runs again in the backward), full (each block keeps "
+                             "only its input and runs its forward again in the backward: at the 1B shape ~1/10 of the "
+                             "activation memory for ~1.2x the step time)", "choice", ("none", "attention", "full")),
     "ckpt_every": Key(0, "save a checkpoint every N steps (0: only at the end)", "int", check=_ge(0)),
     "ckpt_final": Key(True, "save a checkpoint at the end", "bool"),
     "ckpt_dir": Key(None, "checkpoint folder (default <out_dir>/checkpoints)", optional=True),
     "keep_last": Key(3, "keep the N newest checkpoints (0: all)", "int", check=_ge(0)),
     "resume": Key(None, "a checkpoint file, a folder of them, or 'latest' (newest in ckpt_dir)", optional=True),
     "init_from": Key(None, "initial weights: a Hugging Face folder or a trainer checkpoint", optional=True),
+    "lora": Key(None, "LoRA fine-tuning of init_from (its keys: " + ", ".join(LORA) + "): the base frozen (bf16 "
+                      "under autocast: no fp32 copy, gradients or moments), only the adapters trained and "
+                      "checkpointed, <out_dir>/adapter/ written in PEFT's format; null: full fine-tune", "section",
+                optional=True),
     "distributed": Key("auto", "data parallel over the ranks of a launcher (python -m cukernels.run, torchrun, "
                                "srun) with ZeRO-1 sharded AdamW: true, false, or auto (on when WORLD_SIZE > 1). "
                                "batch_size is per rank; total_batch_size counts every rank", "tristate"),
@@ -144,7 +168,7 @@ SCHEMA = {
 # (max_steps: the schedule's length is lr_decay_steps, kept from the checkpoint unless the config sets it.)
 RESUME_FREE = {"out_dir", "ckpt_dir", "ckpt_every", "ckpt_final", "keep_last", "resume", "log_every", "log_format",
                "plot", "eval_every", "eval_steps", "progress", "sample_chars", "distributed", "max_steps",
-               "lr_decay_steps"}
+               "lr_decay_steps", "recompute"}
 # zero settings that do not change the arithmetic of a step (the wire dtype does)
 ZERO_RESUME_FREE = {"bucket_elems", "overlap", "overlap_gather"}
 
@@ -180,6 +204,8 @@ def describe() -> str:
             out += [f"  data.{dk:11s} {dv.default!r:>14}  {dv.doc}" for dk, dv in DATA.items()]
         if k == "zero":
             out += [f"  zero.{zk:11s} {zv.default!r:>14}  {zv.doc}" for zk, zv in ZERO.items()]
+        if k == "lora":
+            out += [f"  lora.{lk:11s} {lv.default!r:>14}  {lv.doc}" for lk, lv in LORA.items()]
     return "\n".join(out)
 
 
@@ -219,6 +245,12 @@ def _check(path, spec: Key, v):
                 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
             raise ConfigError(f"{path}: expected two numbers in [0, 1), e.g. [0.9, 0.95]; got {v!r}")
         v = [float(b) for b in v]
+    elif spec.kind == "targets":
+        ok_list = isinstance(v, (list, tuple)) and v and all(isinstance(t, str) and t for t in v)
+        if not (ok_list or (isinstance(v, str) and v)):
+            raise ConfigError(f"{path}: expected a list of module names (e.g. [q_proj, v_proj]), a regular "
+                              f"expression or all-linear; got {v!r}")
+        v = list(v) if ok_list else v
     elif spec.kind == "str":
         if not isinstance(v, (str, os.PathLike)):
             raise ConfigError(f"{path}: expected a string (a path or name); got {v!r}")
@@ -273,6 +305,15 @@ def validate(cfg: dict) -> dict:
                 if dk not in table:
                     raise ConfigError(f"{k}.{dk}: unknown config key{suggest(dk, table)}")
             out[k] = {dk: _check(f"{k}.{dk}", ds, v.get(dk, ds.default)) for dk, ds in table.items()}
+        elif k == "lora":
+            if v is not None and not isinstance(v, dict):
+                raise ConfigError(f"lora: expected a mapping of LoRA keys ({', '.join(LORA)}) or null; got {v!r}")
+            for lk in v or {}:
+                if lk not in LORA:
+                    raise ConfigError(f"lora.{lk}: unknown config key{suggest(lk, LORA)}; the lora keys are "
+                                      f"{', '.join(LORA)}")
+            out[k] = None if v is None else {lk: _check(f"lora.{lk}", ls, v.get(lk, ls.default))
+                                             for lk, ls in LORA.items()}
         elif k == "model":
             out[k] = _check_model(v)
         else:
@@ -281,10 +322,22 @@ def validate(cfg: dict) -> dict:
     tbs = out["total_batch_size"]
     if tbs is not None and tbs % (B * T):
         raise ConfigError(f"total_batch_size: {tbs} is not a multiple of batch_size * seq_len = {B * T}")
+    if out["fp8"]:
+        if not out["fused"]:
+            raise ConfigError("fp8: needs fused: true (the FP8 GEMMs are the fused Linear layers'; the composite "
+                              "baseline has none)")
+        out["autocast"] = "bf16"  # everything but the Linear GEMMs runs as under bf16 autocast
     if out["grad_dtype"] == "bfloat16":
         if out["autocast"] != "bf16" or not out["fused"]:
             raise ConfigError("grad_dtype: bfloat16 needs autocast: bf16 and fused: true (bf16 weight gradients "
                               "come from the bf16 GEMMs into the fused optimizer's buffers)")
+    if out["lora"] is not None:
+        if not out["init_from"]:
+            raise ConfigError("lora: needs init_from, the base model the adapters fine-tune (a Hugging Face folder "
+                              "or a trainer checkpoint); lora: null trains every weight")
+        if out["sparse_embedding"]:
+            raise ConfigError("sparse_embedding: the embedding is frozen under lora (it has no gradient); set "
+                              "sparse_embedding: false")
     return out
 
 
@@ -407,6 +460,32 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """The ``lora`` section: the adapters the trainer adds to ``init_from`` (``cukernels.nn.LoraConfig``'s fields
+    under the config's shorter names)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Any  # a tuple of names, or a string (a regex, all-linear)
+    use_rslora: bool
+
+    def lora_config(self):
+        """The ``cukernels.nn.LoraConfig`` of this section."""
+        from ..nn.lora import LoraConfig
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=self.target_modules, use_rslora=self.use_rslora)
+
+
+def _lora_section(c):
+    lo = c.get("lora")
+    if not lo:
+        return None
+    t = lo["target_modules"]
+    return LoraSection(lo["r"], lo["alpha"], lo["dropout"], tuple(t) if isinstance(t, list) else t, lo["use_rslora"])
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A validated config as typed sections, built once (:meth:`from_dict`) and handed to the parts; frozen. The
     model section is the model family's own fields (a read-only mapping); :meth:`as_dict` gives the config as
@@ -433,6 +512,9 @@ class TrainConfig:
     plot: bool
     progress: str
     sample_chars: int
+    recompute: str = "none"
+    fp8: bool = False
+    lora: Any = None  # a LoraSection, or None (full fine-tune)
     _source: Any = dataclasses.field(repr=False, compare=False, default=None)
 
     @classmethod
@@ -444,7 +526,7 @@ class TrainConfig:
                                 c["ckpt_final"], c["keep_last"], c["resume"])
         top = {f.name: c[f.name] for f in dataclasses.fields(cls) if f.name in c and f.name not in ("model", "data")}
         return cls(model=types.MappingProxyType(dict(c["model"])), data=_section(DataConfig, dict(c["data"], **c)),
-                   optim=optim, ckpt=ckpt, **dict(top, autocast=bool(c["autocast"])), _source=c)
+                   optim=optim, ckpt=ckpt, **dict(top, autocast=bool(c["autocast"]), lora=_lora_section(c)), _source=c)
 
     def with_model(self, model: dict) -> "TrainConfig":
         """The same config with another model section (``init_from``'s resolved one): a new object."""
@@ -530,6 +612,8 @@ def load_config(path=None, overrides=()) -> dict:
         for p in parents:
             if p not in d:
                 raise ConfigError(f"{k}: unknown config key{suggest(p, SCHEMA)}")
+            if d is cfg and d[p] is None and SCHEMA[p].kind == "section":
+                d[p] = {}  # a null section given a key (lora.r=8 turns LoRA on)
             if not isinstance(d[p], dict):
                 raise ConfigError(f"{k}: {p} is not a section")
             d = d[p]

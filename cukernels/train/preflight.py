@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
 from .. import _backend as B
 from ..distributed import ProcessGroup, SingleGroup, from_environ, init_process_group
 from ..generation import load_model
-from ..models import model_class
+from ..io.peft import base_fingerprint
+from ..models import model_class, resolve_pretrained
 from ..nn import init_context
+from ..nn.lora import lora_modules
 from .config import ConfigError
 
-__all__ = ["pick_xp", "setup_group", "build_model", "check_out_dir", "check_host_memory", "check_model_fits"]
+__all__ = ["pick_xp", "setup_group", "build_model", "add_lora", "check_out_dir", "check_host_memory",
+           "check_model_fits"]
 
 
 def pick_xp(device):
@@ -59,7 +63,9 @@ def setup_group(cfg, xp, group=None):
 
 def build_model(cfg, xp):
     """``(model, note, model section)``: from the config's model section (its ``type`` picks the family), or from
-    ``init_from`` (its config and weights; the section returned is the one it brings)."""
+    ``init_from`` (its config and weights; the section returned is the one it brings). With a ``lora`` section the
+    ``init_from`` base is loaded in bf16 under autocast on the GPU (fp32 otherwise) and frozen, its adapters added
+    (:func:`add_lora`)."""
     m = dict(cfg.model)
     cls = model_class(m.pop("type", "llama"))
     kw = dict(xp=xp, fused=cfg.fused, sparse_embedding=cfg.sparse_embedding)
@@ -67,7 +73,8 @@ def build_model(cfg, xp):
         return cls(cls.config_class.from_dict(m), seed=cfg.seed, **kw), None, dict(cfg.model)
     if not os.path.exists(cfg.init_from):
         raise ConfigError(f"init_from: no such file or folder: {cfg.init_from}")
-    model, what = load_model(cfg.init_from, xp=xp, fused=cfg.fused)
+    lowp = cfg.lora is not None and cfg.autocast and xp is not np  # a frozen base: bf16 only, no fp32 copy ever
+    model, what = load_model(cfg.init_from, xp=xp, fused=cfg.fused, dtype=B.bfloat16 if lowp else None)
     if cfg.sparse_embedding:
         model = type(model)(model.config, seed=cfg.seed, **kw).load_state_dict(model.state_dict())
     mine = model.config.to_dict()
@@ -75,7 +82,27 @@ def build_model(cfg, xp):
     note = f"init_from {what}"
     if clash:
         note += " (its config overrides model." + ", model.".join(f"{k}={v!r}" for k, v in clash.items()) + ")"
+    if cfg.lora is not None:
+        note += "; " + add_lora(cfg, model)
     return model, note, dict(mine, type=model.model_type)
+
+
+def add_lora(cfg, model):
+    """The run's adapters on ``model`` (``cfg.lora``; A drawn from the run's seed), every base parameter frozen, and
+    the base's identity recorded (``model.base_path``: the file or folder ``init_from`` resolved to;
+    ``model.base_fingerprint``: :func:`cukernels.io.peft.base_fingerprint` of it), which checkpoints keep and a
+    resume checks. Returns a note for the log. ConfigError when the targets do not fit the model."""
+    try:
+        lc = model.add_adapter(cfg.lora.lora_config(), seed=cfg.seed & 0x7FFFFFFF)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"lora.{e}" if str(e).startswith("target_modules") else f"lora: {e}") from None
+    kind, base = resolve_pretrained(cfg.init_from)
+    model.__dict__["base_path"] = str(Path(base).resolve())
+    model.__dict__["base_fingerprint"] = base_fingerprint(base)
+    n, total = sum(p.size for p in model.trainable_parameters()), model.num_parameters()
+    return (f"LoRA r={lc.r} alpha={lc.lora_alpha:g}{' (rsLoRA)' if lc.use_rslora else ''} on "
+            f"{len(lora_modules(model))} Linears: {n:,} trainable parameters ({100 * n / total:.2f} % of {total:,}), "
+            f"the base frozen in {np.dtype(model.parameters()[0].dtype).name}")
 
 
 def check_out_dir(cfg):

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from .. import _backend as B
-from ..amp import attach_shadows, autocast
+from ..amp import attach_shadows, autocast, float8
 from ..autograd import no_grad
 from ..data import RandomWindows, TokenLoader, train_val_tokens
 from ..distributed import destroy_process_group
@@ -46,8 +46,9 @@ def make_optimizer(o, model, group, tokens):
     rank touching at most its ``tokens`` per step); fp32 values gathered after each step for every parameter (fp32
     forward) or only the 1-D ones (bf16 autocast: the 2-D weights are read through their shadows); gradient-ready
     hooks (``zero.overlap``); every rank from rank 0's parameters -- or the composite baseline (one rank). The lr
-    schedule attached."""
-    named = list(model.named_parameters())
+    schedule attached. Only the parameters that require a gradient (``model.named_trainable_parameters()``: under
+    ``lora`` the adapters, the frozen base has no gradient and no optimizer state)."""
+    named = list(model.named_trainable_parameters())
     params = [p for _, p in named]
     kw = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
               no_decay={n for n, p in named if p.ndim < 2})
@@ -110,7 +111,7 @@ class Run:
         self.cfg, self.xp, self.group, self.model, self.opt = cfg, xp, group, model, opt
         self.train_loader, self.accum = train_loader, accum
         self.rank, self.world = group.rank, group.world_size
-        self.amp_ctx = autocast(B.bfloat16, enabled=cfg.autocast)
+        self.amp_ctx = autocast(float8 if cfg.fp8 else B.bfloat16, enabled=cfg.autocast)  # fp8: Linear GEMMs in FP8
         self.graph = None
 
 
@@ -216,6 +217,7 @@ def _train(cfg, xp, group, quiet, stop_after, console):
         model, init_note, model_section = build_model(cfg, xp)
     cfg = cfg.with_model(model_section)
     check_model_fits(cfg, model, train_tok, val_tok)
+    model.set_recompute(cfg.recompute)  # (training forwards only: evaluation and sampling record nothing)
     if build_pool is not None:
         model.__dict__["_build_pool"] = build_pool  # (its non-parameter arrays live there: keep it alive)
     if cfg.sparse_embedding and not getattr(model.config, "tie_word_embeddings", False):
@@ -249,7 +251,7 @@ def _loop(run, con, resume, init_note, tbs, val_loader, data_note, stop_after):
     ranks = (f" x {run.world} ranks (ZeRO-1, {np.dtype(opt.wire_dtype).name} reduce-scatter, {len(opt._order)} "
              f"bucket(s))" if run.world > 1 else "")
     say(f"{model.model_type} {model.num_parameters() / 1e6:.2f}M params | device {xp.__name__} | fused {cfg.fused} | "
-        f"autocast {'bf16' if cfg.autocast else None} | {cfg.data.batch_size}x{cfg.data.seq_len} x {run.accum} "
+        f"autocast {('fp8' if cfg.fp8 else 'bf16') if cfg.autocast else None} | {cfg.data.batch_size}x{cfg.data.seq_len} x {run.accum} "
         f"accum{ranks} = {tbs} tok/step | {data_note} | out {cfg.out_dir}")
     if init_note:
         say(init_note)
@@ -299,6 +301,11 @@ def _loop(run, con, resume, init_note, tbs, val_loader, data_note, stop_after):
             con.close()
             return log.rows
     con.close()
+    if cfg.lora is not None:
+        opt.gather_params()  # (every rank: a collective) the adapters' fp32 values complete
+        if main:
+            say(f"adapter: {model.save_adapter(os.path.join(cfg.out_dir, 'adapter'))} (PEFT's format: "
+                f"ck.from_pretrained(base, adapter=...), peft.PeftModel.from_pretrained)")
     if main and cfg.plot:
         png = log.plot(cfg.out_dir)
         say(f"log: {log.path}" + (f" | plot: {png}" if png else

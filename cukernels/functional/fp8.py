@@ -1,0 +1,199 @@
+"""The FP8 linear: ``y = x @ W^T (+ b)`` with its three GEMMs on FP8 tensor cores (``autocast(ck.float8)``).
+
+With ``q(t) = fp8(t * s_t)`` (per-tensor scales on the device, ``ops/fp8.py``) and ``^T`` a transposed copy made in
+the same cast pass (cuBLASLt on Hopper multiplies FP8 operands only K-major)::
+
+    forward   y  = (s_x s_W)^-1  q4(x) @ q4(W)^T                  E4M3 x E4M3 -> bf16
+    backward  dx = (s_g s_W)^-1  qg(dy) @ q4(W)^T^T   = dy @ W     qg(dy) [N, out] x W^T [in, out]
+              dW += (s_g s_x)^-1 qg(dy)^T @ q4(x)^T^T = dy^T @ x   fp32, beta = 1 into W's .grad
+
+``q4`` is E4M3 (inputs, weights), ``qg`` the recipe's gradient format (E5M2 by default). The weight is read from
+its bf16 shadow (``amp.lowp_weight``) or the fp32 master and quantised per call, once for every use (the q / k / v
+and gate / up packs: one joined weight, one scale). The forward keeps ``q4(x)^T`` (1 byte an element, instead of
+bf16 x's 2) and ``q4(W)^T`` for the backward. The bias, when there is one, is added to the bf16 output and its
+gradient is the bf16 column sums of dy, as in :class:`array_ops.Linear`. Scaling per :class:`amp.Float8Recipe`:
+current (an amax pass before each cast) or delayed (the amax of the previous call of the same layer, kept in a
+device history on the module: one pass). On NumPy arrays the same Functions run the references (ml_dtypes
+casts, the product of the dequantised values), so the math is checked on the CPU.
+
+Shapes cuBLASLt's FP8 GEMMs take: in and out features multiples of 16, and (when a gradient is wanted) a token
+count that is one too (the weight-gradient GEMM's K); :func:`fp8_ok` says whether a layer qualifies, and the
+layers run the bf16 path otherwise.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _backend as B
+from ..autograd import Function, _xp, is_grad_enabled
+from ..blas import matmul as _ck_matmul
+from ..ops.elementwise import add as _ck_add
+from ..ops.fp8 import fp8_history, fp8_quantize
+from .array_ops import _ones_row, _weight_grad, gemm, joined_rows
+
+E4M3 = B.float8_e4m3fn
+
+
+class Fp8State:
+    """A layer's delayed-scaling histories (``ck.fp8_history``: one per tensor it casts: input, weight, output
+    gradient), made at the first call (eagerly, before any graph capture) and kept on the module."""
+
+    __slots__ = ("x", "w", "g")
+
+    def __init__(self):
+        self.x = self.w = self.g = None
+
+
+def fp8_ok(in_features, out_features, x, needs_grad=None) -> bool:
+    """Whether cuBLASLt's FP8 GEMMs take this layer: features multiples of 16, and the token count too when a
+    gradient will be wanted (it is the weight gradient's K)."""
+    if in_features % 16 or out_features % 16:
+        return False
+    if needs_grad is None:
+        needs_grad = is_grad_enabled()
+    if needs_grad:
+        shape = x.shape
+        tokens = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        return tokens % 16 == 0
+    return True
+
+
+def _contig(a):
+    return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
+
+
+def _quantize(t, fmt, recipe, state, slot, transpose=True):
+    """``(q, q^T, s_inv)`` of a 2-D array under the recipe (delayed: the layer's history for ``slot``)."""
+    hist = None
+    if recipe.scaling == "delayed" and state is not None:
+        hist = getattr(state, slot)
+        if hist is None or _xp(hist) is not _xp(t):
+            hist = fp8_history(t)
+            setattr(state, slot, hist)
+    r = fp8_quantize(t, dtype=fmt, margin=recipe.margin, transpose=transpose, history=hist)
+    return r if transpose else (r[0], None, r[1])
+
+
+def _gemm(a, b, sa, sb, fa, fb, fast, out=None, out_dtype=None, accumulate=False):
+    return _ck_matmul(a, b, trans_b=True, a_scale=sa, b_scale=sb, a_dtype=fa, b_dtype=fb, fast_accum=fast, out=out,
+                      out_dtype=out_dtype, beta=1.0 if accumulate else 0.0)
+
+
+class Fp8Linear(Function):
+    """``y = x @ W^T (+ b)`` in FP8 (module docstring). W is [out, in]; ``w_lowp`` the array the casts read (the
+    bf16 shadow) or None (W itself); the gradient goes to W, written straight into its ``.grad`` (fp32, beta = 1
+    once the step's first write has overwritten the stale buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, w, w_lowp=None, b=None, recipe=None, state=None):
+        src = w_lowp if w_lowp is not None else w
+        x2 = _contig(x.reshape(-1, x.shape[-1]))
+        odt = x2.dtype if x2.dtype in B.FLOATS else np.dtype(np.float32)
+        tr = any(ctx.needs_input_grad)  # the transposed copies serve the backward only
+        xq, xqT, sx = _quantize(x2, E4M3, recipe, state, "x", tr)
+        wq, wqT, sw = _quantize(_contig(src), E4M3, recipe, state, "w", tr)
+        y = _gemm(xq, wq, sx, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
+        if b is not None:
+            if _xp(y) is np:
+                y += b.astype(y.dtype)
+            else:
+                _ck_add(y, b, out=y)
+        ctx.save_for_backward(xqT, wqT, sx, sw)
+        ctx.xshape, ctx.xdtype, ctx.recipe, ctx.state = x.shape, odt, recipe, state
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        xqT, wqT, sx, sw = ctx.saved_tensors
+        r = ctx.recipe
+        fg = r.grad_dtype
+        g2 = _contig(g.reshape(-1, g.shape[-1]))
+        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=ctx.xdtype).reshape(ctx.xshape)
+        gw = _weight_grad(ctx, 1, lambda out, acc: _gemm(gqT, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=out,
+                                                         out_dtype=np.float32 if out is None else None,
+                                                         accumulate=acc))
+        gb = None
+        if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
+            gb = _bias_grad(ctx, 3, g2)
+        return gx, gw, None, gb, None, None
+
+
+def _bias_grad(ctx, i, g2):
+    """The column sums of dy as one GEMM ``ones[1, N] @ dy`` (array_ops.Linear's), into b's .grad when it has one."""
+    ones = _ones_row(_xp(g2), g2.shape[0], g2.dtype)
+    gb = _weight_grad(ctx, i, lambda out, acc: gemm(ones, g2, out=None if out is None else out.reshape(1, -1),
+                                                    accumulate=acc))
+    return None if gb is None else gb.reshape(-1)
+
+
+class Fp8PackedLinear(Function):
+    """``y = x @ [W_1; ...; W_n]^T`` in FP8 (the q / k / v and gate / up packs; :class:`array_ops.PackedLinear`'s
+    layout): the n weights quantised as one joined matrix (one scale: a view when the arrays the casts read lie
+    back to back, as the optimizer's flat buffers put them, else a concatenated copy), one GEMM each way, and the
+    weight gradient one GEMM into the joined ``.grad`` buffers or one per weight on row slices of ``dy^T``."""
+
+    @staticmethod
+    def forward(ctx, x, lows, recipe, state, *ws):
+        srcs = [lo if lo is not None else w for w, lo in zip(ws, lows)]
+        x2 = _contig(x.reshape(-1, x.shape[-1]))
+        odt = x2.dtype if x2.dtype in B.FLOATS else np.dtype(np.float32)
+        cuts = np.cumsum([0] + [w.shape[0] for w in ws]).tolist()
+        W = joined_rows(srcs)
+        if W is None:
+            xp = _xp(x2)
+            W = xp.concatenate([s if s.dtype == srcs[0].dtype else s.astype(srcs[0].dtype) for s in srcs], axis=0)
+        tr = any(ctx.needs_input_grad)
+        xq, xqT, sx = _quantize(x2, E4M3, recipe, state, "x", tr)
+        wq, wqT, sw = _quantize(_contig(W), E4M3, recipe, state, "w", tr)
+        y = _gemm(xq, wq, sx, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
+        ctx.save_for_backward(xqT, wqT, sx, sw)
+        ctx.xshape, ctx.xdtype, ctx.recipe, ctx.state, ctx.cuts = x.shape, odt, recipe, state, cuts
+        return y.reshape(x.shape[:-1] + (cuts[-1],))
+
+    @staticmethod
+    def backward(ctx, g):
+        xqT, wqT, sx, sw = ctx.saved_tensors
+        r, cuts = ctx.recipe, ctx.cuts
+        n = len(cuts) - 1
+        fg = r.grad_dtype
+        g2 = _contig(g.reshape(-1, g.shape[-1]))
+        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=ctx.xdtype).reshape(ctx.xshape)
+        first = 4  # the weights' argument positions: (x, lows, recipe, state, *ws)
+        want = [ctx.needs_input_grad[first + i] for i in range(n)]
+        bufs = [ctx.leaf_grad(first + i) for i in range(n)]
+        G = joined_rows(bufs) if all(want) else None
+        stale = {ctx.inputs[first + i].grad_stale for i in range(n)} if G is not None else set()
+        gws = [None] * n
+        if G is not None and len(stale) == 1:
+            acc = False
+            for i in range(n):
+                _, acc = ctx.leaf_grad_write(first + i)
+            _gemm(gqT, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=G, accumulate=acc)
+        else:
+            for i in range(n):
+                rows = gqT[cuts[i]:cuts[i + 1]]  # dy^T's rows of weight i: contiguous, 16-byte aligned (N % 16)
+                gws[i] = _weight_grad(ctx, first + i, lambda out, acc, q=rows: _gemm(
+                    q, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=out,
+                    out_dtype=np.float32 if out is None else None, accumulate=acc))
+        return (gx, None, None, None, *gws)
+
+
+def fp8_linear(x, w, w_lowp=None, b=None, *, recipe, state=None):
+    """``x @ w.T (+ b)`` with the GEMMs in FP8 (:class:`Fp8Linear`); ``recipe`` an :class:`amp.Float8Recipe`,
+    ``state`` the layer's :class:`Fp8State` (delayed scaling)."""
+    return Fp8Linear.apply(x, w, w_lowp, b, recipe, state)
+
+
+def fp8_packed_linear(x, ws, lows=None, *, recipe, state=None):
+    """``x @ concat(ws, axis=0).T`` with the GEMMs in FP8 (:class:`Fp8PackedLinear`)."""
+    ws = list(ws)
+    return Fp8PackedLinear.apply(x, tuple(lows) if lows is not None else (None,) * len(ws), recipe, state, *ws)
+
+
+__all__ = ["Fp8Linear", "Fp8PackedLinear", "Fp8State", "fp8_linear", "fp8_ok", "fp8_packed_linear"]

@@ -1,0 +1,576 @@
+"""FP8: the casts (ops/fp8.py, kernels_cu/fp8.cu), the FP8 GEMMs of ck.matmul (cuBLASLt, blaslt.py), the FP8 linear
+(functional/fp8.py) under autocast(ck.float8), and the trainer's fp8 key.
+
+CPU: the reference casts against ml_dtypes (every bf16 bit pattern, the special values), the scale rule, delayed
+scaling's history, the reference GEMM against the float64 product of the dequantised operands, the FP8 linear's
+output and gradients against the dequantised float64 formula, argument errors, the trainer with fp8: true.
+GPU: every kernel against the reference bit for bit (casts, transposed casts, amax, scales, dequantisation) on odd
+sizes, misaligned views and poisoned outputs; cuBLASLt's FP8 GEMMs against the dequantised product on odd
+multiple-of-16 shapes, batched, with beta = 1 accumulation and under graph capture; the FP8 linear and a small
+LLaMA's training against the NumPy path.
+"""
+import numpy as np
+import pytest
+
+import cukernels as ck
+from cukernels import nn
+from helpers import device_copy, poisoned, randn, to_host
+
+E4, E5 = np.dtype(ck.float8_e4m3fn), np.dtype(ck.float8_e5m2)
+FMTS = [E4, E5]
+MAX = {E4: 448.0, E5: 57344.0}
+FLT_MIN = np.float32(np.finfo(np.float32).tiny)
+SPECIAL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, 448.0, 449.0, 464.0, 465.0, 480.0, 1e4, 57344.0, 61440.0, 1e30,
+                    -1e30, np.inf, -np.inf, np.nan, -np.nan, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11,
+                    2.0 ** -14, 2.0 ** -16, 2.0 ** -17, 1.5 * 2.0 ** -16, 1e-30, 1e-40, -1e-40, 0.0625, 0.09375,
+                    240.0, 232.0, 248.0], np.float32)
+
+
+def _expect(x, s, fmt):
+    """ml_dtypes on clip(x * s): the cast's definition (fp32 subnormal products flushed, as the kernels do)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = x.astype(np.float32) * np.float32(s)
+        v = np.where(np.abs(x.astype(np.float32)) < FLT_MIN, np.copysign(np.float32(0), x.astype(np.float32)), v)
+        return np.clip(v, -MAX[fmt], MAX[fmt]).astype(fmt).view(np.uint8)
+
+
+def _deq(q, fmt, s_inv=1.0):
+    return q.view(fmt).astype(np.float64) * float(s_inv)
+
+
+# ================================================================================== CPU: the reference casts
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_cast_of_every_bf16_value(fmt):
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ck.bfloat16)
+    for s in (1.0, 3.75, 2.0 ** -20):
+        q = ck.fp8_cast(x, s, dtype=fmt)
+        assert q.dtype == np.uint8 and q.shape == x.shape
+        np.testing.assert_array_equal(q, _expect(x, s, fmt))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_reference_cast_special_values_saturate_and_keep_nan(fmt):
+    q = ck.fp8_cast(SPECIAL, 1.0, dtype=fmt)
+    v = q.view(fmt).astype(np.float32)
+    fin = np.isfinite(SPECIAL)
+    assert np.all(np.abs(v[fin]) <= MAX[fmt])
+    assert v[SPECIAL == np.inf][0] == MAX[fmt] and v[SPECIAL == -np.inf][0] == -MAX[fmt]  # saturated, not NaN/inf
+    assert v[SPECIAL == 1e30][0] == MAX[fmt]
+    nan = np.isnan(SPECIAL)
+    assert np.isnan(v[nan]).all()
+    nan_code = 0x7F if fmt == E4 else 0x7E
+    np.testing.assert_array_equal(q[nan] & 0x7F, nan_code)
+    assert q[SPECIAL == -1e-40][0] == 0x80  # a negative fp32 subnormal: -0
+    np.testing.assert_array_equal(q, _expect(SPECIAL, 1.0, fmt))
+
+
+def test_reference_cast_rounds_to_nearest_even():
+    # e4m3 around 1: steps of 1/8. 1 + 1/16 is a tie -> 1 (even); 1 + 3/16 -> 1.25 (even mantissa 010)
+    x = np.array([1 + 1 / 16, 1 + 3 / 16, 1 + 1 / 16 + 1e-6, 464.0, 463.9], np.float32)
+    v = ck.fp8_cast(x, 1.0).view(E4).astype(np.float32)
+    np.testing.assert_array_equal(v, [1.0, 1.25, 1.125, 448.0, 448.0])
+
+
+@pytest.mark.parametrize("amax,expect", [(0.0, 1.0), (np.inf, 1.0), (np.nan, 1.0), (1e-39, 1.0), (448.0, 1.0),
+                                         (1.0, 448.0), (2.0, 224.0), (1e-37, np.float32(2.0 ** 126))])
+def test_scale_rule(amax, expect):
+    s, si = ck.fp8_scale(np.array(amax, np.float32))
+    assert s.dtype == np.float32 and s.shape == ()
+    assert float(s) == pytest.approx(expect, rel=1e-7)
+    assert si == np.float32(1) / s
+    s2, _ = ck.fp8_scale(np.array(amax, np.float32), dtype=ck.float8_e5m2, margin=2)
+    if expect == 448.0:
+        assert float(s2) == 57344.0 / 4
+
+
+def test_amax_and_quantize_current():
+    rng = np.random.default_rng(0)
+    x = randn(rng, (48, 80), ck.bfloat16, scale=3.0)
+    a = ck.fp8_amax(x)
+    assert a == np.abs(x.astype(np.float32)).max()
+    q, qt, si = ck.fp8_quantize(x, transpose=True)
+    s = np.float32(448.0) / np.float32(a)
+    assert si == np.float32(1) / s
+    np.testing.assert_array_equal(q, _expect(x, s, E4))
+    np.testing.assert_array_equal(qt, q.T)
+    back = _deq(q, E4, si)
+    assert np.abs(back).max() == pytest.approx(float(a), rel=2 ** -3)  # the max lands on 448
+    err = np.abs(back - x.astype(np.float64))
+    assert (err <= np.maximum(np.abs(x.astype(np.float64)) * 2.0 ** -4, 2.0 ** -9 * float(si))).all()
+    np.testing.assert_array_equal(ck.fp8_amax(np.array([1.0, np.nan], np.float32)), np.float32(np.nan))
+    assert ck.fp8_amax(np.zeros((0, 3), np.float32)) == 0
+
+
+def test_quantize_delayed_history():
+    rng = np.random.default_rng(1)
+    x1, x2 = randn(rng, (32, 16), np.float32), randn(rng, (32, 16), np.float32, scale=10.0)
+    h = ck.fp8_history(x1)
+    assert h.dtype == np.uint32 and h.shape == (4,)
+    assert h[:1].view(np.float32)[0] == np.abs(x1).max()  # seeded: the first cast is scaled like the rest
+    q1, s1 = ck.fp8_quantize(x1, history=h)
+    assert s1 == np.float32(1) / (np.float32(448) / np.abs(x1).max())
+    assert h[:1].view(np.float32)[0] == np.abs(x1).max() and (h[1:] == 0).all()
+    q2, s2 = ck.fp8_quantize(x2, history=h)  # scaled by x1's amax: x2's large values saturate
+    assert s2 == s1
+    np.testing.assert_array_equal(q2, _expect(x2, np.float32(1) / s1, E4))
+    assert h[:1].view(np.float32)[0] == np.abs(x2).max()
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_every_code(fmt):
+    codes = np.arange(256, dtype=np.uint8)
+    for src in (codes, codes.view(fmt)):
+        y = ck.fp8_dequantize(src, np.float32(0.5), q_dtype=fmt if src.dtype == np.uint8 else None)
+        ref = codes.view(fmt).astype(np.float32) * np.float32(0.5)
+        np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
+        np.testing.assert_array_equal(y[~np.isnan(y)], ref[~np.isnan(ref)])
+    yb = ck.fp8_dequantize(codes, 2.0, q_dtype=fmt, dtype=ck.bfloat16)
+    assert yb.dtype == ck.bfloat16
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: ck.fp8_cast(np.ones(4, np.float64), 1.0), TypeError, "x: expected dtype"),
+    (lambda: ck.fp8_cast(np.ones(4, np.float32), 0.0), ValueError, "scale: expected a finite number > 0"),
+    (lambda: ck.fp8_cast(np.ones(4, np.float32), 1.0, dtype=np.float32), TypeError, "dtype: expected float8"),
+    (lambda: ck.fp8_cast(np.ones(4, np.float32), 1.0, transpose=True), ValueError, "x: transpose=True needs a 2-D"),
+    (lambda: ck.fp8_cast(np.ones((2, 2), np.float32).T, 1.0), ValueError, "x: expected a C-contiguous"),
+    (lambda: ck.fp8_cast(np.ones((2, 3), np.float32), 1.0, out_t=np.empty((3, 2), np.uint8)), ValueError, "out_t"),
+    (lambda: ck.fp8_cast(np.ones(4, np.float32), np.ones(2, np.float32)), ValueError, "scale: expected a 0-d"),
+    (lambda: ck.fp8_quantize(np.ones(4, np.float32), margin=-1), ValueError, "margin"),
+    (lambda: ck.fp8_quantize(np.ones(4, np.float32), history=np.zeros(3, np.uint32)), ValueError, "history"),
+    (lambda: ck.fp8_dequantize(np.zeros(4, np.uint8), 1.0), TypeError, "q_dtype: required"),
+    (lambda: ck.fp8_dequantize(np.zeros(4, np.int8), 1.0, q_dtype=E4), TypeError, "q: expected FP8 data"),
+    (lambda: ck.fp8_dequantize(np.zeros(4, np.uint8).view(E4), 1.0, q_dtype=E5), TypeError, "q_dtype: .* disagrees"),
+    (lambda: ck.fp8_scale(np.float32(1.0)), TypeError, "amax: expected a numpy.ndarray"),
+])
+def test_argument_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ================================================================================== CPU: the FP8 GEMM reference
+def _q(rng, shape, fmt, scale=1.0):
+    x = randn(rng, shape, np.float32, scale=scale)
+    q, si = ck.fp8_quantize(x, dtype=fmt)
+    return q, si
+
+
+@pytest.mark.parametrize("fa,fb", [(E4, E4), (E4, E5), (E5, E4)])
+@pytest.mark.parametrize("odt", [ck.bfloat16, np.float32])
+def test_reference_gemm_is_the_dequantised_product(fa, fb, odt):
+    rng = np.random.default_rng(2)
+    (a, sa), (b, sb) = _q(rng, (2, 5, 32), fa), _q(rng, (48, 32), fb, scale=0.1)
+    y = ck.matmul(a, b, trans_b=True, a_scale=sa, b_scale=sb, a_dtype=fa, b_dtype=fb, out_dtype=odt)
+    ref = np.matmul(_deq(a, fa, sa), _deq(b, fb, sb).T)
+    assert y.dtype == np.dtype(odt) and y.shape == (2, 5, 48)
+    np.testing.assert_array_equal(y, ref.astype(odt))
+    # NumPy float8 arrays carry the format; beta = 1 accumulates in fp32
+    acc = randn(rng, (2, 5, 48), np.float32)
+    expect = acc.astype(np.float64) + 0.5 * ref
+    ck.matmul(a.view(fa), b.view(fb), trans_b=True, a_scale=sa, b_scale=sb, out=acc, alpha=0.5, beta=1.0)
+    np.testing.assert_allclose(acc, expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(a_dtype=E5, b_dtype=E5), TypeError, "no e5m2 x e5m2"),
+    (dict(trans_b=False), ValueError, "trans_b: FP8 GEMMs take both operands K-major"),
+    (dict(trans_a=True), ValueError, "K-major"),
+    (dict(a_dtype=None), TypeError, "a_dtype: required"),
+    (dict(a_scale=2.0), TypeError, "a_scale: expected a 0-d float32 array"),
+    (dict(b_scale=np.ones(1, np.float32)), ValueError, "b_scale: expected a 0-d"),
+    (dict(out_dtype=np.float16), TypeError, "out_dtype"),
+    (dict(beta=1.0), ValueError, "out: required"),
+])
+def test_gemm_argument_errors(kw, exc, match):
+    a, b = np.zeros((4, 32), np.uint8), np.zeros((16, 32), np.uint8)
+    args = dict(trans_b=True, a_dtype=E4, b_dtype=E4)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        ck.matmul(a, b, **args)
+
+
+def test_gemm_shape_errors():
+    kw = dict(trans_b=True, a_dtype=E4, b_dtype=E4)
+    with pytest.raises(ValueError, match="K and N multiples of 16"):
+        ck.matmul(np.zeros((4, 24), np.uint8), np.zeros((16, 24), np.uint8), **kw)
+    with pytest.raises(ValueError, match="K and N multiples of 16"):
+        ck.matmul(np.zeros((4, 32), np.uint8), np.zeros((20, 32), np.uint8), **kw)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        ck.matmul(np.zeros((4, 32), np.uint8), np.zeros((16, 48), np.uint8), **kw)
+    with pytest.raises(ValueError, match="16 bytes apart"):
+        ck.matmul(np.zeros((4, 40), np.uint8)[:, :32], np.zeros((16, 32), np.uint8), **kw)
+    with pytest.raises(ValueError, match="fast_accum: applies to FP8"):
+        ck.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32), fast_accum=True)
+
+
+# ================================================================================== CPU: the FP8 linear
+def _fp8_linear_expect(x, w, dy, grad_fmt=E5):
+    """Forward output, dx and dW of the FP8 linear from the dequantised operands, in float64."""
+    x2 = x.reshape(-1, x.shape[-1]).astype(ck.bfloat16)
+    xq, sx = ck.fp8_quantize(x2)
+    wq, sw = ck.fp8_quantize(w)
+    y = _deq(xq, E4, sx) @ _deq(wq, E4, sw).T
+    g2 = dy.reshape(-1, dy.shape[-1]).astype(ck.bfloat16)
+    gq, sg = ck.fp8_quantize(g2, dtype=grad_fmt)
+    dx = _deq(gq, grad_fmt, sg) @ _deq(wq, E4, sw)
+    dw = _deq(gq, grad_fmt, sg).T @ _deq(xq, E4, sx)
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("grad_fmt", FMTS)
+def test_fp8_linear_matches_the_dequantised_formula(grad_fmt):
+    rng = np.random.default_rng(3)
+    lin = nn.Linear(32, 48, rng=rng)
+    x = ck.tensor(randn(rng, (2, 8, 32), np.float32), requires_grad=True)
+    dy = randn(rng, (2, 8, 48), np.float32, scale=1e-3)
+    recipe = ck.float8.replace(grad_dtype=grad_fmt)
+    with ck.autocast(recipe):
+        y = lin(x)
+    assert y.dtype == ck.bfloat16 and y.shape == (2, 8, 48)
+    y.backward(dy.astype(ck.bfloat16))
+    ey, edx, edw = _fp8_linear_expect(x.data, lin.weight.data, dy, grad_fmt)
+    np.testing.assert_array_equal(y.data.reshape(-1, 48), ey.astype(ck.bfloat16))
+    np.testing.assert_array_equal(x.grad.reshape(-1, 32), edx.astype(ck.bfloat16).astype(np.float32))
+    np.testing.assert_allclose(lin.weight.grad, edw, rtol=1e-6, atol=1e-12)
+    # the FP8 result tracks the bf16 one
+    with ck.autocast(ck.bfloat16):
+        yb = lin(x)
+    np.testing.assert_allclose(y.data.astype(np.float32), yb.data.astype(np.float32), rtol=0.1, atol=0.05)
+
+
+def test_fp8_linear_bias_and_accumulation():
+    rng = np.random.default_rng(4)
+    lin = nn.Linear(16, 32, bias=True, rng=rng)
+    lin.bias.data[...] = randn(rng, (32,), np.float32)
+    x = randn(rng, (16, 16), np.float32)
+    dy = randn(rng, (16, 32), np.float32)
+    for _ in range(2):  # the second backward accumulates into .grad (beta = 1)
+        with ck.autocast(ck.float8):
+            y = lin(ck.tensor(x))
+        y.backward(dy.astype(ck.bfloat16))
+    ey, _, edw = _fp8_linear_expect(x, lin.weight.data, dy)
+    e = ey.astype(ck.bfloat16)
+    e += lin.bias.data.astype(ck.bfloat16)  # (the bf16 path's bias add, as array_ops.Linear's reference does it)
+    np.testing.assert_array_equal(y.data, e)
+    np.testing.assert_allclose(lin.weight.grad, 2 * edw, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(lin.bias.grad, 2 * dy.astype(ck.bfloat16).astype(np.float64).sum(0), rtol=1e-2)
+
+
+def test_fp8_packed_linear_is_one_joined_quantisation():
+    rng = np.random.default_rng(5)
+    mlp = nn.SwiGLUMLP(32, 48, rng=rng)
+    x = randn(rng, (16, 32), np.float32)
+    with ck.autocast(ck.float8):
+        out = nn.layers.project_packed(mlp, ck.tensor(x), (mlp.gate_proj, mlp.up_proj))
+    W = np.concatenate([mlp.gate_proj.weight.data, mlp.up_proj.weight.data])
+    ey, _, _ = _fp8_linear_expect(x, W, np.zeros((16, 96), np.float32))
+    np.testing.assert_array_equal(out.data, ey.astype(ck.bfloat16))
+    dy = randn(rng, (16, 96), np.float32)
+    out.backward(dy.astype(ck.bfloat16))
+    _, _, edw = _fp8_linear_expect(x, W, dy)
+    np.testing.assert_allclose(np.concatenate([mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad]), edw, rtol=1e-6,
+                               atol=1e-12)
+
+
+def test_fp8_linear_without_grad_skips_the_transposes():
+    rng = np.random.default_rng(8)
+    lin = nn.Linear(32, 16, rng=rng)
+    x = ck.tensor(randn(rng, (5, 32), np.float32))  # 5 tokens: fine without a weight gradient
+    with ck.autocast(ck.float8), ck.no_grad():
+        y = lin(x)
+    ey, _, _ = _fp8_linear_expect(x.data, lin.weight.data, np.zeros((5, 16), np.float32))
+    np.testing.assert_array_equal(y.data, ey.astype(ck.bfloat16))
+
+
+def test_fp8_falls_back_to_bf16_where_cublaslt_cannot():
+    rng = np.random.default_rng(6)
+    lin = nn.Linear(24, 32, rng=rng)  # 24 input features: no FP8 GEMM
+    x = ck.tensor(randn(rng, (16, 24), np.float32))
+    with ck.autocast(ck.float8):
+        y8 = lin(x)
+    with ck.autocast(ck.bfloat16):
+        yb = lin(x)
+    np.testing.assert_array_equal(y8.data, yb.data)
+    lin2 = nn.Linear(32, 32, rng=rng)
+    x2 = ck.tensor(randn(rng, (5, 32), np.float32), requires_grad=True)  # 5 tokens: no FP8 weight gradient
+    with ck.autocast(ck.float8):
+        assert not ck.functional.fp8_ok(32, 32, x2.data)
+        y = lin2(x2)
+    with ck.autocast(ck.bfloat16):
+        np.testing.assert_array_equal(y.data, lin2(x2).data)
+
+
+def test_autocast_float8_state():
+    from cukernels import amp
+
+    assert amp.get_fp8_recipe() is None
+    with ck.autocast(ck.float8):
+        assert amp.get_autocast_dtype() == ck.bfloat16 and amp.get_fp8_recipe() is ck.float8
+        with ck.autocast(ck.bfloat16):
+            assert amp.get_fp8_recipe() is None
+        assert amp.get_fp8_recipe() is ck.float8
+        with ck.autocast(ck.float8, enabled=False):
+            assert amp.get_autocast_dtype() is None and amp.get_fp8_recipe() is None
+    assert amp.get_fp8_recipe() is None and amp.get_autocast_dtype() is None
+    with pytest.raises(ValueError, match="scaling"):
+        ck.Float8Recipe(scaling="sometimes")
+    with pytest.raises(TypeError, match="grad_dtype"):
+        ck.Float8Recipe(grad_dtype=np.float16)
+    with pytest.raises(ValueError, match="margin"):
+        ck.Float8Recipe(margin=9)
+
+
+def test_fp8_delayed_recipe_trains_a_layer():
+    rng = np.random.default_rng(7)
+    lin = nn.Linear(32, 16, rng=rng)
+    r = ck.float8.replace(scaling="delayed")
+    for i in range(3):
+        x = ck.tensor(randn(rng, (16, 32), np.float32, scale=1 + i), requires_grad=True)
+        with ck.autocast(r):
+            y = lin(x)
+        y.backward(randn(rng, (16, 16), np.float32).astype(ck.bfloat16))
+    st = lin._fp8_state
+    assert st.x is not None and st.w is not None and st.g is not None
+    assert st.x[:1].view(np.float32)[0] == np.abs(x.data.astype(ck.bfloat16).astype(np.float32)).max()
+    assert np.isfinite(lin.weight.grad).all()
+
+
+# ================================================================================== CPU: the trainer
+def test_trainer_fp8_tracks_bf16(tmp_path):
+    from pathlib import Path
+
+    from cukernels.train import load_config, trainer
+
+    cfg_path = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+    small = ["max_steps=8", "eval_every=0", "log_every=2", "plot=false", "batch_size=8", "seq_len=32",
+             "total_batch_size=256", "model.hidden_size=64", "model.intermediate_size=160",
+             "model.num_hidden_layers=2", "warmup_steps=2", "lr=0.01", "sample_chars=0", "ckpt_final=false"]
+    losses = {}
+    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true"])):
+        cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / name}"] + extra)
+        rows = trainer.train(cfg, quiet=True)
+        losses[name] = np.array([r["loss"] for r in rows if r["kind"] == "train"])
+    assert np.isfinite(losses["fp8"]).all()
+    np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.02)
+    assert not np.array_equal(losses["fp8"], losses["bf16"])  # the GEMMs did run in FP8
+    with pytest.raises(ck.train.ConfigError, match="fp8: needs fused: true"):
+        load_config(cfg_path, ["fp8=true", "fused=false"])
+    assert load_config(cfg_path, ["fp8=true"])["autocast"] == "bf16"
+
+
+# ================================================================================== GPU
+def _cp():
+    import cupy
+
+    return cupy
+
+
+SIZES = [0, 1, 15, 16, 17, 1000, 4097, 65536 + 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_cast_every_bf16_value_bit_exact(fmt):
+    x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ck.bfloat16)
+    for s in (1.0, 3.75, 2.0 ** -20):
+        for dev_scale in (False, True):
+            sc = _cp().asarray(np.float32(s)) if dev_scale else s
+            q = ck.fp8_cast(device_copy(x), sc, dtype=fmt, out=poisoned(x.shape, np.uint8))
+            np.testing.assert_array_equal(to_host(q), _expect(x, s, fmt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", [np.float32, ck.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("misalign", [False, True])
+def test_gpu_cast_and_amax_match_reference(rng, fmt, dtype, n, misalign):
+    x = randn(rng, (n,), dtype, scale=50.0)
+    if n > 40:
+        x[:len(SPECIAL)] = SPECIAL.astype(dtype)
+    xd = device_copy(x, misalign=misalign)
+    amax = _cp().zeros((), np.float32)
+    q = ck.fp8_cast(xd, 7.5, dtype=fmt, out=poisoned((n,), np.uint8, misalign=misalign), amax=amax)
+    np.testing.assert_array_equal(to_host(q), ck.fp8_cast(x, 7.5, dtype=fmt))
+    ref_a = ck.fp8_amax(x)
+    np.testing.assert_array_equal(to_host(amax), ref_a)
+    np.testing.assert_array_equal(to_host(ck.fp8_amax(xd)), ref_a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", [np.float32, ck.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 16), (64, 64), (48, 80), (128, 4096), (130, 67), (1, 1), (0, 5), (3, 200),
+                                   (200, 3)])
+@pytest.mark.parametrize("misalign", [False, True])
+def test_gpu_cast_transpose_matches_reference(rng, fmt, dtype, shape, misalign):
+    x = randn(rng, shape, dtype, scale=4.0)
+    xd = device_copy(x, misalign=misalign)
+    q, qt = ck.fp8_cast(xd, 9.0, dtype=fmt, transpose=True, out=poisoned(shape, np.uint8),
+                        out_t=poisoned(shape[::-1], np.uint8, misalign=misalign))
+    ref = ck.fp8_cast(x, 9.0, dtype=fmt)
+    np.testing.assert_array_equal(to_host(q), ref)
+    np.testing.assert_array_equal(to_host(qt), ref.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_gpu_quantize_current_and_delayed_match_reference(rng, transpose, fmt):
+    shape = (96, 64)
+    xs = [randn(rng, shape, ck.bfloat16, scale=s) for s in (1.0, 30.0, 0.01)]
+    h_host = ck.fp8_history(xs[0])
+    h_dev = ck.fp8_history(device_copy(xs[0]))
+    np.testing.assert_array_equal(to_host(h_dev), h_host)
+    for x in xs:
+        for hist in (None, "delayed"):
+            rh = ck.fp8_quantize(x, dtype=fmt, transpose=transpose, margin=1,
+                                 history=h_host if hist else None)
+            rd = ck.fp8_quantize(device_copy(x), dtype=fmt, transpose=transpose, margin=1,
+                                 history=h_dev if hist else None)
+            for a, b in zip(rd, rh):
+                np.testing.assert_array_equal(to_host(a), b)
+            if hist:
+                np.testing.assert_array_equal(to_host(h_dev), h_host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("odt", [np.float32, ck.bfloat16])
+@pytest.mark.parametrize("n", [1, 17, 256, 4099])
+def test_gpu_dequantize_and_scale(rng, fmt, odt, n):
+    q = rng.integers(0, 256, n).astype(np.uint8)
+    ref = ck.fp8_dequantize(q, np.float32(0.25), q_dtype=fmt, dtype=odt)
+    got = ck.fp8_dequantize(device_copy(q, misalign=n > 16), _cp().asarray(np.float32(0.25)), q_dtype=fmt, dtype=odt,
+                            out=poisoned((n,), odt))
+    g, r = to_host(got).astype(np.float32), ref.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(r))
+    np.testing.assert_array_equal(g[~np.isnan(g)], r[~np.isnan(r)])
+    for amax in (0.0, 1e-39, np.inf, np.nan, 3.0, 1e-37):
+        s, si = ck.fp8_scale(_cp().asarray(np.float32(amax)), dtype=fmt, margin=2)
+        rs, rsi = ck.fp8_scale(np.array(amax, np.float32), dtype=fmt, margin=2)
+        assert to_host(s) == rs and to_host(si) == rsi
+
+
+def _gemm_case(rng, M, N, K, fa, fb, batch=(), shared_b=False):
+    a = randn(rng, (*batch, M, K), np.float32, scale=2.0)
+    b = randn(rng, ((N, K) if shared_b else (*batch, N, K)), np.float32, scale=0.05)
+    aq, sa = ck.fp8_quantize(a.reshape(-1, K), dtype=fa)
+    bq, sb = ck.fp8_quantize(b.reshape(-1, K), dtype=fb)
+    aq, bq = aq.reshape(a.shape), bq.reshape(b.shape)
+    ref = np.matmul(_deq(aq, fa, sa), np.swapaxes(_deq(bq, fb, sb), -1, -2))
+    return aq, bq, sa, sb, ref
+
+
+def _close(got, ref, rel):
+    g, r = to_host(got).astype(np.float64), np.asarray(ref, np.float64)
+    assert not np.isnan(g).any(), "NaN in the output (unwritten?)"
+    err = np.abs(g - r).max() / max(np.abs(r).max(), 1e-30)
+    assert err <= rel, f"max error {err:.3g} of the largest magnitude (allowed {rel})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fa,fb", [(E4, E4), (E4, E5), (E5, E4)])
+@pytest.mark.parametrize("odt", [ck.bfloat16, np.float32])
+@pytest.mark.parametrize("shape", [(37, 48, 80), (1, 16, 16), (200, 112, 272), (1024, 2048, 512)])
+@pytest.mark.parametrize("fast", [False, True])
+def test_gpu_fp8_gemm_matches_dequantised_product(rng, fa, fb, odt, shape, fast):
+    M, N, K = shape
+    aq, bq, sa, sb, ref = _gemm_case(rng, M, N, K, fa, fb)
+    cp = _cp()
+    y = ck.matmul(device_copy(aq), device_copy(bq), trans_b=True, a_scale=cp.asarray(sa), b_scale=cp.asarray(sb),
+                  a_dtype=fa, b_dtype=fb, out=poisoned((M, N), odt), fast_accum=fast)
+    _close(y, ref, 1e-2 if (odt != np.float32 or fast) else 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,shared_b", [((3,), False), ((3,), True), ((2, 2), False)])
+def test_gpu_fp8_gemm_batched(rng, batch, shared_b):
+    aq, bq, sa, sb, ref = _gemm_case(rng, 33, 64, 96, E4, E4, batch, shared_b)
+    cp = _cp()
+    y = ck.matmul(device_copy(aq), device_copy(bq), trans_b=True, a_scale=cp.asarray(sa), b_scale=cp.asarray(sb),
+                  a_dtype=E4, b_dtype=E4, out_dtype=np.float32)
+    assert y.shape == ref.shape
+    _close(y, ref, 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemm_accumulates_into_fp32_and_captures(rng):
+    """dW += alpha * dy^T x (beta = 1, fp32) as the weight gradient does, eager and replayed from a captured graph
+    whose scales change between replays (read from device memory at each replay)."""
+    cp = _cp()
+    aq, bq, sa, sb, ref = _gemm_case(rng, 48, 64, 256, E5, E4)
+    g0 = randn(rng, (48, 64), np.float32)
+    ad, bd, gd = device_copy(aq), device_copy(bq), device_copy(g0)
+    sad, sbd = cp.asarray(sa), cp.asarray(sb)
+    kw = dict(trans_b=True, a_scale=sad, b_scale=sbd, a_dtype=E5, b_dtype=E4, out=gd, beta=1.0, alpha=0.5)
+    ck.matmul(ad, bd, **kw)  # eager (also creates the plan outside the capture)
+    _close(gd, g0 + 0.5 * ref, 2e-3)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        ck.matmul(ad, bd, **kw)
+        g = s.end_capture()
+    with s:
+        g.launch(s)
+        sad[...] = sad * 2  # (on the replays' stream) the next replay reads the doubled scale
+        g.launch(s)
+    s.synchronize()
+    _close(gd, g0 + 0.5 * ref + 0.5 * ref + 1.0 * ref, 2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gemm_refuses_misaligned_operands(rng):
+    aq, bq, sa, sb, _ = _gemm_case(rng, 16, 16, 32, E4, E4)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ck.matmul(device_copy(aq, misalign=True), device_copy(bq), trans_b=True, a_dtype=E4, b_dtype=E4)
+    with pytest.raises(TypeError, match="a_scale: expected a 0-d float32 array"):
+        ck.matmul(device_copy(aq), device_copy(bq), trans_b=True, a_dtype=E4, b_dtype=E4, a_scale=1.0)
+    with pytest.raises(TypeError, match="a_scale: is a numpy array"):
+        ck.matmul(device_copy(aq), device_copy(bq), trans_b=True, a_dtype=E4, b_dtype=E4, a_scale=sa)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_gpu_fp8_linear_matches_numpy_path(rng, scaling):
+    """The same layer and data on both paths: the casts are bit-identical, so the outputs differ only by the
+    GEMMs' summation order."""
+    cp = _cp()
+    r = ck.float8.replace(scaling=scaling)
+    host = nn.Linear(256, 192, bias=True, rng=rng)
+    host.bias.data[...] = randn(rng, (192,), np.float32)
+    dev = nn.Linear(256, 192, bias=True, xp=cp)
+    dev.weight.data[...] = cp.asarray(host.weight.data)
+    dev.bias.data[...] = cp.asarray(host.bias.data)
+    for step in range(2):
+        x = randn(rng, (4, 32, 256), np.float32)
+        dy = randn(rng, (4, 32, 192), np.float32).astype(ck.bfloat16)
+        outs = []
+        for lin, xp in ((host, np), (dev, cp)):
+            xt = ck.tensor(xp.asarray(x), requires_grad=True)
+            with ck.autocast(r):
+                y = lin(xt)
+            y.backward(xp.asarray(dy))
+            outs.append((to_host(y.data), to_host(xt.grad), to_host(lin.weight.grad), to_host(lin.bias.grad)))
+        for name, a, b in zip(("y", "dx", "dW", "db"), outs[1], outs[0]):
+            _close(a, b.astype(np.float64), 2e-2 if name in ("y", "dx", "db") else 5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph):
+    from pathlib import Path
+
+    from cukernels.train import load_config, trainer
+
+    cfg_path = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+    small = ["max_steps=30", "eval_every=0", "log_every=5", "plot=false", "batch_size=8", "seq_len=64",
+             "total_batch_size=512", "warmup_steps=5", "lr=0.003", "sample_chars=0", "ckpt_final=false",
+             "device=gpu", f"graph={str(graph).lower()}"]
+    losses = {}
+    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true"])):
+        cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / name}"] + extra)
+        rows = trainer.train(cfg, quiet=True)
+        losses[name] = np.array([r["loss"] for r in rows if r["kind"] == "train"])
+    assert np.isfinite(losses["fp8"]).all()
+    np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.03)
