@@ -1,7 +1,8 @@
 """Whole training step: LLaMA-3.2-1B shape, bf16 autocast, fp32 master weights, AdamW, gradient clipping.
 
-    PYTHONPATH=. python benchmarks/bench_train.py [--configs b4t64,b8t1024] [--ablation] [--vs-torch eager,compile]
-        [--data synthetic|shakespeare] [--nproc N]
+    PYTHONPATH=. python benchmarks/bench_train.py [--model llama|gpt2|qwen3] [--configs b4t64,b8t1024] [--ablation]
+        [--vs-torch eager,compile]
+        [--data synthetic|shakespeare] [--nproc N] [--recompute none,attention,full] [--max-t none,full]
 
 ``--nproc N`` (N > 1) re-runs this script under ``python -m cukernels.run --nproc-per-node N``: every rank builds
 the same step with ``ck.optim.ZeroAdamW`` (bf16 reduce-scatter in 2**25-element buckets started by the autograd's
@@ -45,8 +46,44 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 tie_word_embeddings=False, max_position_embeddings=131072)
 GPT2_124M = dict(type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024)}
+# Qwen3-0.6B shape (--model qwen3): 16 heads of 128 on a 1024-wide model, per-head q / k norm, tied (5.96e8 params)
+QWEN3_06B = dict(type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                 tie_word_embeddings=True, max_position_embeddings=40960)
+CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024),
+           # long sequences at B1 (--recompute none,attention,full); any bBtT parses (config_shape)
+           "b1t2048": (1, 2048), "b1t4096": (1, 4096), "b1t8192": (1, 8192), "b1t16384": (1, 16384)}
+RECOMPUTE = {"mode": "none"}  # the row's model.set_recompute() mode (--recompute)
+FP8 = {"recipe": None}  # --fp8: the row's ck.Float8Recipe (the Linear GEMMs in FP8), None: bf16 autocast
+MAX_T_STEP = 1024  # --max-t: T is searched in multiples of this
+
+
+def config_shape(c):
+    """(B, T) of a config name: one of CONFIGS, or any ``b<B>t<T>`` (b1t24576)."""
+    import re
+
+    if c in CONFIGS:
+        return CONFIGS[c]
+    m = re.fullmatch(r"b(\d+)t(\d+)", c)
+    if not m:
+        raise SystemExit(f"--configs: {c!r} is not one of {sorted(CONFIGS)} nor b<B>t<T>")
+    return int(m.group(1)), int(m.group(2))
+
+
+def is_oom(e):
+    """The device ran out of memory: CuPy's allocator (OutOfMemoryError) or a CUDA call reporting it."""
+    import cupy as cp
+
+    return isinstance(e, cp.cuda.memory.OutOfMemoryError) or (
+        isinstance(e, cp.cuda.runtime.CUDARuntimeError) and "memory" in str(e).lower())
+
+
 MODEL = {"name": "llama"}  # --model
+
+
+def model_cfg():
+    """The --model's config dict (LLAMA_1B, GPT2_124M or QWEN3_06B; --smoke shrinks them)."""
+    return {"gpt2": GPT2_124M, "qwen3": QWEN3_06B}.get(MODEL["name"], LLAMA_1B)
 DIST = {"group": None}  # under the launcher (--nproc): the process group; the step uses ZeroAdamW
 ZERO_BUCKET = 1 << 25
 QUEUED = 6  # steps queued back to back for the "queued" figure (OurStep.run)
@@ -85,9 +122,10 @@ def model_flops_per_token(cfg, T):
     if cfg.get("type") == "gpt2":
         L, H, d, V = cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["vocab_size"]
         return 6 * (L * 12 * d * d + V * d) + 12 * L * H * (d // H) * T
-    L, H, hd = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
+    L, H = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // H  # (Qwen3: 128 with hidden / heads = 64)
     d, f, V, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_key_value_heads"]
-    n_mm = L * (d * d * 2 + 2 * d * kv * hd + 3 * d * f) + V * d  # matmul parameters (lm_head, not the gather)
+    n_mm = L * (2 * d * H * hd + 2 * d * kv * hd + 3 * d * f) + V * d  # matmul parameters (lm_head, not the gather)
     return 6 * n_mm + 12 * L * H * hd * T
 
 
@@ -228,7 +266,7 @@ class OurStep:
 
         self.cp, self.ck = cp, ck
         self.mem = MemoryBudget(cp)
-        mcfg = dict(mcfg or (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B))
+        mcfg = dict(mcfg or model_cfg())
         self.mcfg, self.B, self.T, self.accum = mcfg, B, T, accum
         f = set(feats)
         # The model is built in a pool of its own (as the trainer does): the optimizer copies its parameters into
@@ -241,9 +279,12 @@ class OurStep:
                 cfg = {k: v for k, v in mcfg.items() if k != "type"}
                 model = ck.GPT2(ck.GPT2Config(**cfg), xp=cp, seed=seed, fused="fused" in f)
                 f |= {"memset", "lazy_zero"} if "adam" in f else set()
-            else:
-                model = ck.Llama(ck.LlamaConfig.from_dict(mcfg), xp=cp, seed=seed, fused=False,
-                                 sparse_embedding="sparse_emb" in f)
+            else:  # LLaMA, or a LLaMA-style family by its "type" (qwen3)
+                cls = ck.models.model_class(mcfg.get("type", "llama"))
+                if mcfg.get("tie_word_embeddings"):
+                    f.discard("sparse_emb")  # (a tied table gets the head's dense gradient)
+                model = cls(cls.config_class.from_dict(mcfg), xp=cp, seed=seed, fused=False,
+                            sparse_embedding="sparse_emb" in f)
         # Which modules run their kernels: Linear's "fused" means "read the shadow weight" (no per-use cast).
         for m in model.modules():
             if mcfg.get("type") == "gpt2":
@@ -265,6 +306,7 @@ class OurStep:
         # The head and the loss in one chunked op (ck.linear_cross_entropy) only from its own ablation row on:
         # the rows before it keep their session-2 meaning (logits, then the fused cross-entropy in place).
         model.fused_head_loss = "fused_head" in f
+        model.set_recompute(RECOMPUTE["mode"])  # (--recompute; every block of the training forward)
         self.mem.snap("model")
         params = model.parameters()
         no_decay = [p for p in params if p.ndim < 2]
@@ -331,7 +373,7 @@ class OurStep:
         total = None
         zero = isinstance(self.opt, ck.optim.ZeroAdamW)
         for i in range(self.accum):
-            with ck.autocast(ck.bfloat16):
+            with ck.autocast(FP8["recipe"] or ck.bfloat16):
                 loss = self.model(self.ids[i], self.tgt[i])
             if zero and i < self.accum - 1:
                 with self.opt.no_sync():  # one reduction per step
@@ -356,6 +398,7 @@ class OurStep:
         self.tgt.set(y)
 
     def run(self, steps, warm=3, data="synthetic"):
+        """(median ms/step, losses); also the queued and the single-replay figures (``queued_ms``, ``gpu_ms``)."""
         cp = self.cp
         g = DIST["group"]
         batches = make_batches(data, self.B, self.T, self.accum, self.mcfg["vocab_size"],
@@ -439,6 +482,61 @@ def run_ours(B, T, feats, steps, accum=1, data="synthetic", budget=None, timelin
     return ms, losses, mem, n
 
 
+def try_run(*a, **k):
+    """:func:`run_ours`, or None when the device ran out of memory (``try_run.last_error`` says where); what the
+    row held (model, optimizer, the step's pools) is freed before the next row."""
+    import cupy as cp
+
+    try:
+        return run_ours(*a, **k)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        try_run.last_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    # (here, after the except block: its traceback, whose frames held the row's arrays, is gone)
+    gc.collect()
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    return None
+
+
+def probe(B, T, mode, data):
+    """One step of B x T with recompute ``mode`` in a fresh process of this script (``--configs bBtT --steps 1``):
+    ``(row, why)``, row the JSON row (ms, peak_gib, ...) or None with ``why`` ("OOM" or the failure). A process per
+    probe: after an out-of-memory inside one process the next probes failed too, even at T=1024 (memory the failed
+    row held was not all returned to the device)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        js = Path(tmp) / "probe.json"
+        cmd = [sys.executable, __file__, "--configs", f"b{B}t{T}", "--recompute", mode, "--steps", "1",
+               "--data", data, "--model", MODEL["name"], "--json", str(js)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        rows = json.loads(js.read_text())["rows"] if js.exists() else []
+    if rows and not rows[0].get("oom"):
+        return rows[0], ""
+    return None, "OOM" if rows else f"failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()[-200:]}"
+
+
+def longest_t(mode, B, cap, data):
+    """The longest T (a multiple of MAX_T_STEP, at most ``cap``) whose step runs at batch ``B`` with recompute
+    ``mode``: the cap first, then a bisection, each probe a process of its own (:func:`probe`). Returns ``(T or 0,
+    [(T, ms or None, peak GiB or None), ...])``."""
+    probes = []
+    lo, hi = 0, cap // MAX_T_STEP + 1  # lo * MAX_T_STEP runs (0: none yet), hi * MAX_T_STEP does not
+    k = hi - 1
+    while hi - lo > 1:
+        T = k * MAX_T_STEP
+        r, why = probe(B, T, mode, data)
+        probes.append((T, r["ms"] if r else None, r["peak_gib"] if r else None))
+        print(f"  probe B{B}xT{T} recompute {mode}: " + (f"{r['ms']:.1f} ms/step, peak {r['peak_gib']:.1f} GiB"
+                                                         if r else why), flush=True)
+        lo, hi = (k, hi) if r else (lo, k)
+        k = (lo + hi) // 2
+    return lo * MAX_T_STEP, probes
+
+
 def run_torch(B, T, mode, steps, data="synthetic"):
     import torch
 
@@ -452,6 +550,13 @@ def run_torch(B, T, mode, steps, data="synthetic"):
             cfg._attn_implementation = "sdpa"  # PyTorch's fused attention (cuDNN / FlashAttention kernels)
             model = GPT2LMHeadModel(cfg).to(dev)
             impl = "transformers GPT2LMHeadModel, sdpa"
+        elif MODEL["name"] == "qwen3":
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            cfg = Qwen3Config(**{k: v for k, v in QWEN3_06B.items() if k != "type"})
+            cfg._attn_implementation = "sdpa"  # PyTorch's fused attention (cuDNN / FlashAttention kernels)
+            model = Qwen3ForCausalLM(cfg).to(dev)
+            impl = "transformers Qwen3ForCausalLM, sdpa"
         else:
             from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -460,13 +565,19 @@ def run_torch(B, T, mode, steps, data="synthetic"):
             impl = "transformers"
     except Exception as e:  # pragma: no cover - transformers missing
         return None, f"transformers unavailable: {e}"
+    if mode.startswith("fp8"):
+        if MODEL["name"] == "gpt2":
+            return None, "fp8: the LLaMA / Qwen3 Linears only (GPT-2's are Conv1D)"
+        torch_fp8_linears(model, torch)
+        impl += ", decoder Linears as torch._scaled_mm FP8 (per-tensor dynamic scales)"
+        mode = "compile" if mode == "fp8-compile" else "eager"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     fwd = model
     if mode == "compile":
         fwd = torch.compile(model)
     elif mode == "reduce-overhead":
         fwd = torch.compile(model, mode="reduce-overhead")
-    batches = make_batches(data, B, T, 1, (GPT2_124M if MODEL["name"] == "gpt2" else LLAMA_1B)["vocab_size"])
+    batches = make_batches(data, B, T, 1, model_cfg()["vocab_size"])
 
     def step(ids):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -494,14 +605,117 @@ def run_torch(B, T, mode, steps, data="synthetic"):
     return (statistics.median(times), mem), impl
 
 
+def torch_fp8_linears(model, torch):
+    """PyTorch's FP8 training recipe as a competent user writes it with no extra library: every Linear of the decoder
+    layers (not the LM head, as ours) becomes one whose three GEMMs are ``torch._scaled_mm`` with per-tensor dynamic
+    (current) scales: E4M3 input and weight, E5M2 output gradient, fast accumulation in the forward only (as our
+    default recipe), fp32 weight gradient; the amax / scale / cast / transpose ops are left to torch.compile to fuse
+    (``--vs-torch fp8-compile``)."""
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+    def quant(t, dt, mx):
+        amax = t.abs().amax().float().clamp(min=1e-12)
+        s = mx / amax
+        return (t.float() * s).clamp(-mx, mx).to(dt), s.reciprocal()
+
+    class ScaledLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            x2 = x.reshape(-1, x.shape[-1])
+            xq, sx = quant(x2, e4, 448.0)
+            wq, sw = quant(w, e4, 448.0)
+            y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=True)
+            ctx.save_for_backward(xq, wq, sx, sw)
+            ctx.shape = x.shape
+            return y.reshape(*x.shape[:-1], w.shape[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            xq, wq, sx, sw = ctx.saved_tensors
+            gq, sg = quant(g.reshape(-1, g.shape[-1]), e5, 57344.0)
+            # _scaled_mm wants mat1 row-major and mat2 column-major: the transposed copies
+            dx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16)
+            dw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=sg, scale_b=sx,
+                                  out_dtype=torch.float32)
+            return dx.reshape(ctx.shape), dw
+
+    class Fp8Linear(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.weight = lin.weight
+
+        def forward(self, x):
+            return ScaledLinear.apply(x, self.weight)
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear) and child.bias is None:
+                    setattr(parent, name, Fp8Linear(child))
+
+
+def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
+    """``--fp8``: the config again with each FP8 recipe (the plain features, ck.autocast(ck.float8)); returns
+    {recipe: ms/step}. Printed with the bf16 row's ratio."""
+    import cukernels as ck
+
+    res = {}
+    for rname in [r for r in args.fp8.split(",") if r]:
+        FP8["recipe"] = ck.float8.replace(scaling=rname)
+        try:
+            r = try_run(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps, data=args.data,
+                        budget=True)
+        except Exception:
+            traceback.print_exc()
+            continue
+        finally:
+            FP8["recipe"] = None
+        if r is None:
+            print(f"cukernels  B{B}xT{T} fp8 ({rname}): OOM ({try_run.last_error})", flush=True)
+            continue
+        row_ms, losses, mem, n = r
+        tf = model_flops_per_token(mcfg, T) * tok / (row_ms * 1e-3) / 1e12
+        vs = f"   -> {ms / row_ms:.2f}x the bf16 step" if ms else ""
+        print(f"cukernels  B{B}xT{T} fp8 ({rname}): {row_ms:8.2f} ms/step  {tok / row_ms * 1e3:10,.0f} tok/s  "
+              f"{tf:6.1f} TFLOP/s  peak {mem:6.1f} GiB  losses {losses[0]:.4f} .. {losses[-1]:.4f}   queued "
+              f"{run_ours.last_queued:.2f} ms/step{vs}", flush=True)
+        out["rows"].append(dict(config=c, ms=row_ms, tok_s=tok / row_ms * 1e3, tflops=tf, peak_gib=mem,
+                                losses=losses, setting=f"fp8 {rname}", fp8=rname, queued_ms=run_ours.last_queued,
+                                memory=MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T} fp8 {rname}")))
+        res[rname] = row_ms
+    return res
+
+
+def recompute_table(rows, modes, steps):
+    """The memory / time trade of activation recompute: per config, each mode's ms/step, tok/s and peak, and both
+    against recompute none at the same shape (benchmarks/NOTES.md, "Activation recompute", has the predictions)."""
+    print(f"\nActivation recompute (ms/step: median of {steps}; x: against recompute none at the same B x T):")
+    print(f"{'config':<10} {'recompute':<10} {'ms/step':>9} {'tok/s':>10} {'peak GiB':>9} {'x time':>7} {'x peak':>7}")
+    for c in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == c and not r.get("setting") and r.get("recompute", "none") in modes]
+        base = next((r for r in mine if r.get("recompute", "none") == "none" and not r.get("oom")), None)
+        for r in mine:
+            if r.get("oom"):
+                print(f"{c:<10} {r['recompute']:<10} {'OOM':>9}")
+                continue
+            xt = f"{r['ms'] / base['ms']:7.2f}" if base else f"{'-':>7}"
+            xp = f"{r['peak_gib'] / base['peak_gib']:7.2f}" if base else f"{'-':>7}"
+            print(f"{c:<10} {r.get('recompute', 'none'):<10} {r['ms']:9.2f} {r['tok_s']:10,.0f} {r['peak_gib']:9.1f} "
+                  f"{xt} {xp}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"],
-                    help="llama: LLaMA-3.2-1B shape; gpt2: GPT-2 124M (--ablation then prints the fused on/off table)")
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "qwen3"],
+                    help="llama: LLaMA-3.2-1B shape; gpt2: GPT-2 124M (--ablation then prints the fused on/off table); "
+                         "qwen3: the Qwen3-0.6B shape (transformers' Qwen3ForCausalLM with --vs-torch)")
     ap.add_argument("--configs", default=None, help="default b4t64,b8t1024 (llama), b8t1024 (gpt2)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
-    ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead")
+    ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead; fp8-eager,fp8-compile: "
+                    "PyTorch's decoder Linears as torch._scaled_mm FP8 GEMMs with per-tensor dynamic scales")
+    ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, delayed): each config also runs with "
+                    "the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
@@ -517,6 +731,14 @@ def main(argv=None):
     ap.add_argument("--ab", default="",
                     help="also run each config with these settings, e.g. 'pack_projections=0' or "
                          "'zero.ADAM_OCCUPANCY=8' (';' between rows, ',' within a row; see benchmarks/ab.py)")
+    ap.add_argument("--recompute", default="none",
+                    help="comma list of none,attention,full: each config runs with each activation-recompute mode "
+                         "(model.set_recompute); a row that runs out of memory prints OOM; with several modes, the "
+                         "memory/time table at the end")
+    ap.add_argument("--max-t", default="",
+                    help="comma list of recompute modes: for each, the longest T at B1 that trains (bisection over "
+                         f"multiples of {MAX_T_STEP} up to --max-t-cap)")
+    ap.add_argument("--max-t-cap", type=int, default=65536, help="the largest T --max-t tries")
     args = ap.parse_args(argv)
     import os
     if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -537,12 +759,15 @@ def main(argv=None):
             print("--ablation / --vs-torch run on one GPU only; ignored with --nproc", flush=True)
             args.ablation, args.vs_torch = False, ""
     MODEL["name"] = args.model
-    args.configs = args.configs or ("b8t1024" if args.model == "gpt2" else "b4t64,b8t1024")
-    global LLAMA_1B, GPT2_124M
+    if args.configs is None:  # (with --max-t alone: only the search)
+        args.configs = "" if args.max_t else ("b8t1024" if args.model in ("gpt2", "qwen3") else "b4t64,b8t1024")
+    global LLAMA_1B, GPT2_124M, QWEN3_06B
     if args.smoke:
         LLAMA_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
         GPT2_124M = dict(GPT2_124M, vocab_size=1024, n_embd=256, n_layer=2, n_head=4)
+        QWEN3_06B = dict(QWEN3_06B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128)
     import cupy as cp
 
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -552,8 +777,8 @@ def main(argv=None):
     import cukernels as ck
 
     ck.matmul(cp.ones((1, 1), cp.float32), cp.ones((1, 1), cp.float32))
-    mcfg = GPT2_124M if args.model == "gpt2" else LLAMA_1B
-    what = "GPT-2 124M, tied" if args.model == "gpt2" else "LLaMA-3.2-1B shape, untied"
+    mcfg = model_cfg()
+    what = {"gpt2": "GPT-2 124M, tied", "qwen3": "Qwen3-0.6B shape, tied"}.get(args.model, "LLaMA-3.2-1B shape, untied")
     opt_name = (f"ZeroAdamW on {world} GPUs ({args.wire} reduce-scatter, B x T per GPU, sm_margin {args.sm_margin})"
                 if world > 1 else "AdamW")
     print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, {opt_name}, clip 1.0; data: {args.data}")
@@ -562,35 +787,56 @@ def main(argv=None):
     rank = DIST["group"].rank if DIST["group"] is not None else 0
     if args.timeline:
         Path(args.timeline).mkdir(parents=True, exist_ok=True)
+    modes = [m for m in args.recompute.split(",") if m]
+    bad = [m for m in modes + [m for m in args.max_t.split(",") if m] if m not in ("none", "attention", "full")]
+    if bad:
+        raise SystemExit(f"--recompute / --max-t: expected none, attention, full; got {bad}")
     for c in [c for c in args.configs.split(",") if c]:
-        B, T = CONFIGS[c]
+        B, T = config_shape(c)
         tok = B * T * world  # every rank's tokens
-        for i, setting in enumerate([""] + ab.rows(args.ab)):
-            tl = f"{args.timeline}/{c}{f'_ab{i}' if i else ''}_rank{rank}" if args.timeline else None
-            try:
-                with ab.applied(setting) if setting else contextlib.nullcontext():
-                    ms, losses, mem, n = run_ours(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES,
-                                                  args.steps, data=args.data, budget=True, timeline=tl)
-            except Exception:
-                traceback.print_exc()
-                continue
-            tf = model_flops_per_token(mcfg, T) * tok / (ms * 1e-3) / 1e12
-            per = f" on {world} GPUs" if world > 1 else ""
-            print(f"cukernels  B{B}xT{T}{per}: {ms:8.2f} ms/step  {tok / ms * 1e3:10,.0f} tok/s  {tf:6.1f} TFLOP/s  "
-                  f"peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. {losses[-1]:.4f}"
-                  f"   queued {run_ours.last_queued:.2f} ms/step{f'   ({setting})' if setting else ''}", flush=True)
-            gt = run_ours.last_gpu
-            print("    one replay, GPU ms (host ms of the call) by rank: "
-                  + ", ".join(f"{gt[2 * r]:.2f} ({gt[2 * r + 1]:.2f})" for r in range(len(gt) // 2)), flush=True)
-            if run_ours.last_timeline:
-                import timeline as tlmod
+        ms = None  # (the first mode's plain row: what --vs-torch compares with)
+        for mode in modes:
+            RECOMPUTE["mode"] = mode
+            rc = f" recompute {mode}" if len(modes) > 1 or mode != "none" else ""
+            for i, setting in enumerate([""] + ab.rows(args.ab)):
+                tl = f"{args.timeline}/{c}{f'_ab{i}' if i else ''}_rank{rank}" if args.timeline else None
+                per = f" on {world} GPUs" if world > 1 else ""
+                try:
+                    with ab.applied(setting) if setting else contextlib.nullcontext():
+                        r = try_run(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES,
+                                    args.steps, data=args.data, budget=True, timeline=tl)
+                except Exception:
+                    traceback.print_exc()
+                    continue
+                if r is None:
+                    print(f"cukernels  B{B}xT{T}{per}{rc}: OOM ({try_run.last_error})"
+                          f"{f'   ({setting})' if setting else ''}", flush=True)
+                    out["rows"].append(dict(config=c, recompute=mode, setting=setting, oom=True))
+                    continue
+                row_ms, losses, mem, n = r
+                ms = ms or row_ms
+                tf = model_flops_per_token(mcfg, T) * tok / (row_ms * 1e-3) / 1e12
+                print(f"cukernels  B{B}xT{T}{per}{rc}: {row_ms:8.2f} ms/step  {tok / row_ms * 1e3:10,.0f} tok/s  "
+                      f"{tf:6.1f} TFLOP/s  peak {mem:6.1f} GiB/GPU  params {n / 1e9:.3f}e9  losses {losses[0]:.4f} .. "
+                      f"{losses[-1]:.4f}   queued {run_ours.last_queued:.2f} ms/step"
+                      f"{f'   ({setting})' if setting else ''}", flush=True)
+                gt = run_ours.last_gpu
+                print("    one replay, GPU ms (host ms of the call) by rank: "
+                      + ", ".join(f"{gt[2 * r]:.2f} ({gt[2 * r + 1]:.2f})" for r in range(len(gt) // 2)), flush=True)
+                if run_ours.last_timeline:
+                    import timeline as tlmod
 
-                tlmod.report(run_ours.last_timeline, f"B{B}xT{T}{per} {setting}".strip())
-            row = dict(config=c, ms=ms, tok_s=tok / ms * 1e3, tflops=tf, peak_gib=mem, losses=losses,
-                       setting=setting, timeline=run_ours.last_timeline, queued_ms=run_ours.last_queued)
-            if not setting:
-                row["memory"] = MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T}")
-            out["rows"].append(row)
+                    tlmod.report(run_ours.last_timeline, f"B{B}xT{T}{per} {setting}".strip())
+                row = dict(config=c, ms=row_ms, tok_s=tok / row_ms * 1e3, tflops=tf, peak_gib=mem, losses=losses,
+                           setting=setting, timeline=run_ours.last_timeline, queued_ms=run_ours.last_queued,
+                           recompute=mode)
+                if not setting:
+                    row["memory"] = MemoryBudget.report(*run_ours.last_budget, f"B{B}xT{T}{rc}")
+                out["rows"].append(row)
+        RECOMPUTE["mode"] = "none"
+        fp8_ms = fp8_rows(args, c, B, T, tok, ms, mcfg, out)
+        if ms is None:
+            continue
         for mode in [m for m in args.vs_torch.split(",") if m]:
             try:
                 r, impl = run_torch(B, T, mode, args.steps, data=args.data)
@@ -602,8 +848,18 @@ def main(argv=None):
                 continue
             tms, tmem = r
             print(f"torch {mode:<15s} B{B}xT{T}: {tms:8.2f} ms/step  {tok / tms * 1e3:10,.0f} tok/s  "
-                  f"peak {tmem:6.1f} GiB  ({impl}) -> cukernels is {tms / ms:.2f}x faster", flush=True)
+                  f"peak {tmem:6.1f} GiB  ({impl}) -> cukernels is {tms / ms:.2f}x faster"
+                  + "".join(f", fp8 ({k}) {tms / v:.2f}x" for k, v in fp8_ms.items()), flush=True)
             out["torch"].append(dict(config=c, mode=mode, ms=tms, peak_gib=tmem, ratio=tms / ms))
+    if len(modes) > 1:
+        recompute_table(out["rows"], modes, args.steps)
+    for mode in [m for m in args.max_t.split(",") if m]:
+        print(f"\nLongest T at B1 with recompute {mode} (multiples of {MAX_T_STEP}, at most {args.max_t_cap}):",
+              flush=True)
+        t, probes = longest_t(mode, 1, args.max_t_cap, args.data)
+        print(f"  -> B1xT{t}" + ("  (the cap: longer may fit, raise --max-t-cap)" if t == args.max_t_cap else ""),
+              flush=True)
+        out.setdefault("max_t", []).append(dict(recompute=mode, max_t=t, cap=args.max_t_cap, probes=probes))
     if args.ablation and args.model == "gpt2":
         B, T = CONFIGS[args.configs.split(",")[0]]
         print(f"\nGPT-2 fused on/off (the write-up's use_fused_kernel), B{B}xT{T}, median of {args.steps}:")
