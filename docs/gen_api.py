@@ -44,6 +44,7 @@ SECTIONS = [
     ("cukernels.io.checkpoint", "single-file training checkpoints"),
     ("cukernels.io.safetensors", "the safetensors format, streamed and validated"),
     ("cukernels.io.hf_folder", "Hugging Face model folders"),
+    ("cukernels.io.peft", "PEFT LoRA adapter folders"),
     ("cukernels.io.atomic", "atomic file writes"),
     ("cukernels.models", "the model registry and the families"),
     ("cukernels.generation", "sampling and decoding for any registered model"),
