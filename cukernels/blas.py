@@ -207,6 +207,20 @@ def _check_out_layout(out, M, N, nbatch):
 
 
 @B.interop
+def _batch_shape(ashape, bshape, M, N, K):
+    """``(batch, batch count, output shape)`` of a product of operands with these shapes (batch axes equal, or one
+    operand 2-D: broadcast); ValueError when they disagree or a size exceeds cuBLAS' 32-bit ints."""
+    ba, bb = tuple(ashape[:-2]), tuple(bshape[:-2])
+    if ba and bb and ba != bb:
+        raise ValueError(f"b: batch dimensions {bb} do not match a's {ba} (equal, or one operand 2-D)")
+    batch = ba or bb
+    nbatch = int(np.prod(batch)) if batch else 1
+    for what, v in (("M", M), ("N", N), ("K", K), ("the batch count", nbatch)):
+        if v > _INT_MAX:
+            raise ValueError(f"a, b: {what} = {v} exceeds cuBLAS' 32-bit sizes")
+    return batch, nbatch, (*batch, M, N)
+
+
 def layout_ok(x) -> bool:
     """True when :func:`matmul` takes ``x`` (an operand or ``out``) as it is: last axis contiguous, rows at a
     non-negative element-multiple stride no shorter than a row, batch axes walked by one stride. A caller that
@@ -315,15 +329,7 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
     Kb, N = (b.shape[-1], b.shape[-2]) if trans_b else b.shape[-2:]
     if K != Kb:
         raise ValueError(f"b: inner dimensions disagree: op(a) is {M}x{K} but op(b) is {Kb}x{N}")
-    ba, bb = a.shape[:-2], b.shape[:-2]
-    if ba and bb and ba != bb:
-        raise ValueError(f"b: batch dimensions {bb} do not match a's {ba} (equal, or one operand 2-D)")
-    batch = ba or bb
-    nbatch = int(np.prod(batch)) if batch else 1
-    for what, v in (("M", M), ("N", N), ("K", K), ("the batch count", nbatch)):
-        if v > _INT_MAX:
-            raise ValueError(f"a, b: {what} = {v} exceeds cuBLAS' 32-bit sizes")
-    shape = (*batch, M, N)
+    batch, nbatch, shape = _batch_shape(a.shape, b.shape, M, N, K)
     if out_dtype is not None:
         odt = B.check_dtype_arg("out_dtype", out_dtype, allowed)
     else:
@@ -376,8 +382,8 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         _check(lib.cublasGemmEx(h, tb, ta, N, M, K, ctypes.byref(al), *args_b, *args_a, ctypes.byref(be),
                                 ctypes.c_void_p(out.data.ptr), ot, ldc, compute, _GEMM_DEFAULT), "cublasGemmEx")
     else:
-        sa = sa if ba else 0  # a 2-D operand is shared by every batch entry
-        sb = sb if bb else 0
+        sa = sa if a.ndim > 2 else 0  # a 2-D operand is shared by every batch entry
+        sb = sb if b.ndim > 2 else 0
         _check(lib.cublasGemmStridedBatchedEx(h, tb, ta, N, M, K, ctypes.byref(al), *args_b, sb, *args_a, sa,
                                               ctypes.byref(be), ctypes.c_void_p(out.data.ptr), ot, ldc, sc,
                                               nbatch, compute, _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
@@ -443,15 +449,7 @@ def _matmul_fp8(a, b, trans_a, trans_b, out, out_dtype, alpha, beta, allow_tf32,
         if ld % 16 or st % 16:
             raise ValueError(f"{name}: FP8 rows must start 16 bytes apart (row stride {ld}, batch stride {st} "
                              "bytes): a C-contiguous array with K a multiple of 16 is")
-    ba, bb = a8.shape[:-2], b8.shape[:-2]
-    if ba and bb and ba != bb:
-        raise ValueError(f"b: batch dimensions {bb} do not match a's {ba} (equal, or one operand 2-D)")
-    batch = ba or bb
-    nbatch = int(np.prod(batch)) if batch else 1
-    for what, v in (("M", M), ("N", N), ("K", K), ("the batch count", nbatch)):
-        if v > _INT_MAX:
-            raise ValueError(f"a, b: {what} = {v} exceeds cuBLAS' 32-bit sizes")
-    shape = (*batch, M, N)
+    batch, nbatch, shape = _batch_shape(a8.shape, b8.shape, M, N, K)
     odt = (B.check_dtype_arg("out_dtype", out_dtype) if out_dtype is not None
            else out.dtype if out is not None else B.bfloat16)
     if beta != 0 and out is None:
@@ -491,5 +489,5 @@ def _matmul_fp8(a, b, trans_a, trans_b, out, out_dtype, alpha, beta, allow_tf32,
             out *= beta
         return out
     return _lt.gemm_fp8(a8, b8, out, a_fmt=fa, b_fmt=fb, a_scale=a_scale, b_scale=b_scale, M=M, N=N, K=K, lda=lda,
-                        ldb=ldb, ldc=ldc, sa=sa if ba else 0, sb=sb if bb else 0, sc=sc, nbatch=nbatch, alpha=alpha,
+                        ldb=ldb, ldc=ldc, sa=sa if a8.ndim > 2 else 0, sb=sb if b8.ndim > 2 else 0, sc=sc, nbatch=nbatch, alpha=alpha,
                         beta=beta, fast_accum=fast_accum)
