@@ -25,7 +25,6 @@ from ..nn import (Attention, Dropout, KVCache, Module, Residual, StaticKVCache, 
                   project, weight_for_gemm)
 from ..nn import decode as _decode
 from ..nn import lora as _lora
-from ..nn.dropout import current as _dropout_scope
 from ..nn import dropout as _dropout
 from ..ops.decode_attention import HEAD_DIMS as DECODE_HEAD_DIMS
 from ..ops import _launch
@@ -259,7 +258,7 @@ class CausalLM(GenerationMixin, Module):
             with no_grad():
                 return self._run(ids, None, attention_mask, position_ids, kv_cache, ignore_index)
         drng = getattr(self, "dropout_rng", None)
-        if self.training and drng is not None and (_dropout_scope() or (None,))[0] is not drng:
+        if self.training and drng is not None and (_dropout.current() or (None,))[0] is not drng:
             # LoRA dropout in a family without dropout of its own (apply_lora gave the model a DropoutRNG; GPT-2
             # opens this scope in its own forward): the masks' offset advances once per training forward
             with drng.forward_pass():
