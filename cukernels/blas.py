@@ -207,6 +207,17 @@ def _check_out_layout(out, M, N, nbatch):
 
 
 @B.interop
+def _check_out(out, odt, shape, M, N, nbatch):
+    """``out`` of a product into it: required (beta != 0 accumulates into it), of dtype ``odt`` and ``shape``,
+    writable, a layout cuBLAS can write; returns its (leading dimension, batch stride)."""
+    if out is None:
+        raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
+    B.check_dtype("out", out, (odt,))
+    B.check_shape("out", out, shape)
+    B.check_writable("out", out)
+    return _check_out_layout(out, M, N, nbatch)
+
+
 def _batch_shape(ashape, bshape, M, N, K):
     """``(batch, batch count, output shape)`` of a product of operands with these shapes (batch axes equal, or one
     operand 2-D: broadcast); ValueError when they disagree or a size exceeds cuBLAS' 32-bit ints."""
@@ -334,13 +345,8 @@ def matmul(a, b, *, trans_a=False, trans_b=False, out=None, out_dtype=None, alph
         odt = B.check_dtype_arg("out_dtype", out_dtype, allowed)
     else:
         odt = out.dtype if out is not None else a.dtype
-    if beta != 0 and out is None:
-        raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
-    if out is not None:
-        B.check_dtype("out", out, (odt,))
-        B.check_shape("out", out, shape)
-        B.check_writable("out", out)
-        ldc, sc = _check_out_layout(out, M, N, nbatch)
+    if out is not None or beta != 0:
+        ldc, sc = _check_out(out, odt, shape, M, N, nbatch)
     if xp is np:
         ct = np.float64 if a.dtype == np.float64 else np.float32
         opa = np.swapaxes(a, -1, -2) if trans_a else a
@@ -452,13 +458,8 @@ def _matmul_fp8(a, b, trans_a, trans_b, out, out_dtype, alpha, beta, allow_tf32,
     batch, nbatch, shape = _batch_shape(a8.shape, b8.shape, M, N, K)
     odt = (B.check_dtype_arg("out_dtype", out_dtype) if out_dtype is not None
            else out.dtype if out is not None else B.bfloat16)
-    if beta != 0 and out is None:
-        raise ValueError("out: required when beta != 0 (the product is accumulated into it)")
-    if out is not None:
-        B.check_dtype("out", out, (odt,))
-        B.check_shape("out", out, shape)
-        B.check_writable("out", out)
-        ldc, sc = _check_out_layout(out, M, N, nbatch)
+    if out is not None or beta != 0:
+        ldc, sc = _check_out(out, odt, shape, M, N, nbatch)
         if (ldc * out.itemsize) % 16 or (nbatch > 1 and (sc * out.itemsize) % 16):
             raise ValueError(f"out: FP8 GEMM output rows must start 16 bytes apart; got strides {out.strides}")
     if xp is np:
