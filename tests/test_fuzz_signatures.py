@@ -150,7 +150,8 @@ def _strategy(spec):
     if base == "p1":
         return st.floats(max_value=-1e-6) | st.floats(min_value=1.0) | nonfinite | junk
     if base == "bool":
-        return st.integers() | st.floats(allow_nan=True) | _text | st.none()
+        return st.one_of(st.integers(), st.floats(allow_nan=True), _text,
+                         *(() if "None" in skip else (st.none(),)))  # (bool!None: None is valid, the default)
     if base == "seed":
         return st.integers(max_value=-1) | st.integers(min_value=2**64, max_value=2**70) | st.floats() | _text
     return None

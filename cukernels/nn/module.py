@@ -71,8 +71,8 @@ def new_param(xp, shape, *, init="normal", std=0.02, rng=None, dtype=None, name=
         rng = rng if rng is not None else (np.random.default_rng(0) if xp is np else xp.random.default_rng(0))
         if xp is np:
             a = (rng.standard_normal(shape) * std).astype(dt)
-        else:
-            a = (rng.standard_normal(shape, dtype=np.float32) * std).astype(dt)
+        else:  # a NumPy Generator beside xp=cupy draws on the host: moved, so the parameter is on xp's device
+            a = xp.asarray((rng.standard_normal(shape, dtype=np.float32) * std).astype(dt))
     return Parameter(a, name=name)
 
 
