@@ -10,10 +10,13 @@
 - big: the LLaMA-3.2-1B shape (``examples/configs/llama3.2-1b.yaml``'s model) from scratch on tinyshakespeare
   bytes at B8 x T1024, lr 3e-4, for ``--big-steps`` (0: skip).
 
-Each run logs the mean training loss every 10 steps; a run's figure is the mean over its last 100 steps. The
-criteria (issue 38): every FP8 run finite (no divergence) and its last-100 mean within 1 % of the bf16 run's; the
-script prints them and exits 1 when one fails. ``--recipes current,delayed`` adds a run per FP8 recipe. The JSON
-keeps every curve with the command, the date and the device; the PNG is drawn from it.
+Runs are captured (``graph=true``: the small model's steps are otherwise launch-bound) and each is evaluated once
+on the held-out 10 % at its end. Each logs the mean training loss every 10 steps; a run's figure is the mean over
+its last 100 steps. The criteria (issue 38): every FP8 run finite (no divergence) and its last-100 mean within 1 %
+of the bf16 run's; the script prints them and exits 1 when one fails. ``--recipes current,delayed`` adds a run per
+FP8 recipe (``RECIPES``: the scaling and the ck.float8 fields each changes; ``e5m2-grads`` is the E5M2-gradient
+recipe the default was before it measured +8 % at 2000 steps). The JSON keeps every curve with the command, the
+date and the device; the PNG is drawn from it.
 """
 from __future__ import annotations
 
@@ -33,7 +36,13 @@ CONFIGS = ROOT / "examples" / "configs"
 JSON = ROOT / "benchmarks" / "results" / "fp8_quality.json"
 PNG = ROOT / "docs" / "images" / "fp8_quality.png"
 TOLERANCE = 0.01  # last-100 mean within 1 % of bf16's
-COMMON = ["eval_every=0", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]
+# --recipes: name -> the ck.float8 fields it changes
+RECIPES = {"current": {}, "delayed": {"scaling": "delayed"}, "e5m2-grads": {"grad_dtype": "float8_e5m2"},
+           "delayed-e5m2-grads": {"scaling": "delayed", "grad_dtype": "float8_e5m2"},
+           "slow-accum": {"fast_accum": False}, "hybrid": {"scaling": "hybrid"},
+           "delayed-margin1": {"scaling": "delayed", "margin": 1}, "delayed-margin2": {"scaling": "delayed", "margin": 2}}
+BAR = ("fp8-current", "fp8-delayed", "fp8-hybrid")  # the trainer's recipes (fp8_scaling): the others are runs to compare
+COMMON = ["graph=true", "eval_steps=8", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]
 BIG = ["data.kind=text", "data.path=null", "data.val_path=null", "batch_size=8", "seq_len=1024",
        "total_batch_size=8192", "lr=3e-4", "warmup_steps=20", "grad_dtype=bfloat16", "graph=true"]
 
@@ -44,30 +53,34 @@ def run(name, cfg_file, overrides, recipe, steps, out_root):
 
     from cukernels.train import load_config, trainer
 
-    extra = ["autocast=bf16"] if recipe == "bf16" else ["fp8=true"]
-    out_dir = out_root / f"{name}-{recipe}"
-    cfg = load_config(str(CONFIGS / cfg_file), COMMON + overrides + [f"max_steps={steps}", f"out_dir={out_dir}"]
-                      + extra)
-    if recipe == "fp8-delayed":  # the trainer's fp8 key runs ck.float8; the delayed recipe through the module
-        import cukernels as ck
-        from cukernels.train import trainer as tr
+    import cukernels as ck
+    from cukernels.train import trainer as tr
 
-        tr.float8, saved = ck.float8.replace(scaling="delayed"), tr.float8
+    fields = {} if recipe == "bf16" else dict(RECIPES[recipe[len("fp8-"):]])
+    scaling = fields.pop("scaling", "current")
+    extra = ["autocast=bf16"] if recipe == "bf16" else ["fp8=true", f"fp8_scaling={scaling}"]
+    out_dir = out_root / f"{name}-{recipe}"
+    cfg = load_config(str(CONFIGS / cfg_file), COMMON + overrides + [f"max_steps={steps}", f"out_dir={out_dir}",
+                                                                      f"eval_every={steps}"] + extra)
+    # the trainer's fp8 keys run ck.float8 with fp8_scaling; the other fields through the module
+    saved = tr.float8
+    tr.float8 = ck.float8.replace(**fields)
     t0 = time.perf_counter()
     try:
         rows = trainer.train(cfg, quiet=True)
     finally:
-        if recipe == "fp8-delayed":
-            tr.float8 = saved
+        tr.float8 = saved
     wall = time.perf_counter() - t0
+    val = [float(r["loss"]) for r in rows if r["kind"] == "val"]
     tr_rows = [r for r in rows if r["kind"] == "train"]
     loss = [float(r["loss"]) for r in tr_rows]
     last = [r["loss"] for r in tr_rows if r["step"] > steps - 100]
     rec = dict(name=name, recipe=recipe, steps=[int(r["step"]) for r in tr_rows], loss=loss,
                last100=float(np.mean(last)) if last else float("nan"), finite=bool(np.isfinite(loss).all()),
                ms_per_step=statistics.median(r["ms_per_step"] for r in tr_rows[1:]) if len(tr_rows) > 1 else None,
-               wall_s=wall)
-    print(f"{name:<11} {recipe:<12} last-100 mean {rec['last100']:.4f}  final {loss[-1]:.4f}  "
+               wall_s=wall, val_loss=val[-1] if val else None)
+    print(f"{name:<11} {recipe:<16} last-100 mean {rec['last100']:.4f}  final {loss[-1]:.4f}  "
+          f"val {rec['val_loss'] or float('nan'):.4f}  "
           f"{rec['ms_per_step'] or float('nan'):.1f} ms/step  ({wall:.0f} s)", flush=True)
     shutil.rmtree(out_dir, ignore_errors=True)
     return rec
@@ -83,9 +96,11 @@ def verdict(runs):
         b = base[r["name"]]
         rel = r["last100"] / b["last100"] - 1
         good = r["finite"] and math.isfinite(rel) and abs(rel) <= TOLERANCE
-        ok &= good
-        lines.append(f"{r['name']:<11} {r['recipe']:<12} last-100 {r['last100']:.4f} vs bf16 {b['last100']:.4f}: "
-                     f"{100 * rel:+.2f} % {'PASS' if good else 'FAIL'} (within {100 * TOLERANCE:.0f} %, finite)")
+        bar = r["recipe"] in BAR
+        ok &= good or not bar
+        word = ("PASS" if good else "FAIL") if bar else "(for comparison)"
+        lines.append(f"{r['name']:<11} {r['recipe']:<18} last-100 {r['last100']:.4f} vs bf16 {b['last100']:.4f}: "
+                     f"{100 * rel:+.2f} % {word} (within {100 * TOLERANCE:.0f} %, finite)")
     return lines, ok
 
 
@@ -118,7 +133,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", default="300,2000", help="comma list: the small model's run lengths")
     ap.add_argument("--big-steps", type=int, default=200, help="the 1B shape's run length (0: skip)")
-    ap.add_argument("--recipes", default="current", help="comma list of FP8 recipes: current, delayed")
+    ap.add_argument("--recipes", default="current", help="comma list of FP8 recipes: " + ", ".join(RECIPES))
     ap.add_argument("--json", default=str(JSON))
     ap.add_argument("--png", default=str(PNG))
     ap.add_argument("--plot-only", action="store_true", help="draw the PNG from --json and stop")
@@ -129,9 +144,9 @@ def main(argv=None):
     import cupy as cp
 
     recipes = ["bf16"] + [f"fp8-{r}" for r in args.recipes.split(",") if r]
-    bad = [r for r in recipes[1:] if r not in ("fp8-current", "fp8-delayed")]
+    bad = [r for r in recipes[1:] if r[len("fp8-"):] not in RECIPES]
     if bad:
-        raise SystemExit(f"--recipes: expected current, delayed; got {bad}")
+        raise SystemExit(f"--recipes: expected a comma list of {', '.join(RECIPES)}; got {bad}")
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,6 +2,7 @@
 torch.profiler.
 
     PYTHONPATH=. python benchmarks/profile_step.py [--model llama|gpt2] [--configs b8t1024] [--graph]
+        [--fp8 current|delayed]
 
 CUPTI records every kernel the process launches, CuPy's and cuBLAS's included, so PyTorch is used only as the
 recorder. Prints, per config, the kernels grouped by name with total ms per step, calls and share of the step.
@@ -25,6 +26,7 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--fp8", default="", help="the Linear GEMMs in FP8 with this scaling (current, delayed)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -32,6 +34,10 @@ def main(argv=None):
     import bench_train as bt
 
     bt.MODEL["name"] = args.model
+    if args.fp8:
+        import cukernels as ck
+
+        bt.FP8["recipe"] = ck.float8.replace(scaling=args.fp8)
     all_feats = bt.GPT2_ROWS[-1][1] if args.model == "gpt2" else bt.FEATURES
     feats = [f for f in all_feats if args.graph or f != "graph"]
     for c in args.configs.split(","):
@@ -53,7 +59,7 @@ def main(argv=None):
                 a[0] += e.device_time_total / 1e3 / args.steps
                 a[1] += 1
         total = sum(v[0] for v in agg.values())
-        print(f"\n== B{B}xT{T} ({'graph' if args.graph else 'eager'}): GPU busy {total:.2f} ms/step, "
+        print(f"\n== B{B}xT{T} ({'graph' if args.graph else 'eager'}{', fp8 ' + args.fp8 if args.fp8 else ''}): GPU busy {total:.2f} ms/step, "
               f"{len(agg)} distinct kernels")
         for name, (ms, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[: args.top]:
             print(f"{ms:8.3f} ms {ms / total * 100:5.1f}%  {n // args.steps:5d}x  {name}")

@@ -42,11 +42,7 @@
 constexpr float GELU_K = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float GELU_C = 0.044715f;
 
-__device__ __forceinline__ float silu_f(float g) {
-  float s, oms;
-  sigmoid2(g, s, oms);
-  return g * s;
-}
+__device__ __forceinline__ float silu_f(float g) { return silu_of(g); }
 __device__ __forceinline__ void silu_grad(float g, float& silu, float& dsilu) {
   float s, oms;
   sigmoid2(g, s, oms);
@@ -77,13 +73,19 @@ __device__ __forceinline__ float gelu_fn(float x) { return EXACT ? gelu_erf_f(x)
 template <bool EXACT>
 __device__ __forceinline__ float gelu_dfn(float x) { return EXACT ? gelu_erf_grad(x) : gelu_grad(x); }
 
-template <typename T, int E, bool VEC, int U>
+// AMAX: also max |y| of the rounded outputs into m (as ordered bits: |v|'s float bits, NaN above inf), for
+// block_max_into at the end: the FP8 linear that reads y takes its current scale from it, without the amax pass
+// of its own (2 bytes an element of y: ~1.1 ms a step for the SwiGLU gradient at the 1B shape, NOTES FP8).
+__device__ __forceinline__ unsigned amax_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+template <typename T, int E, bool VEC, int U, bool AMAX = false>
 struct SwigluFwd {
   const T* g;
   const T* u;
   T* y;
   long long ld_in, ld_out;
   Chunk<T, E, VEC> cg[U], cu[U];
+  unsigned m = 0;
   __device__ __forceinline__ void load(int k, long long r, long long c) {
     cg[k].load(g + r * ld_in + c);
     cu[k].load(u + r * ld_in + c);
@@ -94,11 +96,15 @@ struct SwigluFwd {
     for (int i = 0; i < E; ++i) f[i] = silu_f(cg[k].get(i)) * cu[k].get(i);
     Chunk<T, E, VEC> o;
     o.pack(f);
+    if constexpr (AMAX) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) m = max(m, amax_bits(o.get(i)));
+    }
     o.store(y + r * ld_out + c);
   }
 };
 
-template <typename T, int E, bool VEC, int U>
+template <typename T, int E, bool VEC, int U, bool AMAX = false>
 struct SwigluBwd {
   const T* g;
   const T* u;
@@ -107,6 +113,7 @@ struct SwigluBwd {
   T* du;
   long long ld_in, ld_out;  // gate/up/dgate/dup rows ld_in apart, dy rows ld_out apart
   Chunk<T, E, VEC> cg[U], cu[U], cd[U];
+  unsigned m = 0;
   __device__ __forceinline__ void load(int k, long long r, long long c) {
     cg[k].load(g + r * ld_in + c);
     cu[k].load(u + r * ld_in + c);
@@ -125,6 +132,10 @@ struct SwigluBwd {
     Chunk<T, E, VEC> og, ou;
     og.pack(fg);
     ou.pack(fu);
+    if constexpr (AMAX) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) m = max(m, max(amax_bits(og.get(i)), amax_bits(ou.get(i))));
+    }
     og.store(dg + r * ld_in + c);
     ou.store(du + r * ld_in + c);
   }
@@ -218,6 +229,20 @@ __device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
   }
 }
 
+// The block's max of m into *out: one atomicMax a block on the ordered bits (max is order-independent: the same
+// bits every run). Every thread of the block calls it.
+__device__ __forceinline__ void block_max_into(unsigned m, unsigned* out) {
+  __shared__ unsigned s[32];
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < ((blockDim.x + 31) >> 5) ? s[threadIdx.x] : 0u;
+    m = __reduce_max_sync(0xffffffffu, m);
+    if (threadIdx.x == 0 && m) atomicMax(out, m);
+  }
+}
+
 // Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
 // accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
 // gelu_*: tanh form, gelu_erf_*: exact form.
@@ -235,6 +260,13 @@ __device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
     SwigluFwd<T, E, VEC, ACT_U> op{g, u, y, ld_in, F};                                                      \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
   }                                                                                                         \
+  CK_ENTRY(__launch_bounds__(256, 2), swiglu_fwd_rows_amax_##TN##_##VS)(                                        \
+      const T* g, const T* u, T* y, unsigned int rows, unsigned int F, long long ld_in, unsigned* amax) {   \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluFwd<T, E, VEC, ACT_U, true> op{g, u, y, ld_in, F};                                                \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
+    block_max_into(op.m, amax);                                                                             \
+  }                                                                                                         \
   CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
       swiglu_bwd_##TN##_##VS)(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {             \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
@@ -247,6 +279,14 @@ __device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluBwd<T, E, VEC, ACT_U> op{g, u, dy, dg, du, ld_in, F};                                             \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
+  }                                                                                                         \
+  CK_ENTRY(__launch_bounds__(256, 2), swiglu_bwd_rows_amax_##TN##_##VS)(                                        \
+      const T* g, const T* u, const T* dy, T* dg, T* du, unsigned int rows, unsigned int F, long long ld_in,  \
+      unsigned* amax) {                                                                                     \
+    constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
+    SwigluBwd<T, E, VEC, ACT_U, true> op{g, u, dy, dg, du, ld_in, F};                                       \
+    run_rows<E, ACT_U>(op, rows, F);                                                                        \
+    block_max_into(op.m, amax);                                                                             \
   }                                                                                                         \
   CK_ENTRY(__launch_bounds__(256, 2), gelu_fwd_##TN##_##VS)(const T* x, T* y, long long n) {                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \

@@ -31,8 +31,8 @@
 // Conversion. Written out in integer arithmetic (no cuda_fp8.h: NVRTC compiles these with no include path, and
 // sm_80 has no cvt to e4m3/e5m2): saturate, then round the fp32 bits to M mantissa bits, nearest-even, carrying
 // into the exponent; below the smallest normal, round |v| * 2^(bias + M - 1) to an integer with cvt.rni (exact:
-// a power-of-two multiply). The same code runs on every architecture. fp32 inputs below 2^-126 count as zero
-// (CuPy compiles with -ftz=true); the NumPy reference flushes them too.
+// a power-of-two multiply). sm_89+ runs cvt.rn.satfinite.{e4m3,e5m2}x2.f32 instead (same results; cvt_pair).
+// fp32 inputs below 2^-126 count as zero (CuPy compiles with -ftz=true); the NumPy reference flushes them too.
 //
 // Design (numbers: H200, ~4.0 TB/s copy bandwidth):
 // - Flat kernels (amax, cast, dequant): persistent grid-stride, a unit of 16 elements a thread (one 16-byte FP8
@@ -46,6 +46,7 @@
 //   matrix); otherwise element accesses with bounds checks (any shape).
 #include "common/entry.cuh"
 #include "common/vec.cuh"
+#include "common/pointwise.cuh"
 
 #define FP8_FLT_MIN 1.17549435e-38f
 #define FP8_FLT_MAX 3.40282347e+38f
@@ -83,12 +84,39 @@ template <int FMT> __device__ __forceinline__ unsigned f32_to_fp8(float v) {
   return sign | (r - ((unsigned)(127 - F::BIAS) << F::M));
 }
 
+// sm_89+ converts two fp32 to two FP8 codes in one instruction, saturating and nearest-even as f32_to_fp8 does
+// (inf -> +-max: .satfinite), low byte from lo. The integer code above costs ~20 instructions an element and held
+// the casts to 2.4 TB/s, 56 % of the H200's copy rate (benchmarks/NOTES.md, FP8); NaN inputs never reach it (the
+// callers take the integer path for them: the hardware's NaN code drops the sign, ml_dtypes' keeps it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FP8_HW_CVT 1
+template <int FMT> __device__ __forceinline__ unsigned cvt_pair(float lo, float hi) {
+  unsigned short d;
+  if constexpr (FMT == 0) asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+#endif
+
 // The cast of one element: fp8(x * s). A NaN x keeps its sign (the GPU's multiply would return the canonical NaN,
 // sign cleared, where NumPy's -- and so the reference's -- keeps the operand's).
 template <int FMT> __device__ __forceinline__ unsigned cast_code(float x, float s) {
   const unsigned u = __float_as_uint(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 24) & 0x80u) | Fp8Fmt<FMT>::NAN_CODE;
+#ifdef FP8_HW_CVT
+  return cvt_pair<FMT>(__fmul_rn(x, s), 0.f) & 0xffu;
+#else
   return f32_to_fp8<FMT>(__fmul_rn(x, s));
+#endif
+}
+
+// Two elements -> two codes (a in the low byte); one instruction on sm_89+ unless one is NaN.
+template <int FMT> __device__ __forceinline__ unsigned cast_pair(float a, float b, float s) {
+#ifdef FP8_HW_CVT
+  if ((__float_as_uint(a) & 0x7fffffffu) <= 0x7f800000u && (__float_as_uint(b) & 0x7fffffffu) <= 0x7f800000u)
+    return cvt_pair<FMT>(__fmul_rn(a, s), __fmul_rn(b, s));
+#endif
+  return cast_code<FMT>(a, s) | (cast_code<FMT>(b, s) << 8);
 }
 
 // FP8 code -> fp32 (exact; NaN -> sign | 0x7fc00000).
@@ -181,13 +209,9 @@ template <int FMT> __device__ __forceinline__ void cast16(const float (&f)[16], 
                                                         unsigned& m) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    unsigned word = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      m = max(m, abs_bits(f[4 * k + i]));
-      word |= cast_code<FMT>(f[4 * k + i], s) << (8 * i);
-    }
-    w[k] = word;
+    for (int i = 0; i < 4; ++i) m = max(m, abs_bits(f[4 * k + i]));
+    w[k] = cast_pair<FMT>(f[4 * k], f[4 * k + 1], s) | (cast_pair<FMT>(f[4 * k + 2], f[4 * k + 3], s) << 16);
   }
 }
 
@@ -242,9 +266,41 @@ __device__ __forceinline__ void cast_flat(const T* __restrict__ x, unsigned char
   if (amax_out != nullptr) block_amax(m, amax_out, hist);
 }
 
+// What cast_t reads: load16(r, c, f) the 16 elements x[r, c : c + 16] (VEC: 16-byte aligned), load1 one.
+template <typename T> struct PlainSrc {
+  const T* __restrict__ x;
+  int cols;
+  __device__ __forceinline__ void load16(int r, int c, float (&f)[16]) const {
+    Load16<T, true>::run(x + (long long)r * cols + c, f);
+  }
+  __device__ __forceinline__ float load1(int r, int c) const { return to_f32(x[(long long)r * cols + c]); }
+};
+// h = swiglu(gu) of the packed [rows, 2F] bf16 gate | up, rounded to bf16 as ck.swiglu_packed stores it, so that
+// the fused cast of h is bit for bit the cast of swiglu_packed's output (the FP8 MLP's forward, delayed scaling:
+// h is never written in bf16 -- 4 of the 10 bytes an element of the unfused pair, NOTES FP8).
+struct SwigluSrc {
+  const bf16* __restrict__ gu;
+  int F;
+  __device__ __forceinline__ static float h(float g, float u) {
+    return to_f32(from_f32<bf16>(silu_of(g) * u));
+  }
+  __device__ __forceinline__ void load16(int r, int c, float (&f)[16]) const {
+    float g[16];
+    const bf16* row = gu + (long long)r * 2 * F + c;
+    Load16<bf16, true>::run(row, g);
+    Load16<bf16, true>::run(row + F, f);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) f[i] = h(g[i], f[i]);
+  }
+  __device__ __forceinline__ float load1(int r, int c) const {
+    const bf16* row = gu + (long long)r * 2 * F + c;
+    return h(to_f32(row[0]), to_f32(row[F]));
+  }
+};
+
 // ---- cast_t: q [rows, cols] (optional) and qt [cols, rows] from x [rows, cols], 64 x 64 tiles.
-template <typename T, int FMT, bool VEC>
-__device__ __forceinline__ void cast_t_tiles(const T* __restrict__ x, unsigned char* __restrict__ q,
+template <int FMT, bool VEC, class Src>
+__device__ __forceinline__ void cast_t_tiles(const Src& x, unsigned char* __restrict__ q,
                                              unsigned char* __restrict__ qt, int rows, int cols, float s,
                                              unsigned* amax_out, unsigned* hist) {
   __shared__ unsigned tile[64 * 17];  // 64 rows of 68 bytes (17 words)
@@ -261,7 +317,7 @@ __device__ __forceinline__ void cast_t_tiles(const T* __restrict__ x, unsigned c
     if constexpr (VEC) {
       if (r < rows && c < cols) {
         float f[16];
-        Load16<T, true>::run(x + (long long)r * cols + c, f);
+        x.load16(r, c, f);
         cast16<FMT>(f, s, w, m);
         if (q != nullptr) {
           Pack<unsigned, 4> p;
@@ -275,7 +331,7 @@ __device__ __forceinline__ void cast_t_tiles(const T* __restrict__ x, unsigned c
       for (int i = 0; i < 16; ++i) {
         if (r < rows && c + i < cols) {
           const long long o = (long long)r * cols + c + i;
-          const float f = to_f32(x[o]);
+          const float f = x.load1(r, c + i);
           m = max(m, abs_bits(f));
           const unsigned code = cast_code<FMT>(f, s);
           w[i >> 2] |= code << (8 * (i & 3));
@@ -365,12 +421,20 @@ __device__ __forceinline__ void dequant_flat(const unsigned char* __restrict__ q
                                                                  unsigned char* qt, int rows, int cols,      \
                                                                  FP8_SCALE_ARGS) {                           \
     FP8_SCALE_PRELUDE                                                                                        \
-    cast_t_tiles<T, FMT, VEC>(x, q, qt, rows, cols, s, amax_out, hist);                                       \
+    cast_t_tiles<FMT, VEC>(PlainSrc<T>{x, cols}, q, qt, rows, cols, s, amax_out, hist);                       \
   }
 #define FP8_DEQUANT_ENTRY(FMT, FN, O, ON, VEC, VS)                                                            \
   CK_ENTRY(__launch_bounds__(256), fp8_dequant_##FN##_##ON##_##VS)(const unsigned char* q, O* y, long long n, \
                                                                   const float* sinv_ptr, float sinv_val) {   \
     dequant_flat<FMT, O, VEC>(q, y, n, sinv_ptr != nullptr ? *sinv_ptr : sinv_val);                           \
+  }
+// fp8_swiglu_cast_t: q / qt of h = swiglu(gu), gu [rows, 2F] bf16 (SwigluSrc), h [rows, F].
+#define FP8_SWIGLU_ENTRY(FMT, FN, VEC, VS)                                                                     \
+  CK_ENTRY(__launch_bounds__(256), fp8_swiglu_cast_t_bf16_##FN##_##VS)(const bf16* gu, unsigned char* q,        \
+                                                                      unsigned char* qt, int rows, int F,    \
+                                                                      FP8_SCALE_ARGS) {                      \
+    FP8_SCALE_PRELUDE                                                                                        \
+    cast_t_tiles<FMT, VEC>(SwigluSrc{gu, F}, q, qt, rows, F, s, amax_out, hist);                              \
   }
 #define FP8_ALL(VEC, VS)                                                                                      \
   FP8_AMAX_ENTRY(float, f32, VEC, VS)                                                                         \
@@ -382,7 +446,9 @@ __device__ __forceinline__ void dequant_flat(const unsigned char* __restrict__ q
   FP8_DEQUANT_ENTRY(0, e4m3, float, f32, VEC, VS)                                                             \
   FP8_DEQUANT_ENTRY(0, e4m3, bf16, bf16, VEC, VS)                                                             \
   FP8_DEQUANT_ENTRY(1, e5m2, float, f32, VEC, VS)                                                             \
-  FP8_DEQUANT_ENTRY(1, e5m2, bf16, bf16, VEC, VS)
+  FP8_DEQUANT_ENTRY(1, e5m2, bf16, bf16, VEC, VS)                                                             \
+  FP8_SWIGLU_ENTRY(0, e4m3, VEC, VS)                                                                          \
+  FP8_SWIGLU_ENTRY(1, e5m2, VEC, VS)
 
 FP8_ALL(true, v)
 FP8_ALL(false, s)

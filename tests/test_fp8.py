@@ -204,7 +204,7 @@ def test_gemm_shape_errors():
 
 
 # ================================================================================== CPU: the FP8 linear
-def _fp8_linear_expect(x, w, dy, grad_fmt=E5):
+def _fp8_linear_expect(x, w, dy, grad_fmt=E4):
     """Forward output, dx and dW of the FP8 linear from the dequantised operands, in float64."""
     x2 = x.reshape(-1, x.shape[-1]).astype(ck.bfloat16)
     xq, sx = ck.fp8_quantize(x2)
@@ -270,6 +270,85 @@ def test_fp8_packed_linear_is_one_joined_quantisation():
     _, _, edw = _fp8_linear_expect(x, W, dy)
     np.testing.assert_allclose(np.concatenate([mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad]), edw, rtol=1e-6,
                                atol=1e-12)
+
+
+class _PlainLinear(nn.Linear):
+    """A Linear the SwiGLU MLP does not fuse with its SwiGLU (not exactly nn.Linear): the unfused composition."""
+
+
+def _mlp_pair(rng, xp, hidden=32, ffn=48):
+    """Two SwiGLU MLPs with the same weights: the fused FP8 path (Fp8SwiGLUDown) and the unfused composition."""
+    a = nn.SwiGLUMLP(hidden, ffn, rng=rng, xp=xp)
+    b = nn.SwiGLUMLP(hidden, ffn, xp=xp)
+    b.down_proj = _PlainLinear(ffn, hidden, xp=xp)
+    for la, lb in ((a.gate_proj, b.gate_proj), (a.up_proj, b.up_proj), (a.down_proj, b.down_proj)):
+        lb.weight.data[...] = la.weight.data
+    assert all(type(p.data) is type(a.gate_proj.weight.data) for p in (*a.parameters(), *b.parameters()))
+    return a, b
+
+
+def _run_mlps(mlps, xp, rng, recipe, steps=2, tokens=(2, 16), hidden=32):
+    """Forward and backward of each MLP on the same data for ``steps`` steps (delayed histories carry over); the
+    outputs and gradients of the last step, on the host."""
+    for _ in range(steps):
+        x = randn(rng, tokens + (hidden,), np.float32)
+        dy = randn(rng, tokens + (hidden,), np.float32, scale=1e-2).astype(ck.bfloat16)
+        outs = []
+        for m in mlps:
+            for p in m.parameters():
+                p.grad = None
+            xt = ck.tensor(xp.asarray(x), requires_grad=True)
+            with ck.autocast(recipe):
+                y = m(xt)
+            y.backward(xp.asarray(dy))
+            outs.append([to_host(v) for v in (y.data, xt.grad, m.gate_proj.weight.grad, m.up_proj.weight.grad,
+                                              m.down_proj.weight.grad)])
+    return outs
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed", "hybrid"])
+def test_fp8_swiglu_down_is_the_unfused_composition(scaling):
+    """The fused SwiGLU + down projection (its amax from the SwiGLU kernels, the dgu amax handed to the gate / up
+    pack) computes the same bits as swiglu_packed followed by the FP8 Linear with their own amax passes."""
+    rng = np.random.default_rng(11)
+    a, b = _mlp_pair(rng, np)
+    fused, plain = _run_mlps((a, b), np, rng, ck.float8.replace(scaling=scaling))
+    for name, u, v in zip(("y", "dx", "dW gate", "dW up", "dW down"), fused, plain):
+        np.testing.assert_array_equal(u, v, err_msg=name)
+    assert a.__dict__["_fp8_packed_state"].g_amax is None  # the stash was taken
+
+
+def test_swiglu_packed_amax_and_quantize_with_a_given_amax():
+    rng = np.random.default_rng(12)
+    gu = randn(rng, (8, 64), np.float32).astype(ck.bfloat16)
+    am = np.zeros((), np.float32)
+    y = ck.swiglu_packed(gu, amax=am)
+    assert am == np.abs(y.astype(np.float32)).max()
+    dy = randn(rng, (8, 32), np.float32).astype(ck.bfloat16)
+    dgu = ck.swiglu_packed_backward(gu, dy, amax=am)
+    assert am == np.abs(dgu.astype(np.float32)).max()
+    q0, t0, s0 = ck.fp8_quantize(dgu, transpose=True)
+    q1, t1, s1 = ck.fp8_quantize(dgu, transpose=True, amax=am)
+    np.testing.assert_array_equal(q0, q1)
+    np.testing.assert_array_equal(t0, t1)
+    assert s0 == s1
+    h1, h2 = ck.fp8_history(y), ck.fp8_history(y)
+    for _ in range(2):  # the fused SwiGLU cast is the cast of swiglu_packed's output, history included
+        q0, t0, s0 = ck.fp8_quantize(ck.swiglu_packed(gu), transpose=True, history=h1)
+        q1, t1, s1 = ck.fp8_swiglu_quantize(gu, h2)
+        for u, v in ((q0, q1), (t0, t1), (s0, s1), (h1, h2)):
+            np.testing.assert_array_equal(u, v)
+        gu = (gu.astype(np.float32) * 2).astype(ck.bfloat16)
+    with pytest.raises(TypeError, match="gu: expected .*bfloat16"):
+        ck.fp8_swiglu_quantize(gu.astype(np.float32), h2)
+    with pytest.raises(ValueError, match="gu: expected a 2-D"):
+        ck.fp8_swiglu_quantize(gu[:, :63].copy(), h2)
+    with pytest.raises(ValueError, match="amax: .* pass one of them"):
+        ck.fp8_quantize(dgu, amax=am, history=ck.fp8_history(dgu))
+    with pytest.raises(ValueError, match="amax: expected a 0-d float32"):
+        ck.swiglu_packed(gu, amax=np.zeros((1,), np.float32))
+    with pytest.raises(TypeError, match="amax"):
+        ck.swiglu_packed(gu, amax=np.zeros((), np.float64))
 
 
 def test_fp8_linear_without_grad_skips_the_transposes():
@@ -574,3 +653,52 @@ def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph):
         losses[name] = np.array([r["loss"] for r in rows if r["kind"] == "train"])
     assert np.isfinite(losses["fp8"]).all()
     np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.03)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["current", "delayed", "hybrid"])
+def test_gpu_fp8_swiglu_down_is_the_unfused_composition(scaling):
+    """On the device too: the SwiGLU kernels' amax (forward h, backward dgu) gives the casts the amax their own
+    pass would: the same bits, odd token counts of whole 16s and an FFN width off the 16-byte grid of 128."""
+    cp = _cp()
+    rng = np.random.default_rng(13)
+    a, b = _mlp_pair(rng, cp, hidden=64, ffn=176)
+    fused, plain = _run_mlps((a, b), cp, rng, ck.float8.replace(scaling=scaling), steps=3, tokens=(3, 48),
+                             hidden=64)
+    for name, u, v in zip(("y", "dx", "dW gate", "dW up", "dW down"), fused, plain):
+        np.testing.assert_array_equal(u, v, err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, ck.bfloat16])
+@pytest.mark.parametrize("rows,F", [(1, 8), (37, 24), (300, 176), (4096, 512), (5, 3)])
+def test_gpu_swiglu_packed_amax(rng, dtype, rows, F):
+    """The amax the SwiGLU kernels take in their pass is ck.fp8_amax of what they wrote (poisoned amax buffer)."""
+    cp = _cp()
+    gu = device_copy(randn(rng, (rows, 2 * F), np.float32, scale=3).astype(dtype))
+    dy = device_copy(randn(rng, (rows, F), np.float32).astype(dtype))
+    for fn, args in ((ck.swiglu_packed, (gu,)), (ck.swiglu_packed_backward, (gu, dy))):
+        am = cp.full((), 123456.0, np.float32)
+        out = fn(*args, amax=am)
+        assert to_host(am) == to_host(ck.fp8_amax(out)), fn.__name__
+        np.testing.assert_array_equal(to_host(out), to_host(fn(*args)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("rows,F", [(64, 64), (48, 176), (37, 24), (1, 8), (256, 1408), (130, 67)])
+@pytest.mark.parametrize("misalign", [False, True])
+def test_gpu_fp8_swiglu_quantize_is_the_composition(rng, fmt, rows, F, misalign):
+    """q, q^T, the scale and the history of the fused SwiGLU cast equal swiglu_packed + fp8_quantize's, bit for bit,
+    over two steps (poisoned outputs: an unwritten byte fails)."""
+    cp = _cp()
+    gu = device_copy(randn(rng, (rows, 2 * F), np.float32, scale=3).astype(ck.bfloat16), misalign=misalign)
+    h1 = ck.fp8_history(ck.swiglu_packed(gu))
+    h2 = h1.copy()
+    for _ in range(2):
+        q0, t0, s0 = ck.fp8_quantize(ck.swiglu_packed(gu), transpose=True, history=h1, dtype=fmt)
+        q1, t1, s1 = ck.fp8_swiglu_quantize(gu, h2, dtype=fmt, out=poisoned((rows, F), np.uint8),
+                                            out_t=poisoned((F, rows), np.uint8))
+        for name, u, v in (("q", q0, q1), ("q_t", t0, t1), ("scale_inv", s0, s1), ("history", h1, h2)):
+            np.testing.assert_array_equal(to_host(u), to_host(v), err_msg=name)
+        gu = gu * cp.asarray(1.5, dtype=gu.dtype)

@@ -27,8 +27,9 @@ import numpy as np
 from .. import _backend as B
 from ..autograd import Function, _xp, is_grad_enabled
 from ..blas import matmul as _ck_matmul
+from ..ops.activations import swiglu_packed as _swiglu_p, swiglu_packed_backward as _swiglu_p_bwd
 from ..ops.elementwise import add as _ck_add
-from ..ops.fp8 import fp8_history, fp8_quantize
+from ..ops.fp8 import fp8_history, fp8_quantize, fp8_swiglu_quantize
 from .array_ops import _ones_row, _weight_grad, gemm, joined_rows
 
 E4M3 = B.float8_e4m3fn
@@ -36,12 +37,14 @@ E4M3 = B.float8_e4m3fn
 
 class Fp8State:
     """A layer's delayed-scaling histories (``ck.fp8_history``: one per tensor it casts: input, weight, output
-    gradient), made at the first call (eagerly, before any graph capture) and kept on the module."""
+    gradient), made at the first call (eagerly, before any graph capture) and kept on the module. ``g_amax``:
+    ``(dy, amax)`` left by the op that produced this layer's output gradient with its amax (:class:`Fp8SwiGLUDown`
+    for the gate / up pack), taken by the layer's backward when ``dy`` is the array it receives."""
 
-    __slots__ = ("x", "w", "g")
+    __slots__ = ("x", "w", "g", "g_amax")
 
     def __init__(self):
-        self.x = self.w = self.g = None
+        self.x = self.w = self.g = self.g_amax = None
 
 
 def fp8_ok(in_features, out_features, x, needs_grad=None) -> bool:
@@ -62,15 +65,22 @@ def _contig(a):
     return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
 
-def _quantize(t, fmt, recipe, state, slot, transpose=True):
-    """``(q, q^T, s_inv)`` of a 2-D array under the recipe (delayed: the layer's history for ``slot``)."""
+def _delayed(recipe, slot) -> bool:
+    """Whether the recipe scales tensor ``slot`` (x, w or g) by its history: delayed, or hybrid for x and w."""
+    return recipe.scaling == "delayed" or (recipe.scaling == "hybrid" and slot != "g")
+
+
+def _quantize(t, fmt, recipe, state, slot, transpose=True, amax=None):
+    """``(q, q^T, s_inv)`` of a 2-D array under the recipe (delayed: the layer's history for ``slot``; current:
+    ``amax``, max |t| from the kernel that wrote t, when given, else an amax pass)."""
     hist = None
-    if recipe.scaling == "delayed" and state is not None:
+    if _delayed(recipe, slot) and state is not None:
         hist = getattr(state, slot)
         if hist is None or _xp(hist) is not _xp(t):
             hist = fp8_history(t)
             setattr(state, slot, hist)
-    r = fp8_quantize(t, dtype=fmt, margin=recipe.margin, transpose=transpose, history=hist)
+    r = fp8_quantize(t, dtype=fmt, margin=recipe.margin, transpose=transpose, history=hist,
+                     amax=amax if hist is None else None)
     return r if transpose else (r[0], None, r[1])
 
 
@@ -159,8 +169,14 @@ class Fp8PackedLinear(Function):
         r, cuts = ctx.recipe, ctx.cuts
         n = len(cuts) - 1
         fg = r.grad_dtype
+        amax = None
+        st = ctx.state
+        if st is not None and st.g_amax is not None:
+            if st.g_amax[0] is g:  # dy came with its amax (Fp8SwiGLUDown's backward)
+                amax = st.g_amax[1]
+            st.g_amax = None
         g2 = _contig(g.reshape(-1, g.shape[-1]))
-        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
+        gq, gqT, sg = _quantize(g2, fg, r, st, "g", amax=amax)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=ctx.xdtype).reshape(ctx.xshape)
@@ -184,6 +200,64 @@ class Fp8PackedLinear(Function):
         return (gx, None, None, None, *gws)
 
 
+class Fp8SwiGLUDown(Function):
+    """``down(swiglu_packed(gu))``: the LLaMA MLP's SwiGLU and its down projection in FP8, as
+    ``Fp8Linear.apply(SwiGLUPackedF.apply(gu), W)`` computes it (the same bits), with the amax of what the SwiGLU
+    kernels write taken in their own pass: current scaling then needs no amax pass over h (forward) or dgu
+    (backward: handed to the gate / up pack's backward through its :class:`Fp8State`, ``up_state``). At the 1B
+    shape h is 8.4 M and dgu 16.8 M elements a layer, 2 bytes each an amax pass would read: ~1.6 ms a step (NOTES,
+    FP8). Delayed scaling of h (delayed, hybrid): h is cast as the SwiGLU computes it (``ck.fp8_swiglu_quantize``),
+    never stored in bf16."""
+
+    @staticmethod
+    def forward(ctx, gu, w, w_lowp=None, recipe=None, state=None, up_state=None):
+        xp = _xp(gu)
+        src = w_lowp if w_lowp is not None else w
+        odt = gu.dtype if gu.dtype in B.FLOATS else np.dtype(np.float32)
+        tr = any(ctx.needs_input_grad)
+        if tr and _delayed(recipe, "x") and state is not None and gu.dtype == B.bfloat16:
+            gu2 = _contig(gu.reshape(-1, gu.shape[-1]))
+            if state.x is None or _xp(state.x) is not xp:  # seeded with max |h| of the first call (eager)
+                state.x = fp8_history(_swiglu_p(gu2))
+            hq, hqT, sh = fp8_swiglu_quantize(gu2, state.x, margin=recipe.margin)
+        else:
+            amax = None if _delayed(recipe, "x") else xp.empty((), np.float32)
+            h = _swiglu_p(gu, amax=amax)
+            hq, hqT, sh = _quantize(h.reshape(-1, h.shape[-1]), E4M3, recipe, state, "x", tr, amax=amax)
+        wq, wqT, sw = _quantize(_contig(src), E4M3, recipe, state, "w", tr)
+        y = _gemm(hq, wq, sh, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
+        ctx.save_for_backward(gu, hqT, wqT, sh, sw)
+        ctx.recipe, ctx.state, ctx.up_state = recipe, state, up_state
+        return y.reshape(gu.shape[:-1] + (w.shape[0],))
+
+    @staticmethod
+    def backward(ctx, g):
+        gu, hqT, wqT, sh, sw = ctx.saved_tensors
+        r = ctx.recipe
+        fg = r.grad_dtype
+        g2 = _contig(g.reshape(-1, g.shape[-1]))
+        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
+        dgu = None
+        if ctx.needs_input_grad[0]:
+            F = gu.shape[-1] // 2
+            dh = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=gu.dtype)
+            up = ctx.up_state
+            amax = None if up is None or _delayed(r, "g") else _xp(gu).empty((), np.float32)
+            dgu = _swiglu_p_bwd(gu, dh.reshape(gu.shape[:-1] + (F,)), amax=amax)
+            if amax is not None:
+                up.g_amax = (dgu, amax)
+        gw = _weight_grad(ctx, 1, lambda out, acc: _gemm(gqT, hqT, sg, sh, fg, E4M3, r.fast_accum_grad, out=out,
+                                                         out_dtype=np.float32 if out is None else None,
+                                                         accumulate=acc))
+        return dgu, gw, None, None, None, None
+
+
+def fp8_swiglu_down(gu, w, w_lowp=None, *, recipe, state=None, up_state=None):
+    """``swiglu_packed(gu) @ w.T`` in FP8 (:class:`Fp8SwiGLUDown`); ``state`` the down projection's
+    :class:`Fp8State`, ``up_state`` the gate / up pack's (the dgu amax goes there), or None."""
+    return Fp8SwiGLUDown.apply(gu, w, w_lowp, recipe, state, up_state)
+
+
 def fp8_linear(x, w, w_lowp=None, b=None, *, recipe, state=None):
     """``x @ w.T (+ b)`` with the GEMMs in FP8 (:class:`Fp8Linear`); ``recipe`` an :class:`amp.Float8Recipe`,
     ``state`` the layer's :class:`Fp8State` (delayed scaling)."""
@@ -196,4 +270,5 @@ def fp8_packed_linear(x, ws, lows=None, *, recipe, state=None):
     return Fp8PackedLinear.apply(x, tuple(lows) if lows is not None else (None,) * len(ws), recipe, state, *ws)
 
 
-__all__ = ["Fp8Linear", "Fp8PackedLinear", "Fp8State", "fp8_linear", "fp8_ok", "fp8_packed_linear"]
+__all__ = ["Fp8Linear", "Fp8PackedLinear", "Fp8State", "Fp8SwiGLUDown", "fp8_linear", "fp8_ok", "fp8_packed_linear",
+           "fp8_swiglu_down"]

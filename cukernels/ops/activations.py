@@ -140,18 +140,23 @@ def _launch(kname, T, arrays, n, vec):
     k((grid,), (THREADS, 1, 1), (*arrays, np.int64(n)))
 
 
-def _launch_packed(kname, gu, others, rows, F, vec):
+def _launch_packed(kname, gu, others, rows, F, vec, amax=None):
     """Launch a packed-layout kernel (run_rows): gate rows at gu + r * 2F, up rows F further; ``others`` are
-    (array, row length, offset) for the remaining pointer arguments, in order."""
-    name = f"{kname}_rows_{B.DTYPE_TAG[gu.dtype]}_{'v' if vec else 's'}"
+    (array, row length, offset) for the remaining pointer arguments, in order. ``amax``: a 0-d float32 array
+    that receives max |output| (the _amax kernels: zeroed here, then one atomicMax a block)."""
+    name = f"{kname}_rows{'_amax' if amax is not None else ''}_{B.DTYPE_TAG[gu.dtype]}_{'v' if vec else 's'}"
     k = get_function(FAMILY, name)
+    tail = ()
+    if amax is not None:
+        B.zero_(amax)
+        tail = (amax,)
     Fu = F // (16 // gu.itemsize) if vec else F
     for r0, nr in row_chunks(rows, Fu, "gu"):
         args = [ptr(gu, r0 * 2 * F), ptr(gu, r0 * 2 * F + F)]
         for a, ld, off in others:
             args.append(ptr(a, r0 * ld + off))
         grid = launch_grid(k, -(-(nr * Fu) // UNROLL))
-        k((grid,), (THREADS, 1, 1), (*args, np.uint32(nr), np.uint32(F), np.int64(2 * F)))
+        k((grid,), (THREADS, 1, 1), (*args, np.uint32(nr), np.uint32(F), np.int64(2 * F), *tail))
 
 
 @B.interop
@@ -231,14 +236,34 @@ def _validate_packed(gu):
     return F2 // 2
 
 
+def _check_amax(amax):
+    """The ``amax`` output of the packed SwiGLU ops: a writable 0-d float32 array."""
+    B.check_dtype("amax", amax, (np.dtype(np.float32),))
+    if amax.shape != ():
+        raise ValueError(f"amax: expected a 0-d float32 array (xp.zeros((), numpy.float32)); got shape "
+                         f"{tuple(amax.shape)}")
+    B.check_writable("amax", amax)
+
+
+def _ref_amax_into(amax, *arrays):
+    """max |a| over the arrays into the 0-d amax (NaN when any element is NaN; 0 for no elements)."""
+    m = np.float32(0)
+    for a in arrays:
+        if a.size:
+            m = np.maximum(m, np.abs(a.astype(np.float32)).max())
+    amax[...] = m
+
+
 @B.interop
-def swiglu_packed(gu, *, out=None):
+def swiglu_packed(gu, *, out=None, amax=None):
     """SwiGLU on a packed gate/up buffer (one matmul producing both): ``gu[..., :F]`` is the gate,
     ``gu[..., F:]`` the up projection, and ``y = silu(gate) * up`` of shape ``gu.shape[:-1] + (F,)``.
 
     Args:
         gu: ``(..., 2F)`` float32 or bfloat16, C-contiguous.
         out: optional ``(..., F)`` buffer of gu's dtype.
+        amax: optional 0-d float32 output: receives ``max |y|`` (of y as stored), computed in the same pass --
+            what :func:`fp8_quantize` takes as ``amax=`` to scale y without an amax pass of its own.
 
     Returns:
         ``y`` ``(..., F)``.
@@ -247,23 +272,29 @@ def swiglu_packed(gu, *, out=None):
 
         >>> y = ck.swiglu_packed(x @ w_gate_up)      # w_gate_up: (hidden, 2 * ffn)
     """
-    xp = B.array_module(gu=gu, out=out)
+    xp = B.array_module(gu=gu, out=out, amax=amax)
     F = _validate_packed(gu)
+    if amax is not None:
+        _check_amax(amax)
     y = B.empty(xp, gu.shape[:-1] + (F,), gu.dtype, out)
     if xp is np:
         g, u = gu[..., :F].astype(np.float64), gu[..., F:].astype(np.float64)
         y[...] = (_silu64(g) * u).astype(gu.dtype)
+        if amax is not None:
+            _ref_amax_into(amax, y)
         return y
     rows = gu.size // (2 * F)
     if rows:
         E = 16 // gu.itemsize
         vec = vec_ok(gu, y) and F % E == 0
-        _launch_packed("swiglu_fwd", gu, [(y, F, 0)], rows, F, vec)
+        _launch_packed("swiglu_fwd", gu, [(y, F, 0)], rows, F, vec, amax)
+    elif amax is not None:
+        B.zero_(amax)
     return y
 
 
 @B.interop
-def swiglu_packed_backward(gu, dy, *, out=None):
+def swiglu_packed_backward(gu, dy, *, out=None, amax=None):
     """Gradient of :func:`swiglu_packed`: ``dgu[..., :F] = dgate``, ``dgu[..., F:] = dup`` (formulas as
     :func:`swiglu_backward`).
 
@@ -271,12 +302,15 @@ def swiglu_packed_backward(gu, dy, *, out=None):
         gu: ``(..., 2F)`` the forward input.
         dy: ``(..., F)`` gradient of y, gu's dtype.
         out: optional ``(..., 2F)`` buffer for dgu; may be ``gu`` itself (in place).
+        amax: optional 0-d float32 output: receives ``max |dgu|`` (as stored), computed in the same pass.
 
     Returns:
         ``dgu`` ``(..., 2F)``.
     """
-    xp = B.array_module(gu=gu, dy=dy, out=out)
+    xp = B.array_module(gu=gu, dy=dy, out=out, amax=amax)
     F = _validate_packed(gu)
+    if amax is not None:
+        _check_amax(amax)
     B.check_dtype("dy", dy, (gu.dtype,))
     B.check_shape("dy", dy, gu.shape[:-1] + (F,), " (gu.shape[:-1] + (F,))")
     B.check_contiguous("dy", dy)
@@ -288,12 +322,16 @@ def swiglu_packed_backward(gu, dy, *, out=None):
         ru = d * g * s
         dgu[..., :F] = rg.astype(gu.dtype)
         dgu[..., F:] = ru.astype(gu.dtype)
+        if amax is not None:
+            _ref_amax_into(amax, dgu)
         return dgu
     rows = gu.size // (2 * F)
     if rows:
         E = 16 // gu.itemsize
         vec = vec_ok(gu, dy, dgu) and F % E == 0
-        _launch_packed("swiglu_bwd", gu, [(dy, F, 0), (dgu, 2 * F, 0), (dgu, 2 * F, F)], rows, F, vec)
+        _launch_packed("swiglu_bwd", gu, [(dy, F, 0), (dgu, 2 * F, 0), (dgu, 2 * F, F)], rows, F, vec, amax)
+    elif amax is not None:
+        B.zero_(amax)
     return dgu
 
 

@@ -326,8 +326,8 @@ def _check_history(h):
 
 
 @B.interop
-def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history=None, out=None, out_t=None,
-                 scale_inv=None):
+def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history=None, amax=None, out=None,
+                 out_t=None, scale_inv=None):
     """Per-tensor FP8 quantisation with the scale computed on the device: ``q = fp8(x * s)`` and ``s_inv = 1 / s``.
 
     Current scaling (``history=None``): ``s`` from ``max |x|``: an amax pass, then the cast pass, which computes
@@ -343,6 +343,9 @@ def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history
         margin: an integer in [0, 64]; the scale is divided by ``2**margin``.
         transpose: also write ``q_t = q.T`` (see :func:`fp8_cast`).
         history: optional delayed-scaling state (uint32[4], :func:`fp8_history`), updated in place.
+        amax: optional 0-d float32 array already holding ``max |x|`` (from the kernel that wrote x, e.g.
+            ``ck.swiglu_packed(..., amax=)``): current scaling from it, without the amax pass (one launch, 3 bytes
+            an element). Not with ``history``.
         out, out_t: optional uint8 outputs; scale_inv: optional 0-d float32 output.
 
     Returns:
@@ -355,13 +358,17 @@ def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history
         >>> y = ck.matmul(xq, wq, trans_b=True, a_scale=sx, b_scale=sw, a_dtype=ck.float8_e4m3fn,
         ...               b_dtype=ck.float8_e4m3fn, out_dtype=ck.bfloat16)       # x @ w.T in FP8
     """
-    xp = B.array_module(x=x, history=history, out=out, out_t=out_t, scale_inv=scale_inv)
+    xp = B.array_module(x=x, history=history, amax=amax, out=out, out_t=out_t, scale_inv=scale_inv)
     transpose = B.check_bool("transpose", transpose)
     _check_x(x, transpose)
     fmt = fp8_format("dtype", dtype)
     margin = _check_margin(margin)
     if history is not None:
         _check_history(history)
+        if amax is not None:
+            raise ValueError("amax: a given max |x| is current scaling; history is delayed scaling: pass one of them")
+    if amax is not None:
+        _scalar_f32("amax", amax)
     si = scale_inv if scale_inv is not None else xp.empty((), np.float32)
     _scalar_f32("scale_inv", si, writable=True)
     q, qt = _outs(xp, x, transpose, out, out_t)
@@ -370,7 +377,7 @@ def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history
         if history is not None:
             a = history[:1].view(np.float32)[0]
         else:
-            a = ref_amax(x)
+            a = np.float32(amax) if amax is not None else ref_amax(x)
         s = ref_scale(a, fmt, margin)
         si[...] = np.float32(1.0) / s
         q[...] = ref_cast(x, s, fmt)
@@ -388,15 +395,75 @@ def fp8_quantize(x, *, dtype=B.float8_e4m3fn, margin=0, transpose=False, history
             return res
         args = _scale_args(amax_src=history, fmax_m=fm, scale_inv=si, amax_out=L.ptr(history, 1), hist=history)
     else:
-        amax = xp.empty((), np.float32)
-        B.zero_(amax)
-        _amax_into(x, amax)
+        if amax is None:
+            amax = xp.empty((), np.float32)
+            B.zero_(amax)
+            _amax_into(x, amax)
         if x.size == 0:
             get_function(FAMILY, "fp8_scale")((1,), (32,), (amax, fm, B.NULL, si))
             return res
         args = _scale_args(amax_src=amax, fmax_m=fm, scale_inv=si)
     _launch_cast(x, q, qt, fmt, args)
     return res
+
+
+@B.interop
+def fp8_swiglu_quantize(gu, history, *, dtype=B.float8_e4m3fn, margin=0, out=None, out_t=None, scale_inv=None):
+    """``h = swiglu_packed(gu)`` quantised to FP8 with its transposed copy in one pass, h never stored in bf16:
+    ``(q, q_t, s_inv)`` equal bit for bit to ``fp8_quantize(ck.swiglu_packed(gu), transpose=True,
+    history=history)``. Delayed scaling only (current scaling needs max |h| before the pass:
+    ``ck.swiglu_packed(gu, amax=a)`` then ``fp8_quantize(h, amax=a)``). The FP8 MLP's forward
+    (``autocast(ck.float8)``, delayed or hybrid scaling): 4 bytes an element of h + 2 for q and q_t instead of
+    the unfused pair's 10.
+
+    Args:
+        gu: ``(rows, 2F)`` bfloat16, C-contiguous: ``[gate | up]`` as :func:`swiglu_packed` takes it.
+        history: the delayed-scaling state of h (uint32[4], :func:`fp8_history`), updated in place.
+        dtype: the FP8 format (``ck.float8_e4m3fn`` default).
+        margin: an integer in [0, 64]; the scale is divided by ``2**margin``.
+        out, out_t: optional uint8 outputs ``(rows, F)`` and ``(F, rows)``; scale_inv: optional 0-d float32.
+
+    Returns:
+        ``(q, q_t, scale_inv)``.
+    """
+    xp = B.array_module(gu=gu, history=history, out=out, out_t=out_t, scale_inv=scale_inv)
+    B.check_dtype("gu", gu, (B.bfloat16,))
+    B.check_contiguous("gu", gu)
+    if gu.ndim != 2 or gu.shape[1] % 2 or gu.shape[1] == 0:
+        raise ValueError(f"gu: expected a 2-D (rows, 2F) [gate | up] array with an even, nonzero last axis; got "
+                         f"shape {tuple(gu.shape)}")
+    _check_history(history)
+    fmt = fp8_format("dtype", dtype)
+    margin = _check_margin(margin)
+    rows, F = gu.shape[0], gu.shape[1] // 2
+    if rows >= 2**31 or F >= 2**31:
+        raise ValueError(f"gu: at most 2**31 - 1 rows and gate columns; got shape {tuple(gu.shape)}")
+    si = scale_inv if scale_inv is not None else xp.empty((), np.float32)
+    _scalar_f32("scale_inv", si, writable=True)
+    q = B.empty(xp, (rows, F), UINT8, out)
+    qt = B.empty(xp, (F, rows), UINT8, out_t, name="out_t")
+    if xp is np:
+        from .activations import swiglu_packed  # the reference of the SwiGLU half
+
+        h = swiglu_packed(gu)
+        s = ref_scale(history[:1].view(np.float32)[0], fmt, margin)
+        si[...] = np.float32(1.0) / s
+        q[...] = ref_cast(h, s, fmt)
+        qt[...] = q.T
+        history[0] = _as_bits(ref_amax(h))
+        history[1:3] = 0
+        return q, qt, si
+    fm = _fmax_m(fmt, margin)
+    if rows == 0:
+        get_function(FAMILY, "fp8_scale")((1,), (32,), (history, fm, B.NULL, si))
+        B.zero_(history[:3])
+        return q, qt, si
+    args = _scale_args(amax_src=history, fmax_m=fm, scale_inv=si, amax_out=L.ptr(history, 1), hist=history)
+    vec = rows % 16 == 0 and F % 16 == 0 and B.aligned16(gu, q, qt)
+    k = get_function(FAMILY, f"fp8_swiglu_cast_t_bf16_{B.DTYPE_TAG[fmt]}_{'v' if vec else 's'}")
+    tiles = -(-rows // 64) * -(-F // 64)
+    k((int(max(1, min(tiles, L.wave(k, THREADS)))),), (THREADS,), (gu, q, qt, np.int32(rows), np.int32(F), *args))
+    return q, qt, si
 
 
 @B.interop
@@ -443,4 +510,4 @@ def fp8_dequantize(q, scale_inv, *, q_dtype=None, dtype=np.float32, out=None):
     return y
 
 
-__all__ = ["fp8_amax", "fp8_cast", "fp8_dequantize", "fp8_history", "fp8_quantize", "fp8_scale"]
+__all__ = ["fp8_amax", "fp8_cast", "fp8_dequantize", "fp8_history", "fp8_quantize", "fp8_scale", "fp8_swiglu_quantize"]

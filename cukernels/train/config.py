@@ -108,8 +108,12 @@ SCHEMA = {
                        "use_fused_kernel is the same key (the fused-softmax/LayerNorm write-up's name)", "bool"),
     "autocast": Key(None, "bf16: bf16 GEMMs over fp32 master weights; null: fp32", "choice", ("bf16",), optional=True),
     "fp8": Key(False, "the Linear layers' GEMMs on FP8 tensor cores (GPU of compute capability 8.9+: E4M3 inputs and "
-                      "weights, E5M2 gradients, per-tensor scales on the device, fp32 master weights); implies "
+                      "weights and gradients, per-tensor scales on the device, fp32 master weights); implies "
                       "autocast: bf16 for the rest (LM head, embedding, attention stay bf16)", "bool"),
+    "fp8_scaling": Key("current", "with fp8: current (each cast scaled by the amax of the tensor it casts: an amax "
+                                  "pass first) or delayed (by the amax the previous step's cast of the same tensor "
+                                  "recorded: one pass, ~2.5 % faster at the 1B shape; a tensor whose range jumps "
+                                  "saturates for a step)", "choice", ("current", "delayed", "hybrid")),
     "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
     "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
     "seq_len": Key(64, "tokens per sequence", "int", check=_gt(0)),
@@ -327,6 +331,9 @@ def validate(cfg: dict) -> dict:
             raise ConfigError("fp8: needs fused: true (the FP8 GEMMs are the fused Linear layers'; the composite "
                               "baseline has none)")
         out["autocast"] = "bf16"  # everything but the Linear GEMMs runs as under bf16 autocast
+    elif out["fp8_scaling"] != "current":
+        raise ConfigError(f"fp8_scaling: {out['fp8_scaling']!r} applies to FP8 GEMMs only; set fp8: true with it, "
+                          "or remove it")
     if out["grad_dtype"] == "bfloat16":
         if out["autocast"] != "bf16" or not out["fused"]:
             raise ConfigError("grad_dtype: bfloat16 needs autocast: bf16 and fused: true (bf16 weight gradients "
@@ -514,6 +521,7 @@ class TrainConfig:
     sample_chars: int
     recompute: str = "none"
     fp8: bool = False
+    fp8_scaling: str = "current"
     lora: Any = None  # a LoraSection, or None (full fine-tune)
     _source: Any = dataclasses.field(repr=False, compare=False, default=None)
 

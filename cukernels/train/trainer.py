@@ -111,7 +111,9 @@ class Run:
         self.cfg, self.xp, self.group, self.model, self.opt = cfg, xp, group, model, opt
         self.train_loader, self.accum = train_loader, accum
         self.rank, self.world = group.rank, group.world_size
-        self.amp_ctx = autocast(float8 if cfg.fp8 else B.bfloat16, enabled=cfg.autocast)  # fp8: Linear GEMMs in FP8
+        # fp8: the Linear GEMMs in FP8 (the module's float8, so a caller may swap the recipe)
+        lowp = float8.replace(scaling=cfg.fp8_scaling) if cfg.fp8 else B.bfloat16
+        self.amp_ctx = autocast(lowp, enabled=cfg.autocast)
         self.graph = None
 
 

@@ -168,3 +168,10 @@ __device__ __forceinline__ void sigmoid2(float z, float& s, float& oms) {
   s = __fdividef(1.f, 1.f + e);
   oms = e < CK_INF ? e * s : 1.f;
 }
+
+// silu(g) = g * sigmoid(g): SwiGLU's gate (activations.cu; fp8.cu's fused SwiGLU cast: the same bits).
+__device__ __forceinline__ float silu_of(float g) {
+  float s, oms;
+  sigmoid2(g, s, oms);
+  return g * s;
+}
