@@ -423,9 +423,10 @@ def test_gpu_mean_is_deterministic_and_captures(rng):
         s.begin_capture()
         loss, _ = ck.cross_entropy_fused(x, t, dloss=dl, out=dx)
         g = s.end_capture()
-    dx.fill(np.nan)
-    dl.fill(2.0)  # changed after capture: the replay must read the new value
-    g.launch(s)
+    with s:  # on the replay's stream (a legacy-stream fill races a non-blocking stream's replay)
+        dx.fill(np.nan)
+        dl.fill(2.0)  # changed after capture: the replay must read the new value
+        g.launch(s)
     s.synchronize()
     hx, ht = to_host(x), to_host(t)
     ref_loss, ref_dx = ck.cross_entropy_fused(hx, ht, dloss=2.0)
