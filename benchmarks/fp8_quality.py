@@ -105,22 +105,41 @@ def verdict(runs):
 
 
 def plot(data, png):
+    """Per run length: the loss curves (top) and each FP8 run's loss relative to bf16's, in %, as a running mean of
+    10 logged points (bottom: the curves overlap on the top row)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
     names = list(dict.fromkeys(r["name"] for r in data["runs"]))
-    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        for r in [r for r in data["runs"] if r["name"] == name]:
-            ax.plot(r["steps"], r["loss"], label=f"{r['recipe']} (last 100: {r['last100']:.4f})",
-                    lw=1.2, ls="-" if r["recipe"] == "bf16" else "--")
+    fig, axes = plt.subplots(2, len(names), figsize=(5.2 * len(names), 6.4), squeeze=False,
+                             gridspec_kw=dict(height_ratios=[3, 2]))
+    for col, name in enumerate(names):
+        runs = [r for r in data["runs"] if r["name"] == name]
+        base = next((r for r in runs if r["recipe"] == "bf16"), None)
+        ax, rel = axes[0][col], axes[1][col]
+        for r in runs:
+            ls = "-" if r["recipe"] == "bf16" else "--"
+            ax.plot(r["steps"], r["loss"], label=f"{r['recipe']} (last 100: {r['last100']:.4f})", lw=1.2, ls=ls)
+            if base is not None and r is not base and r["steps"] == base["steps"]:
+                d = 100 * (np.asarray(r["loss"]) / np.asarray(base["loss"]) - 1)
+                k = min(10, len(d))
+                sm = np.convolve(d, np.ones(k) / k, mode="valid")
+                rel.plot(r["steps"][k - 1:], sm, lw=1.2, ls=ls, label=r["recipe"])
+            elif r is base:
+                rel.plot([], [])  # (keeps the colours of the top row)
         ax.set_title(name)
-        ax.set_xlabel("step")
         ax.set_ylabel("training loss (mean of 10 steps)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        rel.axhline(0, color="k", lw=0.6)
+        for lim in (-100 * TOLERANCE, 100 * TOLERANCE):
+            rel.axhline(lim, color="r", lw=0.6, ls=":")
+        rel.set_xlabel("step")
+        rel.set_ylabel("vs bf16, % (running mean of 10)")
+        rel.grid(alpha=0.3)
     fig.suptitle(f"bf16 vs FP8 GEMMs, {data.get('device', '?')} ({data.get('date', '')}): {data.get('command', '')}",
                  fontsize=8)
     fig.tight_layout()
