@@ -44,6 +44,9 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                 tie_word_embeddings=False, max_position_embeddings=131072)
+# Llama-3.1-8B shape (--model llama8b; issue 39's ZeRO-1 vs FSDP2 row on 8 GPUs): 8.03e9 parameters, untied
+LLAMA_8B = dict(LLAMA_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                rope_scaling=dict(LLAMA_1B["rope_scaling"], factor=8.0))
 GPT2_124M = dict(type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 # Qwen3-0.6B shape (--model qwen3): 16 heads of 128 on a 1024-wide model, per-head q / k norm, tied (5.96e8 params)
@@ -82,8 +85,8 @@ MODEL = {"name": "llama"}  # --model
 
 
 def model_cfg():
-    """The --model's config dict (LLAMA_1B, GPT2_124M or QWEN3_06B; --smoke shrinks them)."""
-    return {"gpt2": GPT2_124M, "qwen3": QWEN3_06B}.get(MODEL["name"], LLAMA_1B)
+    """The --model's config dict (LLAMA_1B, LLAMA_8B, GPT2_124M or QWEN3_06B; --smoke shrinks them)."""
+    return {"gpt2": GPT2_124M, "qwen3": QWEN3_06B, "llama8b": LLAMA_8B}.get(MODEL["name"], LLAMA_1B)
 DIST = {"group": None}  # under the launcher (--nproc): the process group; the step uses ZeroAdamW
 ZERO_BUCKET = 1 << 25
 QUEUED = 6  # steps queued back to back for the "queued" figure (OurStep.run)
@@ -537,6 +540,21 @@ def longest_t(mode, B, cap, data):
     return lo * MAX_T_STEP, probes
 
 
+def torch_train_step(torch, model, fwd, opt, ids, autocast=True):
+    """One PyTorch step as every peer here runs it (bench_torch_dist.py too): ``fwd`` (the model, compiled or
+    wrapped) on ``ids`` with ``labels=ids`` under bf16 autocast on CUDA (``autocast=False``: as the parameters are),
+    backward, the global norm clipped to 1.0, the optimizer step, gradients set to None."""
+    import contextlib
+
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        loss = fwd(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def run_torch(B, T, mode, steps, data="synthetic"):
     import torch
 
@@ -560,7 +578,7 @@ def run_torch(B, T, mode, steps, data="synthetic"):
         else:
             from transformers import LlamaConfig, LlamaForCausalLM
 
-            cfg = LlamaConfig(**LLAMA_1B)
+            cfg = LlamaConfig(**model_cfg())
             model = LlamaForCausalLM(cfg).to(dev)
             impl = "transformers"
     except Exception as e:  # pragma: no cover - transformers missing
@@ -580,13 +598,7 @@ def run_torch(B, T, mode, steps, data="synthetic"):
     batches = make_batches(data, B, T, 1, model_cfg()["vocab_size"])
 
     def step(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return torch_train_step(torch, model, fwd, opt, ids)
 
     times = []
     for i in range(5 + steps):
@@ -608,8 +620,9 @@ def run_torch(B, T, mode, steps, data="synthetic"):
 def torch_fp8_linears(model, torch):
     """PyTorch's FP8 training recipe as a competent user writes it with no extra library: every Linear of the decoder
     layers (not the LM head, as ours) becomes one whose three GEMMs are ``torch._scaled_mm`` with per-tensor dynamic
-    (current) scales: E4M3 input and weight, E5M2 output gradient, fast accumulation in the forward only (as our
-    default recipe), fp32 weight gradient; the amax / scale / cast / transpose ops are left to torch.compile to fuse
+    (current) scales: E4M3 input and weight, E5M2 output gradient (Transformer Engine's format; ours are E4M3 since
+    session 19: the GEMMs run at the same rate), fast accumulation in the forward only (as our default recipe), fp32
+    weight gradient; the amax / scale / cast / transpose ops are left to torch.compile to fuse
     (``--vs-torch fp8-compile``)."""
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -706,9 +719,10 @@ def recompute_table(rows, modes, steps):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama", choices=["llama", "gpt2", "qwen3"],
-                    help="llama: LLaMA-3.2-1B shape; gpt2: GPT-2 124M (--ablation then prints the fused on/off table); "
-                         "qwen3: the Qwen3-0.6B shape (transformers' Qwen3ForCausalLM with --vs-torch)")
+    ap.add_argument("--model", default="llama", choices=["llama", "llama8b", "gpt2", "qwen3"],
+                    help="llama: LLaMA-3.2-1B shape; llama8b: Llama-3.1-8B shape (with --nproc: ZeRO-1 over the "
+                         "ranks); gpt2: GPT-2 124M (--ablation then prints the fused on/off table); qwen3: the "
+                         "Qwen3-0.6B shape (transformers' Qwen3ForCausalLM with --vs-torch)")
     ap.add_argument("--configs", default=None, help="default b4t64,b8t1024 (llama), b8t1024 (gpt2)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
@@ -760,11 +774,13 @@ def main(argv=None):
             args.ablation, args.vs_torch = False, ""
     MODEL["name"] = args.model
     if args.configs is None:  # (with --max-t alone: only the search)
-        args.configs = "" if args.max_t else ("b8t1024" if args.model in ("gpt2", "qwen3") else "b4t64,b8t1024")
-    global LLAMA_1B, GPT2_124M, QWEN3_06B
+        args.configs = "" if args.max_t else ("b8t1024" if args.model in ("gpt2", "qwen3")
+                                                      else "b4t1024" if args.model == "llama8b" else "b4t64,b8t1024")
+    global LLAMA_1B, LLAMA_8B, GPT2_124M, QWEN3_06B
     if args.smoke:
         LLAMA_1B = dict(LLAMA_1B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
+        LLAMA_8B = dict(LLAMA_1B)
         GPT2_124M = dict(GPT2_124M, vocab_size=1024, n_embd=256, n_layer=2, n_head=4)
         QWEN3_06B = dict(QWEN3_06B, vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=128)
@@ -778,7 +794,8 @@ def main(argv=None):
 
     ck.matmul(cp.ones((1, 1), cp.float32), cp.ones((1, 1), cp.float32))
     mcfg = model_cfg()
-    what = {"gpt2": "GPT-2 124M, tied", "qwen3": "Qwen3-0.6B shape, tied"}.get(args.model, "LLaMA-3.2-1B shape, untied")
+    what = {"gpt2": "GPT-2 124M, tied", "qwen3": "Qwen3-0.6B shape, tied",
+            "llama8b": "Llama-3.1-8B shape, untied"}.get(args.model, "LLaMA-3.2-1B shape, untied")
     opt_name = (f"ZeroAdamW on {world} GPUs ({args.wire} reduce-scatter, B x T per GPU, sm_margin {args.sm_margin})"
                 if world > 1 else "AdamW")
     print(f"device: {name}; model: {what}, bf16 autocast, fp32 master, {opt_name}, clip 1.0; data: {args.data}")
