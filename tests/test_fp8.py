@@ -306,13 +306,53 @@ def _run_mlps(mlps, xp, rng, recipe, steps=2, tokens=(2, 16), hidden=32):
     return outs
 
 
+def _watch_fused(monkeypatch):
+    """Counts what the fused MLP path did: Fp8SwiGLUDown forwards, fp8_swiglu_quantize calls, and the tensor slots
+    cast with an amax handed over by the kernel that wrote them."""
+    import cukernels.functional.fp8 as f8
+
+    seen = dict(fwd=0, swiglu_cast=0, amax_slots=[])
+    fwd, quant, sq = f8.Fp8SwiGLUDown.forward, f8._quantize, f8.fp8_swiglu_quantize
+
+    def forward(*a, **k):
+        seen["fwd"] += 1
+        return fwd(*a, **k)
+
+    def quantize(t, fmt, recipe, state, slot, transpose=True, amax=None):
+        if amax is not None:
+            seen["amax_slots"].append(slot)
+        return quant(t, fmt, recipe, state, slot, transpose, amax)
+
+    def swiglu_quantize(*a, **k):
+        seen["swiglu_cast"] += 1
+        return sq(*a, **k)
+
+    monkeypatch.setattr(f8.Fp8SwiGLUDown, "forward", staticmethod(forward))
+    monkeypatch.setattr(f8, "_quantize", quantize)
+    monkeypatch.setattr(f8, "fp8_swiglu_quantize", swiglu_quantize)
+    return seen
+
+
+# per scaling, over one step: the slots cast with a handed-over amax, and the fused SwiGLU casts
+FUSED = {"current": (["x", "g"], 0), "hybrid": (["g"], 1), "delayed": ([], 1)}
+
+
+def _check_fused(seen, scaling, steps):
+    slots, casts = FUSED[scaling]
+    assert seen["fwd"] == steps, "the MLP did not take the fused path"
+    assert sorted(seen["amax_slots"]) == sorted(slots * steps)
+    assert seen["swiglu_cast"] == casts * steps
+
+
 @pytest.mark.parametrize("scaling", ["current", "delayed", "hybrid"])
-def test_fp8_swiglu_down_is_the_unfused_composition(scaling):
+def test_fp8_swiglu_down_is_the_unfused_composition(scaling, monkeypatch):
     """The fused SwiGLU + down projection (its amax from the SwiGLU kernels, the dgu amax handed to the gate / up
     pack) computes the same bits as swiglu_packed followed by the FP8 Linear with their own amax passes."""
     rng = np.random.default_rng(11)
     a, b = _mlp_pair(rng, np)
+    seen = _watch_fused(monkeypatch)
     fused, plain = _run_mlps((a, b), np, rng, ck.float8.replace(scaling=scaling))
+    _check_fused(seen, scaling, 2)
     for name, u, v in zip(("y", "dx", "dW gate", "dW up", "dW down"), fused, plain):
         np.testing.assert_array_equal(u, v, err_msg=name)
     assert a.__dict__["_fp8_packed_state"].g_amax is None  # the stash was taken
@@ -657,14 +697,16 @@ def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["current", "delayed", "hybrid"])
-def test_gpu_fp8_swiglu_down_is_the_unfused_composition(scaling):
+def test_gpu_fp8_swiglu_down_is_the_unfused_composition(scaling, monkeypatch):
     """On the device too: the SwiGLU kernels' amax (forward h, backward dgu) gives the casts the amax their own
     pass would: the same bits, odd token counts of whole 16s and an FFN width off the 16-byte grid of 128."""
     cp = _cp()
     rng = np.random.default_rng(13)
     a, b = _mlp_pair(rng, cp, hidden=64, ffn=176)
+    seen = _watch_fused(monkeypatch)
     fused, plain = _run_mlps((a, b), cp, rng, ck.float8.replace(scaling=scaling), steps=3, tokens=(3, 48),
                              hidden=64)
+    _check_fused(seen, scaling, 3)
     for name, u, v in zip(("y", "dx", "dW gate", "dW up", "dW down"), fused, plain):
         np.testing.assert_array_equal(u, v, err_msg=name)
 

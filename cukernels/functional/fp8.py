@@ -89,6 +89,28 @@ def _gemm(a, b, sa, sb, fa, fb, fast, out=None, out_dtype=None, accumulate=False
                       out_dtype=out_dtype, beta=1.0 if accumulate else 0.0)
 
 
+def _dy_and_dx(ctx, g, wqT, sw, dx_dtype, amax=None):
+    """The backward's first half, shared by the FP8 Functions: dy (``g``) as a 2-D array and quantised in the
+    recipe's gradient format (``amax``: max |dy| from the kernel that wrote it, else the recipe's own rule), and
+    ``dx = dy @ W`` in ``dx_dtype`` when input 0 wants it. Returns ``(g2, q(dy)^T, s_inv, dx or None)``."""
+    r = ctx.recipe
+    g2 = _contig(g.reshape(-1, g.shape[-1]))
+    gq, gqT, sg = _quantize(g2, r.grad_dtype, r, ctx.state, "g", amax=amax)
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = _gemm(gq, wqT, sg, sw, r.grad_dtype, E4M3, r.fast_accum_grad, out_dtype=dx_dtype)
+    return g2, gqT, sg, dx
+
+
+def _dw(ctx, i, gqT, xqT, sg, sx):
+    """``dW = dy^T @ x`` (fp32) for weight input ``i``: into its ``.grad`` (beta = 1 once the step's first write has
+    overwritten the stale buffer), or returned; ``gqT`` q(dy)^T or its rows of that weight."""
+    r = ctx.recipe
+    return _weight_grad(ctx, i, lambda out, acc: _gemm(gqT, xqT, sg, sx, r.grad_dtype, E4M3, r.fast_accum_grad,
+                                                       out=out, out_dtype=np.float32 if out is None else None,
+                                                       accumulate=acc))
+
+
 class Fp8Linear(Function):
     """``y = x @ W^T (+ b)`` in FP8 (module docstring). W is [out, in]; ``w_lowp`` the array the casts read (the
     bf16 shadow) or None (W itself); the gradient goes to W, written straight into its ``.grad`` (fp32, beta = 1
@@ -115,16 +137,9 @@ class Fp8Linear(Function):
     @staticmethod
     def backward(ctx, g):
         xqT, wqT, sx, sw = ctx.saved_tensors
-        r = ctx.recipe
-        fg = r.grad_dtype
-        g2 = _contig(g.reshape(-1, g.shape[-1]))
-        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=ctx.xdtype).reshape(ctx.xshape)
-        gw = _weight_grad(ctx, 1, lambda out, acc: _gemm(gqT, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=out,
-                                                         out_dtype=np.float32 if out is None else None,
-                                                         accumulate=acc))
+        g2, gqT, sg, gx = _dy_and_dx(ctx, g, wqT, sw, ctx.xdtype)
+        gx = None if gx is None else gx.reshape(ctx.xshape)
+        gw = _dw(ctx, 1, gqT, xqT, sg, sx)
         gb = None
         if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
             gb = _bias_grad(ctx, 3, g2)
@@ -168,18 +183,14 @@ class Fp8PackedLinear(Function):
         xqT, wqT, sx, sw = ctx.saved_tensors
         r, cuts = ctx.recipe, ctx.cuts
         n = len(cuts) - 1
-        fg = r.grad_dtype
         amax = None
         st = ctx.state
         if st is not None and st.g_amax is not None:
             if st.g_amax[0] is g:  # dy came with its amax (Fp8SwiGLUDown's backward)
                 amax = st.g_amax[1]
             st.g_amax = None
-        g2 = _contig(g.reshape(-1, g.shape[-1]))
-        gq, gqT, sg = _quantize(g2, fg, r, st, "g", amax=amax)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=ctx.xdtype).reshape(ctx.xshape)
+        _, gqT, sg, gx = _dy_and_dx(ctx, g, wqT, sw, ctx.xdtype, amax=amax)
+        gx = None if gx is None else gx.reshape(ctx.xshape)
         first = 4  # the weights' argument positions: (x, lows, recipe, state, *ws)
         want = [ctx.needs_input_grad[first + i] for i in range(n)]
         bufs = [ctx.leaf_grad(first + i) for i in range(n)]
@@ -190,13 +201,10 @@ class Fp8PackedLinear(Function):
             acc = False
             for i in range(n):
                 _, acc = ctx.leaf_grad_write(first + i)
-            _gemm(gqT, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=G, accumulate=acc)
+            _gemm(gqT, xqT, sg, sx, r.grad_dtype, E4M3, r.fast_accum_grad, out=G, accumulate=acc)
         else:
-            for i in range(n):
-                rows = gqT[cuts[i]:cuts[i + 1]]  # dy^T's rows of weight i: contiguous, 16-byte aligned (N % 16)
-                gws[i] = _weight_grad(ctx, first + i, lambda out, acc, q=rows: _gemm(
-                    q, xqT, sg, sx, fg, E4M3, r.fast_accum_grad, out=out,
-                    out_dtype=np.float32 if out is None else None, accumulate=acc))
+            for i in range(n):  # dy^T's rows of weight i: contiguous, 16-byte aligned (N % 16)
+                gws[i] = _dw(ctx, first + i, gqT[cuts[i]:cuts[i + 1]], xqT, sg, sx)
         return (gx, None, None, None, *gws)
 
 
@@ -233,23 +241,15 @@ class Fp8SwiGLUDown(Function):
     @staticmethod
     def backward(ctx, g):
         gu, hqT, wqT, sh, sw = ctx.saved_tensors
-        r = ctx.recipe
-        fg = r.grad_dtype
-        g2 = _contig(g.reshape(-1, g.shape[-1]))
-        gq, gqT, sg = _quantize(g2, fg, r, ctx.state, "g")
+        _, gqT, sg, dh = _dy_and_dx(ctx, g, wqT, sw, gu.dtype)
         dgu = None
-        if ctx.needs_input_grad[0]:
-            F = gu.shape[-1] // 2
-            dh = _gemm(gq, wqT, sg, sw, fg, E4M3, r.fast_accum_grad, out_dtype=gu.dtype)
+        if dh is not None:
             up = ctx.up_state
-            amax = None if up is None or _delayed(r, "g") else _xp(gu).empty((), np.float32)
-            dgu = _swiglu_p_bwd(gu, dh.reshape(gu.shape[:-1] + (F,)), amax=amax)
+            amax = None if up is None or _delayed(ctx.recipe, "g") else _xp(gu).empty((), np.float32)
+            dgu = _swiglu_p_bwd(gu, dh.reshape(gu.shape[:-1] + (gu.shape[-1] // 2,)), amax=amax)
             if amax is not None:
                 up.g_amax = (dgu, amax)
-        gw = _weight_grad(ctx, 1, lambda out, acc: _gemm(gqT, hqT, sg, sh, fg, E4M3, r.fast_accum_grad, out=out,
-                                                         out_dtype=np.float32 if out is None else None,
-                                                         accumulate=acc))
-        return dgu, gw, None, None, None, None
+        return dgu, _dw(ctx, 1, gqT, hqT, sg, sh), None, None, None, None
 
 
 def fp8_swiglu_down(gu, w, w_lowp=None, *, recipe, state=None, up_state=None):
