@@ -538,7 +538,9 @@ def test_gpu_graph_replays_draw_fresh_masks(rng):
         outs = []
         for _ in range(2):
             y.fill(np.nan)
+            cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
             g.launch(s)
+            s.synchronize()  # (the copies below run on the legacy stream)
             outs.append((y.copy(), dx.copy(), h.copy()))
         s.synchronize()
     assert int(off.get()) == 43

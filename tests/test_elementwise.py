@@ -228,6 +228,7 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
         ck.cast(h, ck.bfloat16, out=y)
         g = s.end_capture()
     y.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
     g.launch(s)
     s.synchronize()
     ref = ck.add(h0, to_host(d))

@@ -402,6 +402,7 @@ def test_gpu_zero_rows_and_captures(rng):
         gemv(x, w, norm="rms", norm_weight=nw, act="swiglu", residual=h, out=y)
         g = s.end_capture()
     y.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
     g.launch(s)
     s.synchronize()
     assert np.array_equal(to_host(y).view(np.uint16), ref.view(np.uint16))

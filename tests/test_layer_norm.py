@@ -233,6 +233,7 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
         gr = s.end_capture()
     y.fill(np.nan)
     dx.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
     gr.launch(s)
     s.synchronize()
     xh, gh, bh, dyh = to_host(x), to_host(g), to_host(b), to_host(dy)
@@ -356,6 +357,7 @@ def test_gpu_pipelined_backward_captures(rng):
         graph = s.end_capture()
     for a in res:
         a.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
     graph.launch(s)
     s.synchronize()
     for a, e in zip(res, eager):

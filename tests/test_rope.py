@@ -332,6 +332,7 @@ def test_gpu_runs_on_current_stream_and_captures(rng):
         ck.rope(x, cos, sin, positions=pos, out=y)
         g = s.end_capture()
     y.fill(np.nan)
+    cp.cuda.Device().synchronize()  # (the poison ran on the legacy stream: the replay must not race it)
     g.launch(s)
     s.synchronize()
     assert_close(y, ck.rope(to_host(x), to_host(cos), to_host(sin), positions=to_host(pos)), ck.bfloat16)
