@@ -57,7 +57,10 @@ CONFIGS = {"b4t64": (4, 64), "b8t1024": (8, 1024), "b16t1024": (16, 1024),
            # long sequences at B1 (--recompute none,attention,full); any bBtT parses (config_shape)
            "b1t2048": (1, 2048), "b1t4096": (1, 4096), "b1t8192": (1, 8192), "b1t16384": (1, 16384)}
 RECOMPUTE = {"mode": "none"}  # the row's model.set_recompute() mode (--recompute)
-FP8 = {"recipe": None}  # --fp8: the row's ck.Float8Recipe (the Linear GEMMs in FP8), None: bf16 autocast
+# --fp8: the row's ck.Float8Recipe (the Linear GEMMs in FP8), None: bf16 autocast; "shadow": the optimizer writes
+# the weights' FP8 copies (AdamW(fp8_shadows=True), trainer fp8_shadow: true; the "-shadow" rows), else each step
+# casts them (the trainer's default)
+FP8 = {"recipe": None, "shadow": False}
 MAX_T_STEP = 1024  # --max-t: T is searched in multiples of this
 
 
@@ -333,7 +336,8 @@ class OurStep:
             opt = ck.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                  shadow_dtype=ck.bfloat16, no_decay={p.name for p in no_decay},
                                  sparse={emb.name} if "sparse_emb" in f else None,
-                                 grad_dtype=ck.bfloat16 if GRAD_BF16 else np.float32)
+                                 grad_dtype=ck.bfloat16 if GRAD_BF16 else np.float32,
+                                 fp8_shadows=FP8["recipe"] is not None and FP8["shadow"])
             if "sparse_emb" in f:
                 opt.attach_sparse(emb)
         else:
@@ -674,7 +678,8 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
 
     res = {}
     for rname in [r for r in args.fp8.split(",") if r]:
-        FP8["recipe"] = ck.float8.replace(scaling=rname)
+        scaling, _, how = rname.partition("-")
+        FP8["recipe"], FP8["shadow"] = ck.float8.replace(scaling=scaling), how == "shadow"
         try:
             r = try_run(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps, data=args.data,
                         budget=True)
@@ -682,7 +687,7 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
             traceback.print_exc()
             continue
         finally:
-            FP8["recipe"] = None
+            FP8["recipe"], FP8["shadow"] = None, False
         if r is None:
             print(f"cukernels  B{B}xT{T} fp8 ({rname}): OOM ({try_run.last_error})", flush=True)
             continue
@@ -728,8 +733,9 @@ def main(argv=None):
     ap.add_argument("--ablation", action="store_true", help="the ablation table at B4xT64")
     ap.add_argument("--vs-torch", default="", help="comma list of eager,compile,reduce-overhead; fp8-eager,fp8-compile: "
                     "PyTorch's decoder Linears as torch._scaled_mm FP8 GEMMs with per-tensor dynamic scales")
-    ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, delayed): each config also runs with "
-                    "the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
+    ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, hybrid, delayed; with -shadow, e.g. "
+                    "hybrid-shadow: the optimizer's FP8 copies of the weights instead of a cast each step): each "
+                    "config also runs with the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],

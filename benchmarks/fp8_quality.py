@@ -2,7 +2,7 @@
 ``autocast(ck.float8)``), loss curves side by side.
 
     PYTHONPATH=. python benchmarks/fp8_quality.py [--steps 300,2000] [--big-steps 200] [--recipes current]
-        [--json benchmarks/results/fp8_quality.json] [--png docs/images/fp8_quality.png]
+        [--seeds 1,2] [--json benchmarks/results/fp8_quality.json] [--png docs/images/fp8_quality.png]
     python benchmarks/fp8_quality.py --plot-only      # the PNG from the JSON (needs matplotlib)
 
 - small: ``examples/configs/small.yaml`` (LLaMA, 8 layers, 512 wide, 1408 FFN, tinyshakespeare bytes, B32 x T256,
@@ -40,7 +40,10 @@ TOLERANCE = 0.01  # last-100 mean within 1 % of bf16's
 RECIPES = {"current": {}, "delayed": {"scaling": "delayed"}, "e5m2-grads": {"grad_dtype": "float8_e5m2"},
            "delayed-e5m2-grads": {"scaling": "delayed", "grad_dtype": "float8_e5m2"},
            "slow-accum": {"fast_accum": False}, "hybrid": {"scaling": "hybrid"},
-           "delayed-margin1": {"scaling": "delayed", "margin": 1}, "delayed-margin2": {"scaling": "delayed", "margin": 2}}
+           "delayed-margin1": {"scaling": "delayed", "margin": 1},
+           "delayed-margin2": {"scaling": "delayed", "margin": 2},
+           # the optimizer's FP8 copies of the weights (fp8_shadow: true) instead of a cast each step
+           "current-shadow": {"shadow": True}, "hybrid-shadow": {"scaling": "hybrid", "shadow": True}}
 BAR = ("fp8-current", "fp8-delayed", "fp8-hybrid")  # the trainer's recipes (fp8_scaling): the others are runs to compare
 COMMON = ["graph=true", "eval_steps=8", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]
 BIG = ["data.kind=text", "data.path=null", "data.val_path=null", "batch_size=8", "seq_len=1024",
@@ -58,7 +61,9 @@ def run(name, cfg_file, overrides, recipe, steps, out_root):
 
     fields = {} if recipe == "bf16" else dict(RECIPES[recipe[len("fp8-"):]])
     scaling = fields.pop("scaling", "current")
-    extra = ["autocast=bf16"] if recipe == "bf16" else ["fp8=true", f"fp8_scaling={scaling}"]
+    shadow = fields.pop("shadow", False)
+    extra = ["autocast=bf16"] if recipe == "bf16" else ["fp8=true", f"fp8_scaling={scaling}",
+                                                        f"fp8_shadow={str(shadow).lower()}"]
     out_dir = out_root / f"{name}-{recipe}"
     cfg = load_config(str(CONFIGS / cfg_file), COMMON + overrides + [f"max_steps={steps}", f"out_dir={out_dir}",
                                                                       f"eval_every={steps}"] + extra)
@@ -153,6 +158,9 @@ def main(argv=None):
     ap.add_argument("--steps", default="300,2000", help="comma list: the small model's run lengths")
     ap.add_argument("--big-steps", type=int, default=200, help="the 1B shape's run length (0: skip)")
     ap.add_argument("--recipes", default="current", help="comma list of FP8 recipes: " + ", ".join(RECIPES))
+    ap.add_argument("--seeds", default="", help="comma list of seeds for the small runs instead of the config's "
+                    "(1337): each makes its own bf16 and FP8 runs, named small-<steps>-s<seed> (the spread between "
+                    "seeds shows what of a difference is the trajectory's, not the format's)")
     ap.add_argument("--json", default=str(JSON))
     ap.add_argument("--png", default=str(PNG))
     ap.add_argument("--plot-only", action="store_true", help="draw the PNG from --json and stop")
@@ -170,9 +178,12 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for n in [int(s) for s in args.steps.split(",") if s]:
-            for rc in recipes:
-                runs.append(run(f"small-{n}", "small.yaml", [], rc, n, tmp))
+        seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
+        for seed in seeds:
+            over, tag = ([], "") if seed is None else ([f"seed={seed}"], f"-s{seed}")
+            for n in [int(s) for s in args.steps.split(",") if s]:
+                for rc in recipes:
+                    runs.append(run(f"small-{n}{tag}", "small.yaml", over, rc, n, tmp))
         if args.big_steps:
             for rc in recipes:
                 runs.append(run(f"1b-{args.big_steps}", "llama3.2-1b.yaml", BIG, rc, args.big_steps, tmp))

@@ -118,10 +118,24 @@ def lowp_weight(param, dtype):
     return s
 
 
+def fp8_weight(params):
+    """``(q, q^T, scale_inv)``: the E4M3 copy of these weights (one, or a pack joined by rows under one scale) that
+    their optimizer writes in its update (``AdamW(fp8_shadows=True)``, attached by :func:`attach_shadows`), or
+    None (no such optimizer, or it cannot keep one: :meth:`cukernels.optim.AdamW.fp8_shadow`). The FP8 linear layers
+    then skip their weight casts."""
+    opt = getattr(params[0], "fp8_owner", None) if params else None
+    if opt is None or any(getattr(p, "fp8_owner", None) is not opt for p in params):
+        return None
+    return opt.fp8_shadow(params)
+
+
 def attach_shadows(params, optimizer):
-    """Give each parameter ``p.shadow = optimizer.shadow(p)`` (None where the optimizer keeps none)."""
+    """Give each parameter ``p.shadow = optimizer.shadow(p)`` (None where the optimizer keeps none), and
+    ``p.fp8_owner = optimizer`` when it keeps FP8 copies on request (``fp8_shadows=True``: :func:`fp8_weight`)."""
+    fp8 = optimizer if getattr(optimizer, "fp8_shadows", False) else None
     for p in params:
         try:
             p.shadow = optimizer.shadow(p)
         except (KeyError, AttributeError, ValueError):
             p.shadow = None
+        p.fp8_owner = fp8

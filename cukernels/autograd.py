@@ -138,6 +138,7 @@ class Tensor:
         self.name = name
         self.shadow = None
         self.shadow_wait = None  # set by an optimizer while the shadow's update is in flight (amp.lowp_weight)
+        self.fp8_owner = None  # the optimizer that keeps an FP8 copy on request (amp.fp8_weight)
         self.sparse_grad = None
         self.grad_stale = False  # .grad holds stale values that count as zero (AdamW.zero_grad(lazy=True))
         # Bumped by every zero_grad (nn.Module's, the optimizers'): a Function that wrote .grad during its forward

@@ -38,6 +38,7 @@
 #include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
+#include "common/fp8.cuh"
 
 constexpr float GELU_K = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float GELU_C = 0.044715f;
@@ -74,9 +75,8 @@ template <bool EXACT>
 __device__ __forceinline__ float gelu_dfn(float x) { return EXACT ? gelu_erf_grad(x) : gelu_grad(x); }
 
 // AMAX: also max |y| of the rounded outputs into m (as ordered bits: |v|'s float bits, NaN above inf), for
-// block_max_into at the end: the FP8 linear that reads y takes its current scale from it, without the amax pass
-// of its own (2 bytes an element of y: ~1.1 ms a step for the SwiGLU gradient at the 1B shape, NOTES FP8).
-__device__ __forceinline__ unsigned amax_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+// block_amax at the end (common/fp8.cuh): the FP8 linear that reads y takes its current scale from it, without the
+// amax pass of its own (2 bytes an element of y: ~1.1 ms a step for the SwiGLU gradient at the 1B shape, NOTES FP8).
 
 template <typename T, int E, bool VEC, int U, bool AMAX = false>
 struct SwigluFwd {
@@ -98,7 +98,7 @@ struct SwigluFwd {
     o.pack(f);
     if constexpr (AMAX) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) m = max(m, amax_bits(o.get(i)));
+      for (int i = 0; i < E; ++i) m = max(m, abs_bits(o.get(i)));
     }
     o.store(y + r * ld_out + c);
   }
@@ -134,7 +134,7 @@ struct SwigluBwd {
     ou.pack(fu);
     if constexpr (AMAX) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) m = max(m, max(amax_bits(og.get(i)), amax_bits(ou.get(i))));
+      for (int i = 0; i < E; ++i) m = max(m, max(abs_bits(og.get(i)), abs_bits(ou.get(i))));
     }
     og.store(dg + r * ld_in + c);
     ou.store(du + r * ld_in + c);
@@ -229,20 +229,6 @@ __device__ __forceinline__ void run_flat_pipe(Op& op, Tail& tail, long long n) {
   }
 }
 
-// The block's max of m into *out: one atomicMax a block on the ordered bits (max is order-independent: the same
-// bits every run). Every thread of the block calls it.
-__device__ __forceinline__ void block_max_into(unsigned m, unsigned* out) {
-  __shared__ unsigned s[32];
-  m = __reduce_max_sync(0xffffffffu, m);
-  if ((threadIdx.x & 31) == 0) s[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < ((blockDim.x + 31) >> 5) ? s[threadIdx.x] : 0u;
-    m = __reduce_max_sync(0xffffffffu, m);
-    if (threadIdx.x == 0 && m) atomicMax(out, m);
-  }
-}
-
 // Entry points: <op>_<dtype>_<v|s>; v = 16-byte body (+ scalar tail in the flat kernels), s = element
 // accesses. swiglu_*_rows: the packed layout (run_rows; gate/up rows ld_in apart, y/dy rows F apart).
 // gelu_*: tanh form, gelu_erf_*: exact form.
@@ -265,7 +251,7 @@ __device__ __forceinline__ void block_max_into(unsigned m, unsigned* out) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluFwd<T, E, VEC, ACT_U, true> op{g, u, y, ld_in, F};                                                \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
-    block_max_into(op.m, amax);                                                                             \
+    block_amax(op.m, amax, nullptr);                                                                      \
   }                                                                                                         \
   CK_ENTRY(__launch_bounds__(256, 2),                                                                          \
       swiglu_bwd_##TN##_##VS)(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {             \
@@ -286,7 +272,7 @@ __device__ __forceinline__ void block_max_into(unsigned m, unsigned* out) {
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \
     SwigluBwd<T, E, VEC, ACT_U, true> op{g, u, dy, dg, du, ld_in, F};                                       \
     run_rows<E, ACT_U>(op, rows, F);                                                                        \
-    block_max_into(op.m, amax);                                                                             \
+    block_amax(op.m, amax, nullptr);                                                                      \
   }                                                                                                         \
   CK_ENTRY(__launch_bounds__(256, 2), gelu_fwd_##TN##_##VS)(const T* x, T* y, long long n) {                   \
     constexpr int E = VEC ? 16 / sizeof(T) : 1;                                                             \

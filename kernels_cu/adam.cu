@@ -44,6 +44,7 @@
 //   block sums all partials in fixed order in double and takes the sqrt. No atomics.
 #include "common/entry.cuh"
 #include "common/vec.cuh"
+#include "common/fp8.cuh"
 
 struct AdamCoef {
   float b1, omb1, b2, omb2, step_size, inv_sqrt_bc2, eps, decay, gs;
@@ -253,6 +254,173 @@ ADAM_ENTRY(float, f32, true, v)
 ADAM_ENTRY(float, f32, false, s)
 ADAM_ENTRY(bf16, bf16, true, v)
 ADAM_ENTRY(bf16, bf16, false, s)
+
+// ---- Adam with FP8 shadows (adam_fp8_*): the dense update, and inside each FP8 range k (elements [lo_k, hi_k) of
+// p, sorted, disjoint, multiples of 16) q_k[i - lo_k] = e4m3(p_new * s_k) in place of the bf16 shadow, s_k from the
+// amax the previous update of the range left (hist_k[0], fp8.cu's delayed rule), max |p_new| of the range into
+// hist_k[1]. The last block to finish (ticket, as fp8.cu's block_amax) writes sinv_k = 1 / s_k -- the scale q_k was
+// written with -- and rolls every history: one launch for every range. A weight moves by ~lr a step, so the amax of
+// the previous update scales this one's to within ~0.1 % (values above it saturate at 448). Traffic: the bf16
+// shadow's 2 bytes an element become 1 (the forward's weight cast, 2 + 2 bytes an element from the bf16 shadow, is
+// gone; a 1 + 1 byte transpose serves the input gradient's GEMM). Blocks walk chunks of 8192 elements
+// (block-strided; two units of 4 in flight a thread, as adam_two_fours); a chunk wholly inside one range or wholly
+// outside all of them (all but at most two chunks a range) runs the uniform path: the thread's max is kept for the
+// block's range and reduced with one atomicMax a block when the block moves to another range. A chunk across a
+// boundary looks up each unit's range and maxes into its history directly.
+#define ADAM_CHUNK 8192
+struct Fp8Ranges {
+  int n;
+  const long long* __restrict__ lohi;        // [n][2]
+  const unsigned long long* __restrict__ ptr;  // [n][3]: q (uint8 bits), hist (uint32[4]), sinv (float)
+  float fmax_m;
+  __device__ __forceinline__ unsigned char* q(int k) const { return reinterpret_cast<unsigned char*>(ptr[3 * k]); }
+  __device__ __forceinline__ unsigned* hist(int k) const { return reinterpret_cast<unsigned*>(ptr[3 * k + 1]); }
+  __device__ __forceinline__ float* sinv(int k) const { return reinterpret_cast<float*>(ptr[3 * k + 2]); }
+  __device__ __forceinline__ long long lo(int k) const { return lohi[2 * k]; }
+  __device__ __forceinline__ long long hi(int k) const { return lohi[2 * k + 1]; }
+  __device__ __forceinline__ float scale(int k) const { return fp8_scale_of(hist(k), nullptr, 1.f, fmax_m); }
+};
+
+// E (4 or 1) consecutive elements at o: the update, then the FP8 codes into q + (o - lo) (k >= 0) or the bf16
+// shadow; returns max |p_new| as ordered bits.
+template <typename G, int E>
+__device__ __forceinline__ unsigned adam_fp8_unit(float* __restrict__ p, const G* __restrict__ g,
+                                                  float* __restrict__ m, float* __restrict__ v, bf16* __restrict__ sh,
+                                                  long long o, const AdamCoef& c, unsigned char* q, float s) {
+  unsigned mx = 0;
+  if constexpr (E == 4) {
+    Pack<float, 4> pp = load_pack<float, 4>(p + o), mm = load_pack<float, 4>(m + o);
+    Pack<float, 4> vv = load_pack<float, 4>(v + o);
+    const Pack<G, 4> gg = load_pack<G, 4>(g + o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      adam_elem(pp.v[i], to_f32(gg.v[i]), mm.v[i], vv.v[i], c);
+      mx = max(mx, abs_bits(pp.v[i]));
+    }
+    store_pack<float, 4>(p + o, pp);
+    store_pack<float, 4>(m + o, mm);
+    store_pack<float, 4>(v + o, vv);
+    if (q != nullptr) {
+      *reinterpret_cast<unsigned*>(q) =
+          cast_pair<0>(pp.v[0], pp.v[1], s) | (cast_pair<0>(pp.v[2], pp.v[3], s) << 16);
+    } else if (sh != nullptr) {
+      Pack<bf16, 4> so;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) so.v[i] = from_f32<bf16>(pp.v[i]);
+      store_pack<bf16, 4>(sh + o, so);
+    }
+  } else {
+    float pf = p[o], mf = m[o], vf = v[o];
+    adam_elem(pf, to_f32(g[o]), mf, vf, c);
+    p[o] = pf;
+    m[o] = mf;
+    v[o] = vf;
+    mx = abs_bits(pf);
+    if (q != nullptr) *q = (unsigned char)cast_code<0>(pf, s);
+    else if (sh != nullptr) sh[o] = from_f32<bf16>(pf);
+  }
+  return mx;
+}
+
+template <typename G, bool VEC>
+__device__ __forceinline__ void adam_fp8_dense(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
+                                               float* __restrict__ v, bf16* __restrict__ sh, long long n,
+                                               const AdamCoef& c, const Fp8Ranges& R, unsigned* ticket) {
+  constexpr int E = VEC ? 4 : 1, UNITS = ADAM_CHUNK / E / 256;  // units a thread a chunk: 8 (VEC) or 32
+  __shared__ int s_at, s_kind;
+  const long long chunks = (n + ADAM_CHUNK - 1) / ADAM_CHUNK;
+  int cursor = 0;                 // thread 0: the first range that ends after the chunk's start
+  int bk = -1;                    // the range the block's running max belongs to
+  unsigned bm = 0;                // this thread's max |p_new| in range bk
+  float bs = 1.f;
+  unsigned char* bq = nullptr;
+  long long blo = 0;
+  for (long long ch = blockIdx.x; ch < chunks; ch += gridDim.x) {
+    const long long base = ch * ADAM_CHUNK, end = min(base + (long long)ADAM_CHUNK, n);
+    if (threadIdx.x == 0) {
+      while (cursor < R.n && R.hi(cursor) <= base) ++cursor;
+      int kind = 0;  // 0 outside every range, 1 inside range cursor, 2 across a boundary
+      if (cursor < R.n && R.lo(cursor) < end) kind = (R.lo(cursor) <= base && R.hi(cursor) >= end) ? 1 : 2;
+      s_at = cursor;
+      s_kind = kind;
+    }
+    __syncthreads();
+    const int at = s_at, kind = s_kind;
+    __syncthreads();  // s_at / s_kind are rewritten next chunk
+    if (kind != 2) {
+      const int want = kind == 1 ? at : -1;
+      if (want != bk) {
+        if (bk >= 0) block_amax(bm, R.hist(bk) + 1, nullptr);
+        bk = want;
+        bm = 0;
+        if (bk >= 0) {
+          bs = R.scale(bk);
+          bq = R.q(bk);
+          blo = R.lo(bk);
+        }
+      }
+#pragma unroll 2
+      for (int u = 0; u < UNITS; ++u) {
+        const long long o = base + ((long long)u * 256 + threadIdx.x) * E;
+        if (o + E <= end) {
+          bm = max(bm, adam_fp8_unit<G, E>(p, g, m, v, sh, o, c, bk >= 0 ? bq + (o - blo) : nullptr, bs));
+        } else {  // the last chunk's tail (n % 4)
+          for (long long i = o; i < end; ++i)
+            bm = max(bm, adam_fp8_unit<G, 1>(p, g, m, v, sh, i, c, bk >= 0 ? bq + (i - blo) : nullptr, bs));
+        }
+      }
+    } else {
+      int k = at;
+#pragma unroll 1
+      for (int u = 0; u < UNITS; ++u) {
+        const long long o = base + ((long long)u * 256 + threadIdx.x) * E;
+        if (o >= end) break;
+        while (k < R.n && R.hi(k) <= o) ++k;
+        const bool in = k < R.n && R.lo(k) <= o;  // (a unit never straddles: bounds are multiples of 16)
+        unsigned char* qk = in ? R.q(k) - R.lo(k) : nullptr;  // qk + i: element i's code
+        const float sk = in ? R.scale(k) : 1.f;
+        unsigned mx = 0;
+        if (o + E <= end) {
+          mx = adam_fp8_unit<G, E>(p, g, m, v, sh, o, c, in ? qk + o : nullptr, sk);
+        } else {
+          for (long long i = o; i < end; ++i)
+            mx = max(mx, adam_fp8_unit<G, 1>(p, g, m, v, sh, i, c, in ? qk + i : nullptr, sk));
+        }
+        if (in && mx) atomicMax(R.hist(k) + 1, mx);
+      }
+    }
+  }
+  if (bk >= 0) block_amax(bm, R.hist(bk) + 1, nullptr);
+  else __syncthreads();  // (block_amax's own barrier otherwise: every thread reaches the ticket after the maxes)
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int k = threadIdx.x; k < R.n; k += blockDim.x) {
+    unsigned* h = R.hist(k);
+    *R.sinv(k) = __frcp_rn(R.scale(k));
+    const unsigned a = atomicExch(h + 1, 0u);
+    atomicExch(h, a);
+  }
+  if (threadIdx.x == 0) atomicExch(ticket, 0u);
+}
+
+#define ADAM_FP8_ENTRY(G, GN, VEC, VS)                                                                         \
+  CK_ENTRY(__launch_bounds__(256), adam_fp8_##GN##_##VS)(                                                       \
+      float* p, const G* g, float* m, float* v, bf16* sh, long long n, int nseg, const long long* lohi,        \
+      const unsigned long long* ptrs, float fmax_m, unsigned* ticket, ADAM_ARGS) {                             \
+    const AdamCoef c = ADAM_COEF;                                                                              \
+    if (c.bad) return adam_report(err, c.bad);                                                                 \
+    adam_fp8_dense<G, VEC>(p, g, m, v, sh, n, c, Fp8Ranges{nseg, lohi, ptrs, fmax_m}, ticket);                 \
+  }
+ADAM_FP8_ENTRY(float, f32, true, v)
+ADAM_FP8_ENTRY(float, f32, false, s)
+ADAM_FP8_ENTRY(bf16, bf16, true, v)
+ADAM_FP8_ENTRY(bf16, bf16, false, s)
 
 // ---- zero_rows: buf[rows[i], :] = 0 for i < min(*row_count, capacity); same grid shape as adam_rows.
 template <typename T, bool VEC>

@@ -38,145 +38,16 @@
 // - Flat kernels (amax, cast, dequant): persistent grid-stride, a unit of 16 elements a thread (one 16-byte FP8
 //   store; bf16: two 16-byte loads, fp32: four), 4 units in flight a thread; the n % 16 tail element by element.
 //   bf16 -> e4m3 moves 3 B/element: 8192 x 8192 in ~50 us at 4 TB/s; the amax pass 2 B/element.
-// - cast_t: 64 x 64 tiles, 256 threads: thread t reads 16 consecutive elements of row t / 4 (16-byte loads),
-//   writes them as one 16-byte store of q and into a shared byte tile (row pitch 68: the transposed reads, 16
-//   bytes down a column, see 2-way bank conflicts at most), then writes 16 consecutive bytes of qt's row t / 4
-//   (x's column). Global traffic 2 + 1 + 1 B/element (bf16); shared memory 4.3 KB a block. VEC needs rows and
+// - cast_t: 64 x 64 tiles, 256 threads: thread t reads 16 consecutive elements of row t / 4 (16-byte
+//   loads), writes them as one 16-byte store of q and into a shared byte tile (row pitch 68: the transposed reads,
+//   16 bytes down a column, see 2-way bank conflicts at most), then writes 16 consecutive bytes of qt's row t / 4
+//   (x's column). Global traffic 2 + 1 + 1 B/element (bf16); shared memory 4.3 KB a tile. VEC needs rows and
 //   cols multiples of 16 and 16-byte aligned pointers (every 16-element segment is then wholly in or out of the
 //   matrix); otherwise element accesses with bounds checks (any shape).
 #include "common/entry.cuh"
 #include "common/vec.cuh"
 #include "common/pointwise.cuh"
-
-#define FP8_FLT_MIN 1.17549435e-38f
-#define FP8_FLT_MAX 3.40282347e+38f
-// The largest scale: 2^126, so that scale_inv = 1 / scale stays a normal float (the kernels flush subnormals: a
-// 1 / FLT_MAX of 2.9e-39 read back as 0 on the H200, an all-zero dequantised product).
-#define FP8_SCALE_MAX 8.50705917e+37f
-
-// FMT 0: E4M3 "fn" (bias 7, no inf, S.1111.111 is NaN, max 448 = 0x7e); FMT 1: E5M2 (bias 15, inf 0x7c, max
-// 57344 = 0x7b). MAX_BITS: the fp32 bits of the largest finite value.
-template <int FMT> struct Fp8Fmt;
-template <> struct Fp8Fmt<0> {
-  static constexpr int M = 3, BIAS = 7;
-  static constexpr unsigned MAX_CODE = 0x7eu, NAN_CODE = 0x7fu, MAX_BITS = 0x43e00000u;
-  static constexpr bool HAS_INF = false;
-};
-template <> struct Fp8Fmt<1> {
-  static constexpr int M = 2, BIAS = 15;
-  static constexpr unsigned MAX_CODE = 0x7bu, NAN_CODE = 0x7eu, MAX_BITS = 0x47600000u;
-  static constexpr bool HAS_INF = true;
-};
-
-// fp32 -> FP8 code (low 8 bits), saturating to +-max, round to nearest even.
-template <int FMT> __device__ __forceinline__ unsigned f32_to_fp8(float v) {
-  using F = Fp8Fmt<FMT>;
-  const unsigned u = __float_as_uint(v), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | F::NAN_CODE;
-  if (a >= F::MAX_BITS) return sign | F::MAX_CODE;  // beyond max, inf included: saturate
-  constexpr unsigned MIN_NORMAL = (unsigned)(127 + 1 - F::BIAS) << 23;
-  if (a < MIN_NORMAL) {  // an FP8 subnormal or zero: |v| in units of the smallest subnormal, 2^(1 - BIAS - M)
-    const float units = __uint_as_float(a) * __uint_as_float((unsigned)(127 + F::BIAS + F::M - 1) << 23);
-    return sign | (unsigned)__float2int_rn(units);  // 2^M (a carry) is the smallest normal's code, as wanted
-  }
-  constexpr int SH = 23 - F::M;
-  const unsigned r = (a + ((1u << (SH - 1)) - 1u) + ((a >> SH) & 1u)) >> SH;  // nearest even, carry included
-  return sign | (r - ((unsigned)(127 - F::BIAS) << F::M));
-}
-
-// sm_89+ converts two fp32 to two FP8 codes in one instruction, saturating and nearest-even as f32_to_fp8 does
-// (inf -> +-max: .satfinite), low byte from lo. The integer code above costs ~20 instructions an element and held
-// the casts to 2.4 TB/s, 56 % of the H200's copy rate (benchmarks/NOTES.md, FP8); NaN inputs never reach it (the
-// callers take the integer path for them: the hardware's NaN code drops the sign, ml_dtypes' keeps it).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define FP8_HW_CVT 1
-template <int FMT> __device__ __forceinline__ unsigned cvt_pair(float lo, float hi) {
-  unsigned short d;
-  if constexpr (FMT == 0) asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  else asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-#endif
-
-// The cast of one element: fp8(x * s). A NaN x keeps its sign (the GPU's multiply would return the canonical NaN,
-// sign cleared, where NumPy's -- and so the reference's -- keeps the operand's).
-template <int FMT> __device__ __forceinline__ unsigned cast_code(float x, float s) {
-  const unsigned u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 24) & 0x80u) | Fp8Fmt<FMT>::NAN_CODE;
-#ifdef FP8_HW_CVT
-  return cvt_pair<FMT>(__fmul_rn(x, s), 0.f) & 0xffu;
-#else
-  return f32_to_fp8<FMT>(__fmul_rn(x, s));
-#endif
-}
-
-// Two elements -> two codes (a in the low byte); one instruction on sm_89+ unless one is NaN.
-template <int FMT> __device__ __forceinline__ unsigned cast_pair(float a, float b, float s) {
-#ifdef FP8_HW_CVT
-  if ((__float_as_uint(a) & 0x7fffffffu) <= 0x7f800000u && (__float_as_uint(b) & 0x7fffffffu) <= 0x7f800000u)
-    return cvt_pair<FMT>(__fmul_rn(a, s), __fmul_rn(b, s));
-#endif
-  return cast_code<FMT>(a, s) | (cast_code<FMT>(b, s) << 8);
-}
-
-// FP8 code -> fp32 (exact; NaN -> sign | 0x7fc00000).
-template <int FMT> __device__ __forceinline__ float fp8_to_f32(unsigned c) {
-  using F = Fp8Fmt<FMT>;
-  constexpr unsigned EMAX = (1u << (7 - F::M)) - 1u;
-  const unsigned sign = (c & 0x80u) << 24, mag = c & 0x7fu, e = mag >> F::M, m = mag & ((1u << F::M) - 1u);
-  if (F::HAS_INF ? e == EMAX : mag == 0x7fu) return __uint_as_float(sign | ((F::HAS_INF && m == 0) ? 0x7f800000u : 0x7fc00000u));
-  if (e == 0) {
-    const float v = (float)m * __uint_as_float((unsigned)(127 + 1 - F::BIAS - F::M) << 23);
-    return __uint_as_float(sign | __float_as_uint(v));
-  }
-  return __uint_as_float(sign | ((e + 127u - F::BIAS) << 23) | (m << (23 - F::M)));
-}
-
-// |x| as ordered bits (see the header).
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-__device__ __forceinline__ unsigned abs_bits(bf16 v) { return ((unsigned)v.bits & 0x7fffu) << 16; }
-
-// The cast's scale (see the header): amax_src wins, then scale_ptr, then scale_val.
-__device__ __forceinline__ float fp8_scale_of(const unsigned* amax_src, const float* scale_ptr, float scale_val,
-                                              float fmax_m) {
-  if (amax_src != nullptr) {
-    const float a = __uint_as_float(*amax_src);
-    if (!(a >= FP8_FLT_MIN) || a > FP8_FLT_MAX) return 1.f;  // 0, subnormal, NaN, inf: no information
-    const float s = __fdiv_rn(fmax_m, a);
-    return s < FP8_SCALE_MAX ? s : FP8_SCALE_MAX;
-  }
-  return scale_ptr != nullptr ? *scale_ptr : scale_val;
-}
-
-// Block max of m into *out (one atomicMax a block); every thread of the block calls it. Then, with a history
-// word (delayed scaling), the last block rolls it.
-__device__ __forceinline__ void block_amax(unsigned m, unsigned* out, unsigned* hist) {
-  __shared__ unsigned s[32];
-  __shared__ bool last;
-  m = __reduce_max_sync(0xffffffffu, m);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) s[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < (int)((blockDim.x + 31) >> 5) ? s[lane] : 0u;
-    m = __reduce_max_sync(0xffffffffu, m);
-    if (lane == 0) {
-      if (m) atomicMax(out, m);
-      if (hist != nullptr) {
-        __threadfence();
-        last = atomicAdd(&hist[2], 1u) == gridDim.x - 1;
-      }
-    }
-  }
-  if (hist == nullptr) return;
-  __syncthreads();
-  if (last && threadIdx.x == 0) {
-    __threadfence();
-    const unsigned a = atomicExch(&hist[1], 0u);
-    atomicExch(&hist[0], a);
-    atomicExch(&hist[2], 0u);
-  }
-}
+#include "common/fp8.cuh"
 
 // 16 consecutive elements of T as fp32 (VEC: 16-byte loads, p 16-byte aligned), their |x| max into m.
 template <typename T, bool VEC> struct Load16;
@@ -268,6 +139,7 @@ __device__ __forceinline__ void cast_flat(const T* __restrict__ x, unsigned char
 
 // What cast_t reads: load16(r, c, f) the 16 elements x[r, c : c + 16] (VEC: 16-byte aligned), load1 one.
 template <typename T> struct PlainSrc {
+  static constexpr bool CODES = false;
   const T* __restrict__ x;
   int cols;
   __device__ __forceinline__ void load16(int r, int c, float (&f)[16]) const {
@@ -279,6 +151,7 @@ template <typename T> struct PlainSrc {
 // the fused cast of h is bit for bit the cast of swiglu_packed's output (the FP8 MLP's forward, delayed scaling:
 // h is never written in bf16 -- 4 of the 10 bytes an element of the unfused pair, NOTES FP8).
 struct SwigluSrc {
+  static constexpr bool CODES = false;
   const bf16* __restrict__ gu;
   int F;
   __device__ __forceinline__ static float h(float g, float u) {
@@ -298,75 +171,119 @@ struct SwigluSrc {
   }
 };
 
+// FP8 codes already cast (fp8_transpose: the weights' FP8 shadows, written by adam.cu): the tile moves bytes.
+struct CodeSrc {
+  static constexpr bool CODES = true;
+  const unsigned char* __restrict__ q;
+  int cols;
+  __device__ __forceinline__ void codes16(int r, int c, unsigned (&w)[4]) const {
+    const Pack<unsigned, 4> p = load_pack<unsigned, 4>(reinterpret_cast<const unsigned*>(q + (long long)r * cols + c));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = p.v[k];
+  }
+  __device__ __forceinline__ unsigned code1(int r, int c) const { return q[(long long)r * cols + c]; }
+};
+
 // ---- cast_t: q [rows, cols] (optional) and qt [cols, rows] from x [rows, cols], 64 x 64 tiles.
+// The byte transpose (CodeSrc, VEC) takes two tiles a pass (t and t + gridDim.x): both tiles' loads in flight before
+// either is stored, one pair of barriers for both: 48.1 -> 44.2 us at 8192 x 8192 (66 -> 72 % of the copy rate).
+// The casts keep one: two cost them 76 -> 67 % (the 16 floats a tile in registers twice: fewer blocks resident).
 template <int FMT, bool VEC, class Src>
 __device__ __forceinline__ void cast_t_tiles(const Src& x, unsigned char* __restrict__ q,
                                              unsigned char* __restrict__ qt, int rows, int cols, float s,
                                              unsigned* amax_out, unsigned* hist) {
-  __shared__ unsigned tile[64 * 17];  // 64 rows of 68 bytes (17 words)
-  unsigned char* tb = reinterpret_cast<unsigned char*>(tile);
+  constexpr int TP = VEC && Src::CODES ? 2 : 1;
+  __shared__ unsigned tile[TP][64 * 17];  // 64 rows of 68 bytes (17 words) a tile
   const int tr = (rows + 63) >> 6, tc = (cols + 63) >> 6;
   const long long tiles = (long long)tr * tc;
   const int lr = threadIdx.x >> 2, seg = (threadIdx.x & 3) << 4;
   unsigned m = 0;
-  for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int r0 = (int)(t / tc) << 6, c0 = (int)(t % tc) << 6;
-    // x[r0 + lr, c0 + seg : +16] -> codes
-    const int r = r0 + lr, c = c0 + seg;
-    unsigned w[4] = {0u, 0u, 0u, 0u};
+  for (long long t0 = blockIdx.x; t0 < tiles; t0 += (long long)gridDim.x * TP) {
+    int r0[TP], c0[TP];
+    bool mine[TP];  // this thread's 16 elements x[r0 + lr, c0 + seg : +16] exist
+    unsigned w[TP][4];
+#pragma unroll
+    for (int j = 0; j < TP; ++j) {
+      const long long t = t0 + (long long)j * gridDim.x;
+      r0[j] = t < tiles ? (int)(t / tc) << 6 : rows;  // (a tile past the end: every check fails)
+      c0[j] = t < tiles ? (int)(t % tc) << 6 : cols;
+      mine[j] = r0[j] + lr < rows && c0[j] + seg < cols;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[j][k] = 0u;
+    }
     if constexpr (VEC) {
-      if (r < rows && c < cols) {
-        float f[16];
-        x.load16(r, c, f);
-        cast16<FMT>(f, s, w, m);
+      float f[TP][16];
+#pragma unroll
+      for (int j = 0; j < TP; ++j) {
+        if (mine[j]) {
+          if constexpr (Src::CODES) x.codes16(r0[j] + lr, c0[j] + seg, w[j]);
+          else x.load16(r0[j] + lr, c0[j] + seg, f[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < TP; ++j) {
+        if (!mine[j]) continue;
+        if constexpr (!Src::CODES) cast16<FMT>(f[j], s, w[j], m);
         if (q != nullptr) {
           Pack<unsigned, 4> p;
 #pragma unroll
-          for (int k = 0; k < 4; ++k) p.v[k] = w[k];
-          store_pack<unsigned, 4>(reinterpret_cast<unsigned*>(q + (long long)r * cols + c), p);
+          for (int k = 0; k < 4; ++k) p.v[k] = w[j][k];
+          store_pack<unsigned, 4>(reinterpret_cast<unsigned*>(q + (long long)(r0[j] + lr) * cols + c0[j] + seg), p);
         }
       }
     } else {
+      const int r = r0[0] + lr, c = c0[0] + seg;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         if (r < rows && c + i < cols) {
           const long long o = (long long)r * cols + c + i;
-          const float f = x.load1(r, c + i);
-          m = max(m, abs_bits(f));
-          const unsigned code = cast_code<FMT>(f, s);
-          w[i >> 2] |= code << (8 * (i & 3));
+          unsigned code;
+          if constexpr (Src::CODES) {
+            code = x.code1(r, c + i);
+          } else {
+            const float f = x.load1(r, c + i);
+            m = max(m, abs_bits(f));
+            code = cast_code<FMT>(f, s);
+          }
+          w[0][i >> 2] |= code << (8 * (i & 3));
           if (q != nullptr) q[o] = (unsigned char)code;
         }
       }
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) tile[lr * 17 + (seg >> 2) + k] = w[k];
+    for (int j = 0; j < TP; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) tile[j][lr * 17 + (seg >> 2) + k] = w[j][k];
     __syncthreads();
     // qt[c0 + lr, r0 + seg : +16] = tile[seg : +16][lr]
-    const int cc = c0 + lr, rr = r0 + seg;
-    unsigned o[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      unsigned word = 0;
+    for (int j = 0; j < TP; ++j) {
+      const unsigned char* tb = reinterpret_cast<const unsigned char*>(tile[j]);
+      const int cc = c0[j] + lr, rr = r0[j] + seg;
+      unsigned o[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) word |= (unsigned)tb[(seg + 4 * k + i) * 68 + lr] << (8 * i);
-      o[k] = word;
-    }
-    if constexpr (VEC) {
-      if (cc < cols && rr < rows) {
-        Pack<unsigned, 4> p;
+      for (int k = 0; k < 4; ++k) {
+        unsigned word = 0;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) p.v[k] = o[k];
-        store_pack<unsigned, 4>(reinterpret_cast<unsigned*>(qt + (long long)cc * rows + rr), p);
+        for (int i = 0; i < 4; ++i) word |= (unsigned)tb[(seg + 4 * k + i) * 68 + lr] << (8 * i);
+        o[k] = word;
       }
-    } else {
-      if (cc < cols) {
+      if constexpr (VEC) {
+        if (cc < cols && rr < rows) {
+          Pack<unsigned, 4> p;
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-          if (rr + i < rows) qt[(long long)cc * rows + rr + i] = (unsigned char)(o[i >> 2] >> (8 * (i & 3)));
+          for (int k = 0; k < 4; ++k) p.v[k] = o[k];
+          store_pack<unsigned, 4>(reinterpret_cast<unsigned*>(qt + (long long)cc * rows + rr), p);
+        }
+      } else {
+        if (cc < cols) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+            if (rr + i < rows) qt[(long long)cc * rows + rr + i] = (unsigned char)(o[i >> 2] >> (8 * (i & 3)));
+        }
       }
     }
-    __syncthreads();  // the tile is rewritten by the next iteration
+    __syncthreads();  // the tiles are rewritten by the next pass
   }
   if (amax_out != nullptr) block_amax(m, amax_out, hist);
 }
@@ -452,6 +369,15 @@ __device__ __forceinline__ void dequant_flat(const unsigned char* __restrict__ q
 
 FP8_ALL(true, v)
 FP8_ALL(false, s)
+
+// ---- transpose: qt [cols, rows] = q [rows, cols]^T of FP8 codes (any format: bytes), cast_t's tiles.
+#define FP8_TRANSPOSE_ENTRY(VEC, VS)                                                                          \
+  CK_ENTRY(__launch_bounds__(256), fp8_transpose_##VS)(const unsigned char* q, unsigned char* qt, int rows,     \
+                                                      int cols) {                                           \
+    cast_t_tiles<0, VEC>(CodeSrc{q, cols}, nullptr, qt, rows, cols, 1.f, nullptr, nullptr);                   \
+  }
+FP8_TRANSPOSE_ENTRY(true, v)
+FP8_TRANSPOSE_ENTRY(false, s)
 
 // ---- scale: (scale, scale_inv) from an amax on the device (one thread).
 CK_ENTRY(, fp8_scale)(const unsigned* amax, float fmax_m, float* scale, float* scale_inv) {

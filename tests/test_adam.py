@@ -449,3 +449,155 @@ def test_gpu_occupancy_changes_the_grid_not_the_result(occupancy):
         outs.append([a.get() for a in (p, m, v, s)])
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+# ---------------------------------------------------------------- FP8 shadows (adam_step(fp8_shadow=))
+E4 = np.dtype(ck.float8_e4m3fn)
+# Ranges that start and end inside the kernel's 8192-element chunks, two adjacent, one spanning three chunks (the
+# middle one wholly inside it: the uniform path), then elements outside every range.
+FP8_RANGES = [(16, (8, 48)), (400, (16, 16)), (656, (64, 96)), (6800, (32, 32)), (7824, (16, 32)), (9008, (128, 128))]
+FP8_N = 30000
+
+
+def _fp8_expect(p, fs_offsets, fs_shapes, amax_before, margin=0):
+    """q, scale_inv and the new amax of each range from the updated p and the amax each range had before."""
+    out = []
+    for o, (r, c), a in zip(fs_offsets, fs_shapes, amax_before):
+        x = p[o:o + r * c].reshape(r, c)
+        s = A._fp8.ref_scale(a, E4, margin)
+        out.append((A._fp8.ref_cast(x, s, E4), np.float32(1) / s, np.float32(np.abs(x).max())))
+    return out
+
+
+def test_reference_fp8_shadow_writes_codes_with_the_previous_amax(rng):
+    p, g = randn(rng, (FP8_N,), F32), randn(rng, (FP8_N,), F32, scale=0.3)
+    m, v = np.zeros(FP8_N, F32), np.zeros(FP8_N, F32)
+    sh = np.full(FP8_N, np.nan, F32).astype(BF16)
+    fs = ck.Fp8Shadow(p, FP8_RANGES)
+    inside = np.zeros(FP8_N, bool)
+    for o, (r, c) in FP8_RANGES:
+        inside[o:o + r * c] = True
+    for k, (o, (r, c)) in enumerate(FP8_RANGES):  # made from the present values, current scaling
+        x = p[o:o + r * c].reshape(r, c)
+        s = A._fp8.ref_scale(np.abs(x).max(), E4)
+        assert np.array_equal(fs.q[k], A._fp8.ref_cast(x, s, E4)) and np.array_equal(fs.qt[k], fs.q[k].T)
+    for t in (1, 2):
+        before = [np.float32(np.abs(p[o:o + r * c]).max()) for o, (r, c) in FP8_RANGES]
+        ck.adam_step(p, g, m, v, lr=0.05, step=t, shadow=sh, fp8_shadow=fs)
+        for k, (q, si, amax) in enumerate(_fp8_expect(p, fs.offsets, fs.shapes, before)):
+            assert np.array_equal(fs.q[k], q), f"step {t} range {k}"
+            assert np.array_equal(fs.qt[k], q.T)
+            assert fs.scale_inv[k] == si and fs.history[k][0] == A._fp8._as_bits(amax)
+            assert not fs.history[k][1:].any()
+        assert np.isnan(sh[inside].astype(F32)).all()  # no bf16 copy inside the ranges
+        assert np.array_equal(sh[~inside].view(np.uint16), p[~inside].astype(BF16).view(np.uint16))
+    # the dequantised copy is the weight to E4M3's precision (values beyond the old amax saturate)
+    o, (r, c) = FP8_RANGES[2]
+    deq = fs.q[2].view(E4).astype(np.float64) * float(fs.scale_inv[2])
+    np.testing.assert_allclose(deq, p[o:o + r * c].reshape(r, c), rtol=0.07, atol=float(fs.scale_inv[2]) * 2 ** -9)
+    fs2 = fs.with_range(8400, (16, 16))
+    assert len(fs2) == 7 and fs2.q[0] is fs.q[0] and fs2.offsets[-2] == 8400
+
+
+@pytest.mark.parametrize("ranges, exc, msg", [
+    ([(8, (4, 4))], ValueError, r"ranges\[0\]: the offset \(8\) and the size \(4 x 4\) must be multiples of 16"),
+    ([(0, (4, 3))], ValueError, "must be multiples of 16"),
+    ([(32, (16, 16)), (0, (16, 16))], ValueError, r"ranges\[1\]: offset 0 overlaps or precedes"),
+    ([(0, (16, 16)), (128, (16, 16))], ValueError, r"ranges\[1\]: offset 128 overlaps or precedes"),
+    ([(4096, (16, 16))], ValueError, r"run past param \(4100 elements\)"),
+    ([(0, 16)], TypeError, r"ranges\[0\]: expected \(offset, \(rows, cols\)\)"),
+    ((0, (16, 16)), TypeError, r"ranges\[0\]: expected"),
+    ("x", TypeError, "ranges: expected a list"),
+])
+def test_fp8_shadow_bad_ranges(ranges, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ck.Fp8Shadow(np.zeros(4100, F32), ranges)
+
+
+def test_fp8_shadow_bad_arguments():
+    p, g, m, v = (np.zeros(64, F32) for _ in range(4))
+    with pytest.raises(ValueError, match="param: expected the 1-D flat buffer"):
+        ck.Fp8Shadow(p.reshape(8, 8), [])
+    with pytest.raises(TypeError, match="fp8_shadow: expected a ck.Fp8Shadow"):
+        ck.adam_step(p, g, m, v, lr=1e-3, step=1, fp8_shadow=object())
+    with pytest.raises(ValueError, match="fp8_shadow: made on another buffer"):
+        ck.adam_step(p, g, m, v, lr=1e-3, step=1, fp8_shadow=ck.Fp8Shadow(np.zeros(64, F32), [(0, (4, 4))]))
+    with pytest.raises(ValueError, match="margin"):
+        ck.Fp8Shadow(p, [], margin=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gdt", [F32, ck.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("shadow", [False, True], ids=["noshadow", "shadow"])
+def test_gpu_fp8_shadow_matches_reference(rng, gdt, misalign, shadow):
+    """The codes are the reference cast of the kernel's own updated values with the previous amax's scale, bit for
+    bit; scale_inv, the rolled history and q^T too; the bf16 shadow is written outside the ranges only; over three
+    steps (the ticket and the histories reset for the next launch)."""
+    import cupy as cp
+
+    host, dev, _, sh_d, _, _ = _gpu_case(rng, FP8_N, gdt, misalign, shadow, None)
+    if shadow:
+        sh_d.fill(np.nan)
+    fs = ck.Fp8Shadow(dev[0], FP8_RANGES)
+    inside = np.zeros(FP8_N, bool)
+    for o, (r, c) in FP8_RANGES:
+        inside[o:o + r * c] = True
+    for k in range(len(fs)):  # poison: every code must be rewritten by the update
+        fs.q[k].fill(0x7f)
+        fs.qt[k].fill(0x7f)
+    for t in (1, 2, 3):
+        p_before = to_host(dev[0])
+        before = [np.float32(np.abs(p_before[o:o + r * c]).max()) for o, (r, c) in FP8_RANGES]
+        ck.adam_step(*host, lr=1e-2, step=t, weight_decay=0.1)
+        ck.adam_step(*dev, lr=1e-2, step=t, weight_decay=0.1, shadow=sh_d, fp8_shadow=fs)
+        _check_adam(dev, host, None, f"step {t}")
+        p = to_host(dev[0])
+        for k, (q, si, amax) in enumerate(_fp8_expect(p, fs.offsets, fs.shapes, before)):
+            got = to_host(fs.q[k])
+            assert np.array_equal(got, q), f"step {t} range {k}: {np.sum(got != q)} codes differ"
+            assert np.array_equal(to_host(fs.qt[k]), q.T), f"step {t} range {k}: q^T"
+            assert to_host(fs.scale_inv[k]) == si, f"step {t} range {k}: scale_inv"
+            h = to_host(fs.history[k])
+            assert h[0] == A._fp8._as_bits(amax) and not h[1:3].any(), f"step {t} range {k}: history {h}"
+        assert to_host(fs._ticket)[0] == 0
+        if shadow:
+            s = to_host(sh_d)
+            assert np.isnan(s[inside].astype(F32)).all()
+            assert np.array_equal(s[~inside].view(np.uint16), p[~inside].astype(BF16).view(np.uint16))
+    cp.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_shadow_large_and_captured(rng):
+    """Two 1024 x 1024 weights and a bf16 tail in a captured update, replayed: the bits of the eager reference cast
+    of the kernel's values (many blocks on each range: the block maxima and the last block's roll)."""
+    import cupy as cp
+
+    n = 2 * 1024 * 1024 + 5000
+    _, dev, _, sh_d, _, _ = _gpu_case(rng, n, ck.bfloat16, False, True, None)
+    ranges = [(0, (1024, 1024)), (1024 * 1024, (1024, 1024))]
+    fs = ck.Fp8Shadow(dev[0], ranges)
+    lr_d, step_d = cp.array(1e-2, F32), cp.array(1, np.int32)
+    warm = [d.copy() for d in dev]
+    ck.adam_step(*warm, lr=lr_d, step=step_d, shadow=sh_d.copy(),
+                 fp8_shadow=ck.Fp8Shadow(warm[0], ranges))  # compile outside the capture
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        ck.adam_step(*dev, lr=lr_d, step=step_d, shadow=sh_d, fp8_shadow=fs)
+        graph = s.end_capture()
+    for t in (1, 2, 3):
+        before = [np.float32(np.abs(to_host(dev[0])[o:o + r * c]).max()) for o, (r, c) in ranges]
+        with s:
+            step_d.fill(t)
+        graph.launch(s)
+        s.synchronize()
+        p = to_host(dev[0])
+        for k, (q, si, amax) in enumerate(_fp8_expect(p, fs.offsets, fs.shapes, before)):
+            assert np.array_equal(to_host(fs.q[k]), q), f"replay {t} range {k}"
+            assert np.array_equal(to_host(fs.qt[k]), q.T)
+            assert to_host(fs.scale_inv[k]) == si and to_host(fs.history[k])[0] == A._fp8._as_bits(amax)
+        tail = slice(2 * 1024 * 1024, n)
+        assert np.array_equal(to_host(sh_d)[tail].view(np.uint16), p[tail].astype(BF16).view(np.uint16))

@@ -142,6 +142,10 @@ def test_dequantize_every_code(fmt):
     (lambda: ck.fp8_dequantize(np.zeros(4, np.int8), 1.0, q_dtype=E4), TypeError, "q: expected FP8 data"),
     (lambda: ck.fp8_dequantize(np.zeros(4, np.uint8).view(E4), 1.0, q_dtype=E5), TypeError, "q_dtype: .* disagrees"),
     (lambda: ck.fp8_scale(np.float32(1.0)), TypeError, "amax: expected a numpy.ndarray"),
+    (lambda: ck.fp8_transpose(np.zeros(4, np.uint8)), ValueError, "q: expected a 2-D"),
+    (lambda: ck.fp8_transpose(np.zeros((4, 4), np.float32)), TypeError, "q: expected FP8 data"),
+    (lambda: ck.fp8_transpose(np.zeros((4, 4), np.uint8).T), ValueError, "q: expected a C-contiguous"),
+    (lambda: ck.fp8_transpose(np.zeros((4, 2), np.uint8), out=np.zeros((4, 2), np.uint8)), ValueError, "out"),
 ])
 def test_argument_errors(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -454,8 +458,75 @@ def test_fp8_delayed_recipe_trains_a_layer():
     assert np.isfinite(lin.weight.grad).all()
 
 
+def _watch_fp8_shadows(monkeypatch):
+    """The set of parameter-name packs for which AdamW.fp8_shadow handed out an FP8 copy."""
+    packs = set()
+    orig = ck.optim.AdamW.fp8_shadow
+
+    def watched(self, params):
+        r = orig(self, params)
+        if r is not None:
+            packs.add(tuple(self._slot(p).name for p in params))
+        return r
+
+    monkeypatch.setattr(ck.optim.AdamW, "fp8_shadow", watched)
+    return packs
+
+
+def test_optimizer_fp8_shadow_feeds_the_fp8_linear():
+    """AdamW(fp8_shadows=True): the layer reads the optimizer's E4M3 copy (made from the fp32 master at the first
+    call: the same bits as quantising the master, current scaling) and stops reading a bf16 shadow; the update
+    rewrites the copy; refresh_shadows rescales it from the present values."""
+    from cukernels.amp import attach_shadows
+
+    rng = np.random.default_rng(3)
+    lin = nn.Linear(64, 48, rng=rng)
+    opt = ck.optim.AdamW(lin.parameters(), lr=1e-2, fp8_shadows=True)
+    attach_shadows(lin.parameters(), opt)
+    assert lin.weight.shadow is not None and lin.weight.fp8_owner is opt
+    x = randn(rng, (32, 64), np.float32)
+    r = ck.float8
+    with ck.autocast(r):
+        y = lin(ck.tensor(x, requires_grad=True))
+    q, qt, si = opt.fp8_shadow([lin.weight])
+    wq, wqt, sw = ck.fp8_quantize(lin.weight.data, transpose=True)
+    assert np.array_equal(q, wq) and np.array_equal(qt, wqt) and si == sw
+    assert lin.weight.shadow is None
+    with pytest.raises(ValueError, match="has an FP8 shadow instead"):
+        opt.shadow(lin.weight)
+    ref = ck.functional.fp8_linear(ck.tensor(x.astype(ck.bfloat16)), lin.weight, recipe=r)  # casts the master
+    assert np.array_equal(y.data, ref.data)
+    y.backward(randn(rng, y.shape, np.float32).astype(ck.bfloat16))
+    before = np.float32(np.abs(lin.weight.data).max())
+    opt.step()
+    assert opt.fp8_shadow([lin.weight])[0] is q  # the same arrays, rewritten
+    s = ck.ops.fp8.ref_scale(before, E4)
+    assert np.array_equal(q, ck.ops.fp8.ref_cast(lin.weight.data, s, E4)) and si == np.float32(1) / s
+    lin.weight.data[...] *= 4
+    opt.refresh_shadows()
+    assert np.array_equal(q, ck.fp8_quantize(lin.weight.data)[0])
+    assert opt.fp8_shadow([lin.weight, lin.weight]) is None  # a weight already in another pack
+
+
+def test_optimizer_fp8_shadow_refuses_what_it_cannot_keep():
+    rng = np.random.default_rng(4)
+    a, b, c = nn.Linear(32, 16, rng=rng), nn.Linear(32, 16, rng=rng), nn.Linear(48, 16, rng=rng)
+    ps = a.parameters() + b.parameters() + c.parameters()
+    assert ck.optim.AdamW(ps).fp8_shadow([a.weight]) is None  # fp8_shadows=False
+    opt = ck.optim.AdamW(ps, fp8_shadows=True)
+    assert opt.fp8_shadow([a.weight, c.weight]) is None  # widths differ
+    assert opt.fp8_shadow([b.weight, a.weight]) is None  # not back to back in this order
+    assert opt.fp8_shadow([a.weight, b.weight])[0].shape == (32, 32)
+    bias = nn.Linear(16, 16, bias=True, rng=rng)
+    opt2 = ck.optim.AdamW(bias.parameters(), fp8_shadows=True)
+    assert opt2.fp8_shadow([bias.bias]) is None  # not 2-D
+    assert opt2.fp8_shadow([nn.Linear(16, 16).weight]) is None  # not this optimizer's
+    with pytest.raises(TypeError, match="fp8_shadows"):
+        ck.optim.AdamW(ps, fp8_shadows="yes")
+
+
 # ================================================================================== CPU: the trainer
-def test_trainer_fp8_tracks_bf16(tmp_path):
+def test_trainer_fp8_tracks_bf16(tmp_path, monkeypatch):
     from pathlib import Path
 
     from cukernels.train import load_config, trainer
@@ -472,6 +543,17 @@ def test_trainer_fp8_tracks_bf16(tmp_path):
     assert np.isfinite(losses["fp8"]).all()
     np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.02)
     assert not np.array_equal(losses["fp8"], losses["bf16"])  # the GEMMs did run in FP8
+    packs = _watch_fp8_shadows(monkeypatch)
+    cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / 'again'}", "fp8=true"])
+    trainer.train(cfg, quiet=True)
+    assert not packs  # the default, fp8_shadow: false: every step casts the bf16 shadows
+    cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / 'shadow'}", "fp8=true", "fp8_shadow=true"])
+    rows = trainer.train(cfg, quiet=True)
+    np.testing.assert_allclose([r["loss"] for r in rows if r["kind"] == "train"], losses["fp8"], rtol=0.01)
+    # fp8_shadow: true: the optimizer keeps a copy of every Linear weight, gate / up as one pack (q / k / v are packed
+    # on the GPU path only: flash attention's input), a layer each
+    assert sorted(len(k) for k in packs) == [1] * 10 + [2, 2], sorted(packs)
+    assert all(k[0].endswith("gate_proj.weight") for k in packs if len(k) == 2)
     with pytest.raises(ck.train.ConfigError, match="fp8: needs fused: true"):
         load_config(cfg_path, ["fp8=true", "fused=false"])
     assert load_config(cfg_path, ["fp8=true"])["autocast"] == "bf16"
@@ -530,6 +612,18 @@ def test_gpu_cast_transpose_matches_reference(rng, fmt, dtype, shape, misalign):
     ref = ck.fp8_cast(x, 9.0, dtype=fmt)
     np.testing.assert_array_equal(to_host(q), ref)
     np.testing.assert_array_equal(to_host(qt), ref.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(16, 16), (64, 64), (48, 80), (130, 67), (1, 1), (0, 5), (3, 200), (1024, 4096)])
+@pytest.mark.parametrize("misalign", [False, True])
+def test_gpu_fp8_transpose_matches_reference(rng, shape, misalign):
+    q = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    qd = device_copy(q, misalign)
+    out = poisoned(shape[::-1], np.uint8, misalign)
+    got = ck.fp8_transpose(qd, out=out)
+    assert got is out and np.array_equal(to_host(got), q.T)
+    assert np.array_equal(to_host(ck.fp8_transpose(device_copy(q))), ck.fp8_transpose(q))
 
 
 @pytest.mark.gpu
@@ -677,22 +771,25 @@ def test_gpu_fp8_linear_matches_numpy_path(rng, scaling):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph):
+def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph, monkeypatch):
     from pathlib import Path
 
     from cukernels.train import load_config, trainer
+
+    packs = _watch_fp8_shadows(monkeypatch)
 
     cfg_path = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
     small = ["max_steps=30", "eval_every=0", "log_every=5", "plot=false", "batch_size=8", "seq_len=64",
              "total_batch_size=512", "warmup_steps=5", "lr=0.003", "sample_chars=0", "ckpt_final=false",
              "device=gpu", f"graph={str(graph).lower()}"]
     losses = {}
-    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true"])):
+    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true", "fp8_shadow=true"])):
         cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / name}"] + extra)
         rows = trainer.train(cfg, quiet=True)
         losses[name] = np.array([r["loss"] for r in rows if r["kind"] == "train"])
     assert np.isfinite(losses["fp8"]).all()
     np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.03)
+    assert {len(k) for k in packs} == {1, 2, 3}, sorted(packs)  # the optimizer's copies: q / k / v, gate / up, o, down
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """Benchmark cases for ck.adam_step / ck.adam_step_rows / ck.global_norm (kernels_cu/adam.cu).
 
 Bytes are the fewest the update must move: per parameter 4 fp32 reads (p, g, m, v) + 3 fp32 writes (p, m, v)
-= 28 B; +2 B for the bf16 shadow write; -2 B when the gradient is bf16. lr and step are device scalars (as in
+= 28 B; +2 B for the bf16 shadow write; -2 B when the gradient is bf16; +1 B for E4M3 shadow codes (+2 B
+for their transposes). lr and step are device scalars (as in
 a captured training step). The torch row is torch.optim.AdamW(fused=True, capturable=True) on the same
 parameter memory (fp32 grads only: fused AdamW needs grad dtype == param dtype; it has no shadow, so the
 shadow rows compare against its plain update).
@@ -63,6 +64,14 @@ def _dense_cases(ctx, n):
                     note="torch: no shadow"))
     out.append(Case("adam_step bf16 grad +shadow", shape, "f32", 28 * n, "28*n", ours(sh, gb),
                     None if big else (lambda i: _composite(cp, p, gb, m, v, LR, 1000, sh)), None))
+    # FP8 shadows (AdamW(fp8_shadows=True)): E4M3 codes of [2048, 8192] weights tiling the buffer instead of the bf16
+    # copy, then their transposes: 26 B + 1 B codes + 2 B transpose = 29 B/param, against 28 B for the bf16 shadow
+    # plus the 4 B/param cast + transpose the FP8 forward then does on every weight (32 B).
+    W = 2048 * 8192
+    fs = ck.Fp8Shadow(p, [(k * W, (2048, 8192)) for k in range(n // W)])
+    out.append(Case("adam_step bf16 grad +fp8 shadow", shape, "f32", 29 * n, "29*n",
+                    lambda i: ck.adam_step(p, gb, m, v, lr=lr_d, step=step_d, weight_decay=WD, fp8_shadow=fs),
+                    None, None, note="+ transposes"))
     nrm = (lambda i: ck.global_norm(g))
     tn = (lambda i: torch.linalg.vector_norm(tp.grad)) if torch is not None else None
     out.append(Case("global_norm", shape, "f32", 4 * n, "4*n", nrm,

@@ -8,6 +8,7 @@ Casts are memory-bound: bytes per element of a bf16 x (benchmarks/NOTES.md, "FP8
     cast + transpose     read 2, write 1 + 1         4 B    (the K-major copy cuBLASLt's FP8 layout needs)
     quantize, current    amax pass + cast_t          6 B    (two launches; the scale computed in the cast kernel)
     quantize, delayed    cast_t with the history     4 B    (one launch)
+    transpose (codes)    read 1, write 1             2 B    (a weight's q^T from the optimizer's FP8 copy)
     dequantize -> bf16   read 1, write 2             3 B
 
 Shapes: [8192, 2048] (the 1B step's hidden activations at B8 x T1024) and [8192, 8192] (its FFN activations).
@@ -50,9 +51,10 @@ def _cast_cases(ctx, R, C):
     s = cp.asarray(np.float32(448.0 / 12.0))
     si = cp.asarray(np.float32(12.0 / 448.0))
     hists = [ck.fp8_history(x) for x in xs]
-    tx = ts = None
+    tx = ts = tq = None
     if torch is not None:
         tx = [ctx.t(x) for x in xs]
+        tq = [ctx.t(q).view(torch.float8_e4m3fn) for q in qs]
         ts = torch.tensor(448.0 / 12.0, device="cuda")
     tor = (lambda f: f) if torch is not None else (lambda f: None)
     return [
@@ -76,6 +78,9 @@ def _cast_cases(ctx, R, C):
         Case("fp8_quantize grad e5m2 +T", shape, "bf16", 6 * n, "N*(2+2+1+1)",
              lambda i: ck.fp8_quantize(xs[i], dtype=E5, transpose=True, out=qs[i], out_t=qts[i]), None, None,
              extra=dict(nsets=k)),
+        Case("fp8_transpose e4m3", shape, "e4m3", 2 * n, "N*(1+1)",
+             lambda i: ck.fp8_transpose(qs[i], out=qts[i]), None,
+             tor(lambda i: tq[i].t().contiguous()), note="the weights' q^T", extra=dict(nsets=k)),
         Case("fp8_dequantize e4m3->bf16", shape, "e4m3", 3 * n, "N*(1+2)",
              lambda i: ck.fp8_dequantize(qs[i], si, q_dtype=E4, dtype=bf, out=ys[i]), None, None,
              extra=dict(nsets=k)),

@@ -7,12 +7,13 @@ the same cast pass (cuBLASLt on Hopper multiplies FP8 operands only K-major)::
     backward  dx = (s_g s_W)^-1  qg(dy) @ q4(W)^T^T   = dy @ W     qg(dy) [N, out] x W^T [in, out]
               dW += (s_g s_x)^-1 qg(dy)^T @ q4(x)^T^T = dy^T @ x   fp32, beta = 1 into W's .grad
 
-``q4`` is E4M3 (inputs, weights), ``qg`` the recipe's gradient format (E5M2 by default). The weight is read from
-its bf16 shadow (``amp.lowp_weight``) or the fp32 master and quantised per call, once for every use (the q / k / v
-and gate / up packs: one joined weight, one scale). The forward keeps ``q4(x)^T`` (1 byte an element, instead of
-bf16 x's 2) and ``q4(W)^T`` for the backward. The bias, when there is one, is added to the bf16 output and its
-gradient is the bf16 column sums of dy, as in :class:`array_ops.Linear`. Scaling per :class:`amp.Float8Recipe`:
-current (an amax pass before each cast) or delayed (the amax of the previous call of the same layer, kept in a
+``q4`` is E4M3 (inputs, weights), ``qg`` the recipe's gradient format. The weight comes as the optimizer's FP8 copy
+when it keeps one (``w_fp8 = (q, q^T, s_inv)``: ``amp.fp8_weight``, written in the update's pass, no cast here),
+else it is read from its bf16 shadow (``amp.lowp_weight``) or the fp32 master and quantised per call, once for every
+use (the q / k / v and gate / up packs: one joined weight, one scale). The forward keeps ``q4(x)^T`` (1 byte an
+element, instead of bf16 x's 2) and ``q4(W)^T`` for the backward. The bias, when there is one, is added to the bf16
+output and its gradient is the bf16 column sums of dy, as in :class:`array_ops.Linear`. Scaling per
+:class:`amp.Float8Recipe`: current (an amax pass before each cast) or delayed (the amax of the previous call of the same layer, kept in a
 device history on the module: one pass). On NumPy arrays the same Functions run the references (ml_dtypes
 casts, the product of the dequantised values), so the math is checked on the CPU.
 
@@ -84,6 +85,13 @@ def _quantize(t, fmt, recipe, state, slot, transpose=True, amax=None):
     return r if transpose else (r[0], None, r[1])
 
 
+def _weight(src, w_fp8, recipe, state, transpose):
+    """``(q, q^T, s_inv)`` of the weight: the optimizer's FP8 copy when given, else quantised from ``src``."""
+    if w_fp8 is not None:
+        return w_fp8
+    return _quantize(_contig(src), E4M3, recipe, state, "w", transpose)
+
+
 def _gemm(a, b, sa, sb, fa, fb, fast, out=None, out_dtype=None, accumulate=False):
     return _ck_matmul(a, b, trans_b=True, a_scale=sa, b_scale=sb, a_dtype=fa, b_dtype=fb, fast_accum=fast, out=out,
                       out_dtype=out_dtype, beta=1.0 if accumulate else 0.0)
@@ -117,13 +125,13 @@ class Fp8Linear(Function):
     once the step's first write has overwritten the stale buffer)."""
 
     @staticmethod
-    def forward(ctx, x, w, w_lowp=None, b=None, recipe=None, state=None):
+    def forward(ctx, x, w, w_lowp=None, b=None, recipe=None, state=None, w_fp8=None):
         src = w_lowp if w_lowp is not None else w
         x2 = _contig(x.reshape(-1, x.shape[-1]))
         odt = x2.dtype if x2.dtype in B.FLOATS else np.dtype(np.float32)
         tr = any(ctx.needs_input_grad)  # the transposed copies serve the backward only
         xq, xqT, sx = _quantize(x2, E4M3, recipe, state, "x", tr)
-        wq, wqT, sw = _quantize(_contig(src), E4M3, recipe, state, "w", tr)
+        wq, wqT, sw = _weight(src, w_fp8, recipe, state, tr)
         y = _gemm(xq, wq, sx, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
         if b is not None:
             if _xp(y) is np:
@@ -143,7 +151,7 @@ class Fp8Linear(Function):
         gb = None
         if len(ctx.needs_input_grad) > 3 and ctx.needs_input_grad[3]:
             gb = _bias_grad(ctx, 3, g2)
-        return gx, gw, None, gb, None, None
+        return gx, gw, None, gb, None, None, None
 
 
 def _bias_grad(ctx, i, g2):
@@ -161,18 +169,20 @@ class Fp8PackedLinear(Function):
     weight gradient one GEMM into the joined ``.grad`` buffers or one per weight on row slices of ``dy^T``."""
 
     @staticmethod
-    def forward(ctx, x, lows, recipe, state, *ws):
-        srcs = [lo if lo is not None else w for w, lo in zip(ws, lows)]
+    def forward(ctx, x, lows, recipe, state, w_fp8, *ws):
         x2 = _contig(x.reshape(-1, x.shape[-1]))
         odt = x2.dtype if x2.dtype in B.FLOATS else np.dtype(np.float32)
         cuts = np.cumsum([0] + [w.shape[0] for w in ws]).tolist()
-        W = joined_rows(srcs)
-        if W is None:
-            xp = _xp(x2)
-            W = xp.concatenate([s if s.dtype == srcs[0].dtype else s.astype(srcs[0].dtype) for s in srcs], axis=0)
+        W = None
+        if w_fp8 is None:
+            srcs = [lo if lo is not None else w for w, lo in zip(ws, lows)]
+            W = joined_rows(srcs)
+            if W is None:
+                W = _xp(x2).concatenate([s if s.dtype == srcs[0].dtype else s.astype(srcs[0].dtype) for s in srcs],
+                                        axis=0)
         tr = any(ctx.needs_input_grad)
         xq, xqT, sx = _quantize(x2, E4M3, recipe, state, "x", tr)
-        wq, wqT, sw = _quantize(_contig(W), E4M3, recipe, state, "w", tr)
+        wq, wqT, sw = _weight(W, w_fp8, recipe, state, tr)
         y = _gemm(xq, wq, sx, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
         ctx.save_for_backward(xqT, wqT, sx, sw)
         ctx.xshape, ctx.xdtype, ctx.recipe, ctx.state, ctx.cuts = x.shape, odt, recipe, state, cuts
@@ -191,7 +201,7 @@ class Fp8PackedLinear(Function):
             st.g_amax = None
         _, gqT, sg, gx = _dy_and_dx(ctx, g, wqT, sw, ctx.xdtype, amax=amax)
         gx = None if gx is None else gx.reshape(ctx.xshape)
-        first = 4  # the weights' argument positions: (x, lows, recipe, state, *ws)
+        first = 5  # the weights' argument positions: (x, lows, recipe, state, w_fp8, *ws)
         want = [ctx.needs_input_grad[first + i] for i in range(n)]
         bufs = [ctx.leaf_grad(first + i) for i in range(n)]
         G = joined_rows(bufs) if all(want) else None
@@ -205,7 +215,7 @@ class Fp8PackedLinear(Function):
         else:
             for i in range(n):  # dy^T's rows of weight i: contiguous, 16-byte aligned (N % 16)
                 gws[i] = _dw(ctx, first + i, gqT[cuts[i]:cuts[i + 1]], xqT, sg, sx)
-        return (gx, None, None, None, *gws)
+        return (gx, None, None, None, None, *gws)
 
 
 class Fp8SwiGLUDown(Function):
@@ -218,7 +228,7 @@ class Fp8SwiGLUDown(Function):
     never stored in bf16."""
 
     @staticmethod
-    def forward(ctx, gu, w, w_lowp=None, recipe=None, state=None, up_state=None):
+    def forward(ctx, gu, w, w_lowp=None, recipe=None, state=None, up_state=None, w_fp8=None):
         xp = _xp(gu)
         src = w_lowp if w_lowp is not None else w
         odt = gu.dtype if gu.dtype in B.FLOATS else np.dtype(np.float32)
@@ -232,7 +242,7 @@ class Fp8SwiGLUDown(Function):
             amax = None if _delayed(recipe, "x") else xp.empty((), np.float32)
             h = _swiglu_p(gu, amax=amax)
             hq, hqT, sh = _quantize(h.reshape(-1, h.shape[-1]), E4M3, recipe, state, "x", tr, amax=amax)
-        wq, wqT, sw = _quantize(_contig(src), E4M3, recipe, state, "w", tr)
+        wq, wqT, sw = _weight(src, w_fp8, recipe, state, tr)
         y = _gemm(hq, wq, sh, sw, E4M3, E4M3, recipe.fast_accum, out_dtype=odt)
         ctx.save_for_backward(gu, hqT, wqT, sh, sw)
         ctx.recipe, ctx.state, ctx.up_state = recipe, state, up_state
@@ -249,25 +259,29 @@ class Fp8SwiGLUDown(Function):
             dgu = _swiglu_p_bwd(gu, dh.reshape(gu.shape[:-1] + (gu.shape[-1] // 2,)), amax=amax)
             if amax is not None:
                 up.g_amax = (dgu, amax)
-        return dgu, _dw(ctx, 1, gqT, hqT, sg, sh), None, None, None, None
+        return dgu, _dw(ctx, 1, gqT, hqT, sg, sh), None, None, None, None, None
 
 
-def fp8_swiglu_down(gu, w, w_lowp=None, *, recipe, state=None, up_state=None):
+def fp8_swiglu_down(gu, w, w_lowp=None, *, recipe, state=None, up_state=None, w_fp8=None):
     """``swiglu_packed(gu) @ w.T`` in FP8 (:class:`Fp8SwiGLUDown`); ``state`` the down projection's
-    :class:`Fp8State`, ``up_state`` the gate / up pack's (the dgu amax goes there), or None."""
-    return Fp8SwiGLUDown.apply(gu, w, w_lowp, recipe, state, up_state)
+    :class:`Fp8State`, ``up_state`` the gate / up pack's (the dgu amax goes there), or None; ``w_fp8`` the
+    optimizer's ``(q, q^T, s_inv)`` of w (``amp.fp8_weight``) or None."""
+    return Fp8SwiGLUDown.apply(gu, w, w_lowp, recipe, state, up_state, w_fp8)
 
 
-def fp8_linear(x, w, w_lowp=None, b=None, *, recipe, state=None):
+def fp8_linear(x, w, w_lowp=None, b=None, *, recipe, state=None, w_fp8=None):
     """``x @ w.T (+ b)`` with the GEMMs in FP8 (:class:`Fp8Linear`); ``recipe`` an :class:`amp.Float8Recipe`,
-    ``state`` the layer's :class:`Fp8State` (delayed scaling)."""
-    return Fp8Linear.apply(x, w, w_lowp, b, recipe, state)
+    ``state`` the layer's :class:`Fp8State` (delayed scaling), ``w_fp8`` the optimizer's ``(q, q^T, s_inv)`` of w
+    (``amp.fp8_weight``) or None (w is quantised here)."""
+    return Fp8Linear.apply(x, w, w_lowp, b, recipe, state, w_fp8)
 
 
-def fp8_packed_linear(x, ws, lows=None, *, recipe, state=None):
-    """``x @ concat(ws, axis=0).T`` with the GEMMs in FP8 (:class:`Fp8PackedLinear`)."""
+def fp8_packed_linear(x, ws, lows=None, *, recipe, state=None, w_fp8=None):
+    """``x @ concat(ws, axis=0).T`` with the GEMMs in FP8 (:class:`Fp8PackedLinear`); ``w_fp8`` the optimizer's
+    ``(q, q^T, s_inv)`` of the joined weights or None."""
     ws = list(ws)
-    return Fp8PackedLinear.apply(x, tuple(lows) if lows is not None else (None,) * len(ws), recipe, state, *ws)
+    return Fp8PackedLinear.apply(x, tuple(lows) if lows is not None else (None,) * len(ws), recipe, state, w_fp8,
+                                 *ws)
 
 
 __all__ = ["Fp8Linear", "Fp8PackedLinear", "Fp8State", "Fp8SwiGLUDown", "fp8_linear", "fp8_ok", "fp8_packed_linear",

@@ -74,7 +74,8 @@ def project_packed(module, x, linears):
     ws, lows = zip(*(weight_for_gemm(module, lin.weight) for lin in linears))
     r = fp8_recipe(module, x, linears[0].in_features, sum(lin.out_features for lin in linears))
     if r is not None:  # autocast(ck.float8): the pack's GEMMs in FP8, one joined weight and scale
-        return F.fp8_packed_linear(x, ws, lows, recipe=r, state=fp8_state(module, "_fp8_packed_state"))
+        return F.fp8_packed_linear(x, ws, lows, recipe=r, state=fp8_state(module, "_fp8_packed_state"),
+                                   w_fp8=amp.fp8_weight([lin.weight for lin in linears]))
     return F.packed_linear(x, ws, lows)
 
 
@@ -131,7 +132,8 @@ class Linear(Module):
         if r is not None:  # autocast(ck.float8): the three GEMMs on FP8 tensor cores (functional/fp8.py)
             x = autocast_input(x)
             wt, wl = weight_for_gemm(self, self.weight)
-            return F.fp8_linear(x, wt, wl, self.bias, recipe=r, state=fp8_state(self))
+            return F.fp8_linear(x, wt, wl, self.bias, recipe=r, state=fp8_state(self),
+                                w_fp8=amp.fp8_weight([self.weight]))
         return project(self, x, self.weight, self.bias)
 
     def extra_repr(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _backend as B
+from .. import amp
 from .. import functional as F
 from .layers import Linear, fp8_recipe, fp8_state, packable, project_packed, weight_for_gemm
 from .module import Module, check_param_args
@@ -33,6 +34,7 @@ class SwiGLUMLP(Module):
                 pack8 = (not any(hasattr(lin, "project_packed") for lin in pair)  # project_packed ran the FP8 pack
                          and fp8_recipe(self, x, pair[0].in_features, sum(lin.out_features for lin in pair)) is not None)
                 up = fp8_state(self, "_fp8_packed_state") if pack8 else None
-                return F.fp8_swiglu_down(gu, wt, wl, recipe=r, state=fp8_state(down), up_state=up)
+                return F.fp8_swiglu_down(gu, wt, wl, recipe=r, state=fp8_state(down), up_state=up,
+                                         w_fp8=amp.fp8_weight([down.weight]))
             return down(F.swiglu_packed(gu))
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused))

@@ -21,6 +21,7 @@ import numpy as np
 from .. import _backend as B
 from .._loader import get_function
 from . import _launch as L
+from . import fp8 as _fp8
 
 FAMILY = "adam"
 THREADS = 256
@@ -261,10 +262,165 @@ def _grid(wave, work_items):
     return min(max(1, -(-work_items // THREADS)), wave)
 
 
+
+# ---------------------------------------------------------------------------------------------- FP8 shadows
+class Fp8Shadow:
+    """FP8 (E4M3) copies of matrices inside a flat float32 parameter buffer, each with its own per-tensor scale,
+    written by :func:`adam_step` in its pass (``adam_step(..., fp8_shadow=)``) where the bf16 shadow would be: the
+    FP8 linear layers then read the weight as the GEMM takes it, with no cast of their own (``autocast(ck.float8)``
+    with ``ck.optim.AdamW(fp8_shadows=True)``).
+
+    The scale of range k after an update is the one its previous amax gives (``fp8_quantize``'s delayed rule,
+    history of one): ``s_k = 448 * 2**-margin / max|p_k|`` of the values before the update, written into
+    ``scale_inv[k]`` as ``1 / s_k``; the update records the new max in ``history[k]`` in the same pass. A weight
+    moves by about lr a step, so the scale is the current one to ~0.1 %; a value beyond the old max saturates at 448.
+    :meth:`refresh` rescales from the present values (current scaling): call it after writing the parameters
+    other than through :func:`adam_step` (a loaded checkpoint).
+
+    Args:
+        param: the 1-D float32 buffer :func:`adam_step` will update; the copies are made from its values now.
+        ranges: ``[(offset, (rows, cols)), ...]``: row-major matrices in ``param`` at element offsets that are
+            multiples of 16, sorted and disjoint, ``rows * cols`` a multiple of 16.
+        margin: an integer in [0, 64]: the scale is divided by ``2**margin``.
+        transpose: also keep ``qt[k] = q[k].T`` (the input-gradient GEMM's operand), rewritten after each update.
+
+    Attributes (one entry per range): ``q`` ([rows, cols] uint8 E4M3 bits), ``qt`` ([cols, rows] or None),
+    ``scale_inv`` (0-d float32), ``history`` (uint32[4], :func:`cukernels.fp8_history`'s layout).
+
+    Example::
+
+        >>> P = cp.zeros(2 * 4096, cp.float32); ...          # two 64 x 64 weights back to back
+        >>> fs = ck.Fp8Shadow(P, [(0, (64, 64)), (4096, (64, 64))])
+        >>> ck.adam_step(P, G, M, V, lr=1e-3, step=1, fp8_shadow=fs)
+        >>> y = ck.matmul(xq, fs.q[0], trans_b=True, a_scale=sx, b_scale=fs.scale_inv[0], ...)
+    """
+
+    def __init__(self, param, ranges, *, margin=0, transpose=True, _reuse=None):
+        xp = B.array_module(param=param)
+        B.check_dtype("param", param, (np.float32,))
+        B.check_contiguous("param", param)
+        if param.ndim != 1:
+            raise ValueError(f"param: expected the 1-D flat buffer adam_step updates; got shape {tuple(param.shape)}")
+        self.margin = _fp8._check_margin(margin)
+        self.transpose = B.check_bool("transpose", transpose)
+        if not isinstance(ranges, (list, tuple)):
+            raise TypeError(f"ranges: expected a list of (offset, (rows, cols)); got {type(ranges).__name__}")
+        self.xp, self.param = xp, param
+        self.offsets, self.shapes = [], []
+        end = 0
+        for i, r in enumerate(ranges):
+            try:
+                off, (rows, cols) = r
+            except (TypeError, ValueError):
+                raise TypeError(f"ranges[{i}]: expected (offset, (rows, cols)); got {r!r}") from None
+            off = B.check_int(f"ranges[{i}] offset", off, min=0)
+            rows = B.check_int(f"ranges[{i}] rows", rows, min=1)
+            cols = B.check_int(f"ranges[{i}] cols", cols, min=1)
+            if off % 16 or (rows * cols) % 16:
+                raise ValueError(f"ranges[{i}]: the offset ({off}) and the size ({rows} x {cols}) must be multiples "
+                                 "of 16 elements")
+            if off < end:
+                raise ValueError(f"ranges[{i}]: offset {off} overlaps or precedes the range before it (ends at "
+                                 f"{end}); give the ranges sorted and disjoint")
+            end = off + rows * cols
+            if end > param.size:
+                raise ValueError(f"ranges[{i}]: elements [{off}, {end}) run past param ({param.size} elements)")
+            self.offsets.append(off)
+            self.shapes.append((rows, cols))
+        old = {}
+        if _reuse is not None:
+            old = {(o, s): k for k, (o, s) in enumerate(zip(_reuse.offsets, _reuse.shapes))}
+        self.q, self.qt, self.scale_inv, self.history = [], [], [], []
+        fresh = []
+        for off, shp in zip(self.offsets, self.shapes):
+            k = old.get((off, shp))
+            if k is not None:  # the same range of the same buffer: keep its arrays (views handed out stay valid)
+                for mine, theirs in ((self.q, _reuse.q), (self.qt, _reuse.qt), (self.scale_inv, _reuse.scale_inv),
+                                     (self.history, _reuse.history)):
+                    mine.append(theirs[k])
+                continue
+            fresh.append(len(self.q))
+            self.q.append(xp.zeros(shp, np.uint8))
+            self.qt.append(xp.zeros(shp[::-1], np.uint8) if self.transpose else None)
+            self.scale_inv.append(xp.ones((), np.float32))
+            self.history.append(xp.zeros((4,), np.uint32))
+        if xp is not np:  # the kernel's tables: [lo, hi] and (q, history, scale_inv) pointers per range
+            self._lohi = xp.asarray(np.array([(o, o + r * c) for o, (r, c) in zip(self.offsets, self.shapes)],
+                                             np.int64).reshape(-1, 2))
+            ptrs = [(q.data.ptr, h.data.ptr, s.data.ptr) for q, h, s in zip(self.q, self.history, self.scale_inv)]
+            self._ptrs = xp.asarray(np.array(ptrs, np.uint64).reshape(-1, 3))
+            self._ticket = xp.zeros((1,), np.uint32)
+        for k in fresh:
+            self._refresh(k)
+
+    def __len__(self):
+        return len(self.offsets)
+
+    def with_range(self, offset, shape):
+        """A new :class:`Fp8Shadow` of the same buffer with one more range; the existing ranges keep their arrays
+        (and values), the new one is made from the parameter's present values."""
+        ranges = sorted(list(zip(self.offsets, self.shapes)) + [(offset, tuple(shape))])
+        return Fp8Shadow(self.param, ranges, margin=self.margin, transpose=self.transpose, _reuse=self)
+
+    def _view(self, k):
+        o, (r, c) = self.offsets[k], self.shapes[k]
+        return self.param[o:o + r * c].reshape(r, c)
+
+    def _refresh(self, k):
+        x = self._view(k)
+        h = self.history[k]
+        h[...] = _fp8.fp8_history(x)
+        _fp8.fp8_quantize(x, margin=self.margin, history=h, out=self.q[k], scale_inv=self.scale_inv[k])
+        if self.transpose:
+            _fp8.fp8_transpose(self.q[k], out=self.qt[k])
+
+    def refresh(self):
+        """Recompute every copy from the parameter's present values (current scaling: each range's scale from
+        its own amax), e.g. after loading a checkpoint into the buffer."""
+        for k in range(len(self)):
+            self._refresh(k)
+
+    def _transposes(self):
+        if self.transpose:
+            for q, qt in zip(self.q, self.qt):
+                _fp8.fp8_transpose(q, out=qt)
+
+    def _ref_update(self, p, shadow):
+        """The NumPy reference of the kernel's FP8 part, on the updated flat ``p``: the codes, scale_inv and the
+        history of every range, and the bf16 shadow outside the ranges."""
+        if shadow is not None:
+            keep = np.zeros(p.size, bool)
+            for o, (r, c) in zip(self.offsets, self.shapes):
+                keep[o:o + r * c] = True
+            flat = shadow.reshape(-1)
+            flat[~keep] = p[~keep].astype(B.bfloat16)
+        e4 = B.float8_e4m3fn
+        for k, (o, (r, c)) in enumerate(zip(self.offsets, self.shapes)):
+            x = p[o:o + r * c].reshape(r, c)
+            h = self.history[k]
+            s = _fp8.ref_scale(h[:1].view(np.float32)[0], e4, self.margin)
+            self.q[k][...] = _fp8.ref_cast(x, s, e4)
+            self.scale_inv[k][...] = np.float32(1.0) / s
+            h[0] = _fp8._as_bits(_fp8.ref_amax(x))
+            h[1:3] = 0
+            if self.transpose:
+                self.qt[k][...] = self.q[k].T
+
+_FP8_CHUNK = 8192  # elements a block takes at a time in adam_fp8_* (ADAM_CHUNK in adam.cu)
+
+
+def _check_fp8_shadow(fs, param, xp):
+    if not isinstance(fs, Fp8Shadow):
+        raise TypeError(f"fp8_shadow: expected a ck.Fp8Shadow (made on param) or None; got {type(fs).__name__}")
+    if fs.xp is not xp or _ptr_range(fs.param) != _ptr_range(param):
+        raise ValueError("fp8_shadow: made on another buffer; build it with ck.Fp8Shadow(param, ranges) on the param "
+                         "this step updates")
+
+
 # ---------------------------------------------------------------------------------------------- adam_step
 @B.interop
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=0.0, shadow=None, grad_scale=None, error=None, occupancy=1.0):
+              weight_decay=0.0, shadow=None, grad_scale=None, error=None, occupancy=1.0, fp8_shadow=None):
     """One fused AdamW update, in place (decoupled weight decay, PyTorch's ``AdamW`` formula).
 
     With ``g = grad_scale * grad`` and ``t = step``::
@@ -290,6 +446,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
         grad_scale: optional 0-d float32 array (>= 0) multiplying the gradient first (clipping scale, inverse
             loss scale); a plain number is accepted for eager use.
         error: optional 0-d int32 device array for the kernel's error bits (default: :func:`adam_error_word`).
+        fp8_shadow: optional :class:`Fp8Shadow` of ``param`` (made on this buffer): inside its ranges the
+            updated values are written as E4M3 codes with their delayed scales (instead of to ``shadow``, whose
+            elements there are left as they were), then the transposed copies. One launch for every range.
         occupancy: how many full waves of blocks the grid holds, a number in (0, 64] (default 1: one persistent
             wave, each block looping over its share). Below 1 every SM keeps room for another kernel's blocks
             while this one runs; above 1 the blocks are shorter-lived and the block scheduler hands each SM a new
@@ -328,6 +487,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
                              f"(shape {tuple(a.shape)})")
 
     _check_buffers(param, grad, exp_avg, exp_avg_sq, shadow, same_size)
+    if fp8_shadow is not None:
+        _check_fp8_shadow(fp8_shadow, param, xp)
     n = param.size
     if n == 0:
         return None
@@ -338,17 +499,28 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, step, beta1=0.9, beta2=0.
         param[...] = p.reshape(param.shape)
         exp_avg[...] = m.reshape(param.shape)
         exp_avg_sq[...] = v.reshape(param.shape)
-        if shadow is not None:
+        if fp8_shadow is not None:
+            fp8_shadow._ref_update(p, shadow)
+        elif shadow is not None:
             shadow[...] = p.astype(B.bfloat16).reshape(shadow.shape)
         return None
 
+    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err)
+    sh = shadow if shadow is not None else B.NULL
+    if fp8_shadow is not None and len(fp8_shadow):
+        fs = fp8_shadow
+        vec = B.aligned16(param, grad, exp_avg, exp_avg_sq, *([shadow] if shadow is not None else []), *fs.q)
+        k, wave = _kernel(f"adam_fp8_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
+        grid = _grid(max(1, int(wave * occupancy)), -(-n // (_FP8_CHUNK // THREADS)))
+        k((grid,), (THREADS,), (param, grad, exp_avg, exp_avg_sq, sh, np.int64(n), np.int32(len(fs)), fs._lohi,
+                                fs._ptrs, _fp8._fmax_m(B.float8_e4m3fn, fs.margin), fs._ticket, *args))
+        fs._transposes()
+        return None
     vec = n >= 8 and B.aligned16(*(a for a in (param, grad, exp_avg, exp_avg_sq, shadow) if a is not None))
     k, wave = _kernel(f"adam_{B.DTYPE_TAG[grad.dtype]}_{'v' if vec else 's'}")
     tail = (n % 8) if vec else n
     grid = _grid(max(1, int(wave * occupancy)), max(n // 8 if vec else 0, tail))
-    args = _kernel_scalars(lr, step, grad_scale, beta1, beta2, eps, weight_decay, err)
-    k((grid,), (THREADS,),
-      (param, grad, exp_avg, exp_avg_sq, shadow if shadow is not None else B.NULL, np.int64(n), *args))
+    k((grid,), (THREADS,), (param, grad, exp_avg, exp_avg_sq, sh, np.int64(n), *args))
     return None
 
 
@@ -749,4 +921,4 @@ def warmup_cosine(t, max_lr, min_lr, warmup, total):
     return min_lr + (max_lr - min_lr) * 0.5 * (1.0 + np.cos(np.pi * q))
 
 
-__all__ = ["adam_error", "adam_step", "adam_step_rows", "clip_scale", "global_norm", "zero_rows"]
+__all__ = ["Fp8Shadow", "adam_error", "adam_step", "adam_step_rows", "clip_scale", "global_norm", "zero_rows"]

@@ -1,6 +1,6 @@
 """FP8 casts with the scales on the device: ``ck.fp8_amax``, ``ck.fp8_scale``, ``ck.fp8_cast``, ``ck.fp8_quantize``,
-``ck.fp8_history``, ``ck.fp8_dequantize``. Kernels: ``kernels_cu/fp8.cu``; the FP8 GEMM is ``ck.matmul`` on these
-(``cukernels/blaslt.py``).
+``ck.fp8_history``, ``ck.fp8_dequantize``, ``ck.fp8_transpose``. Kernels: ``kernels_cu/fp8.cu``; the FP8 GEMM is
+``ck.matmul`` on these (``cukernels/blaslt.py``).
 
 FP8 data is held as **uint8 arrays of the FP8 bits**: CuPy 14 has no float8 dtype (it knows a C type for
 ml_dtypes' bfloat16 only), so on the device a uint8 array carries them and the ops that read FP8 are told the format
@@ -510,4 +510,46 @@ def fp8_dequantize(q, scale_inv, *, q_dtype=None, dtype=np.float32, out=None):
     return y
 
 
-__all__ = ["fp8_amax", "fp8_cast", "fp8_dequantize", "fp8_history", "fp8_quantize", "fp8_scale", "fp8_swiglu_quantize"]
+@B.interop
+def fp8_transpose(q, *, out=None):
+    """``q.T`` of a 2-D array of FP8 codes, C-contiguous: the operand layout cuBLASLt's FP8 GEMMs need for the other
+    product (``ck.Fp8Shadow`` keeps a weight's ``q^T`` for the input gradient this way: 2 bytes an element, where
+    a cast with the transpose from bf16 moves 4). The bytes move unchanged, whatever the format.
+
+    Args:
+        q: 2-D uint8 bits or a NumPy float8 array, C-contiguous.
+        out: optional output of shape ``q.shape[::-1]`` and q's dtype.
+
+    Returns:
+        the transposed copy.
+
+    Example::
+
+        >>> wq, sw = ck.fp8_quantize(w)
+        >>> wqt = ck.fp8_transpose(wq)            # == ck.fp8_quantize(w, transpose=True)[1]
+    """
+    xp = B.array_module(q=q, out=out)
+    B.check_array("q", q)
+    if q.dtype != UINT8 and q.dtype not in B.FP8:
+        raise TypeError(f"q: expected FP8 data (uint8 bits or a NumPy float8 array); got dtype {q.dtype}")
+    if q.ndim != 2:
+        raise ValueError(f"q: expected a 2-D (rows, cols) array; got shape {tuple(q.shape)}")
+    B.check_contiguous("q", q)
+    rows, cols = (int(d) for d in q.shape)
+    if rows >= 2**31 or cols >= 2**31:
+        raise ValueError(f"q: at most 2**31 - 1 rows and columns; got shape {tuple(q.shape)}")
+    qt = B.empty(xp, (cols, rows), q.dtype, out)
+    if xp is np:
+        qt[...] = q.T
+        return qt
+    if q.size == 0:
+        return qt
+    vec = rows % 16 == 0 and cols % 16 == 0 and B.aligned16(q, qt)
+    k = get_function(FAMILY, f"fp8_transpose_{'v' if vec else 's'}")
+    tiles = -(-rows // 64) * -(-cols // 64)
+    k((int(max(1, min(tiles, L.wave(k, THREADS)))),), (THREADS,), (q, qt, np.int32(rows), np.int32(cols)))
+    return qt
+
+
+__all__ = ["fp8_amax", "fp8_cast", "fp8_dequantize", "fp8_history", "fp8_quantize", "fp8_scale", "fp8_swiglu_quantize",
+           "fp8_transpose"]

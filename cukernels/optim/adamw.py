@@ -204,6 +204,7 @@ class _Group:
         self.slots = []
         self.layout = None
         self.P = self.G = self.S = self.W = self.M = self.V = self.GS = None
+        self.F8 = None  # the ck.Fp8Shadow of P's FP8 packs (AdamW(fp8_shadows=True)), or None
         self.sparse_grads = []  # (slot, SparseRowGrad) attached over G
         self.rows = self.row_count = None  # sparse: the device row list / count each step updates (None: dense)
         self.last_rows = False  # sparse: the last step updated only the listed rows
@@ -289,6 +290,9 @@ class AdamW:
             other way (the checkpoint and gather methods do).
         sparse_rows: None (default) or the most rows of a sparse table one rank touches in a step: across ranks the
             rows are then exchanged and updated lazily (module docstring); needs :meth:`attach_sparse` for each.
+        fp8_shadows: let the FP8 linear layers ask for their weights as E4M3 copies written by the update itself
+            (:meth:`fp8_shadow`, ``ck.Fp8Shadow``; a world of one). Those weights get no bf16 shadow: under
+            ``autocast(ck.float8)`` nothing casts them any more (4 bytes an element a step: ~1 ms at LLaMA-1B).
 
     Example::
 
@@ -303,7 +307,7 @@ class AdamW:
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, group=None,
                  shadow_dtype=B.bfloat16, no_decay=None, sparse=None, grad_dtype=np.float32, gather_fp32=None,
                  wire_dtype=None, average=True, bucket_elems=None, sm_margin=0, overlap_gather=False,
-                 sparse_rows=None):
+                 sparse_rows=None, fp8_shadows=False):
         lr, beta1, beta2, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
         if shadow_dtype is not None:
             B.check_dtype_arg("shadow_dtype", shadow_dtype, (B.bfloat16,))
@@ -324,6 +328,8 @@ class AdamW:
             raise ValueError("overlap_gather: defers the all-gather of the bf16 shadows; with shadow_dtype=None there "
                              "are none (pass overlap_gather=False)")
         self._sm_prev = None  # the cuBLAS SM target to restore while a margin is in force
+        self.fp8_shadows = B.check_bool("fp8_shadows", fp8_shadows)
+        self._fp8 = {}  # tuple of slot names -> (group, range index): the packs fp8_shadow has made
 
         entries = self._normalise(params)
         if not entries:
@@ -339,6 +345,10 @@ class AdamW:
                             f"{xp.__name__} arrays")
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
+        if self.fp8_shadows and self.world_size > 1:
+            raise ValueError("fp8_shadows: the FP8 copies are written by the update of whole weights, on one rank; "
+                             f"with {self.world_size} ranks each updates a piece (pass fp8_shadows=False: the FP8 "
+                             "layers then cast the gathered bf16 shadows)")
         N = self.world_size
         if N > 1 and self.grad_dtype == B.bfloat16 and self.wire_dtype != B.bfloat16:
             raise ValueError("grad_dtype: bf16 gradient buffers go on the wire as they are; pass "
@@ -505,8 +515,53 @@ class AdamW:
         """The parameter's bf16 shadow (a view), rewritten by every ``step()``; for autocast."""
         s = self._slot(p)
         if s.shadow is None:
+            if any(s.name in key for key in self._fp8):
+                raise ValueError(f"shadow: {s.name} has an FP8 shadow instead (fp8_shadow); its bf16 copy is no "
+                                 "longer written")
             raise ValueError("shadow: this optimizer was built with shadow_dtype=None")
         return s.shadow
+
+    def fp8_shadow(self, params):
+        """``(q, q^T, scale_inv)``: the E4M3 copy of these 2-D parameters joined by rows (a q / k / v pack: one
+        matrix, one scale), written by every ``step()`` in the update's own pass (``ck.Fp8Shadow``: the scale
+        from the amax after the previous update; ``q^T`` for the input-gradient GEMM), or None where it cannot
+        be kept: ``fp8_shadows=False``, several ranks, a graph being captured (the first call allocates: make it
+        eagerly), or parameters that are not float32 2-D matrices of one width back to back in one dense group
+        with sizes multiples of 16. From the first call on, their bf16 shadows are no longer written
+        (:meth:`shadow` raises; ``amp.lowp_weight`` then returns None and a bf16 use casts the fp32 master)."""
+        if not self.fp8_shadows or self.world_size > 1:
+            return None
+        try:
+            slots = [self._slot(p) for p in params]
+        except (KeyError, ValueError, TypeError):
+            return None
+        key = tuple(s.name for s in slots)
+        hit = self._fp8.get(key)
+        if hit is not None:
+            g, off = hit
+            k = g.F8.offsets.index(off)
+            return g.F8.q[k], g.F8.qt[k], g.F8.scale_inv[k]
+        g = slots[0].group
+        if g.sparse or any(s.group is not g for s in slots) or any(s.name in k for k in self._fp8 for s in slots):
+            return None
+        if any(len(s.shape) != 2 or s.shape[1] != slots[0].shape[1] for s in slots):
+            return None
+        offs = [g.layout.offsets[s.index] for s in slots]
+        if any(offs[i] + slots[i].data.size != offs[i + 1] for i in range(len(slots) - 1)):
+            return None
+        rows, cols = sum(s.shape[0] for s in slots), slots[0].shape[1]
+        if offs[0] % 16 or (rows * cols) % 16:
+            return None
+        if self.xp is not np and self.xp.cuda.get_current_stream().is_capturing():
+            return None
+        g.F8 = (_A.Fp8Shadow(g.P, [(offs[0], (rows, cols))]) if g.F8 is None
+                else g.F8.with_range(offs[0], (rows, cols)))
+        self._fp8[key] = (g, offs[0])
+        for s in slots:  # the update writes E4M3 here instead of bf16: no stale bf16 copy may be read
+            s.shadow = None
+            if s.obj is not None and getattr(s.obj, "shadow", None) is not None:
+                s.obj.shadow = None
+        return self.fp8_shadow(params)
 
     def _moment(self, p, buf):
         s = self._slot(p)
@@ -610,6 +665,8 @@ class AdamW:
                 s.data[...] = d
                 if s.shadow is not None:
                     s.shadow[...] = s.data.astype(B.bfloat16)
+                if s.group.F8 is not None:
+                    s.group.F8.refresh()
                 obj.data = s.data
             gr = getattr(obj, "grad", None)
             if gr is not s.grad:
@@ -978,7 +1035,7 @@ class AdamW:
             lo, hi = b.piece_range(r)
             sh = slice(b.shard_offset, b.shard_offset + b.piece)
             _A.adam_step(g.P[lo:hi], g.GS[sh], g.M[sh], g.V[sh], weight_decay=g.wd,
-                         shadow=g.S[lo:hi] if g.S is not None else None, **dense)
+                         shadow=g.S[lo:hi] if g.S is not None else None, fp8_shadow=g.F8, **dense)
             if self.world_size == 1:
                 continue
             if self._deferrable(g, b):
@@ -1084,6 +1141,9 @@ class AdamW:
     def refresh_shadows(self):
         """Recompute every bf16 shadow from the fp32 parameters (after writing full parameter values on every rank,
         e.g. loading a checkpoint)."""
+        for g in self._groups:
+            if g.F8 is not None:
+                g.F8.refresh()
         if self.shadow_dtype is None:
             return
         self.wait_gathers()  # (a deferred gather still writing them would land after this)

@@ -115,6 +115,11 @@ SCHEMA = {
                                   "recorded, one pass; gradients current: ~2.4 % faster at the 1B shape) or delayed "
                                   "(every tensor by its previous amax; a tensor whose range jumps saturates for a "
                                   "step)", "choice", ("current", "delayed", "hybrid")),
+    "fp8_shadow": Key(False, "with fp8 on one GPU: the optimizer writes each Linear weight's E4M3 copy in its update "
+                             "(scaled by the amax after the previous update) and no step casts a weight: 1-2 ms "
+                             "faster at the 1B shape; its 2000-step quality runs spread as the cast's do, but "
+                             "measured worse on average (docs/performance.md, FP8); false: each step casts the bf16 "
+                             "shadow under fp8_scaling", "bool"),
     "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
     "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
     "seq_len": Key(64, "tokens per sequence", "int", check=_gt(0)),
@@ -450,6 +455,7 @@ class OptimConfig:
     lr_decay_steps: Optional[int]
     autocast: bool
     zero: ZeroConfig
+    fp8_shadow: bool = False  # fp8 and fp8_shadow: AdamW(fp8_shadows=True) on one rank
 
     def schedule(self):
         """The lr schedule of these keys (:func:`lr_schedule`; its length ``lr_decay_steps`` or ``max_steps``)."""
@@ -530,7 +536,8 @@ class TrainConfig:
     def from_dict(cls, cfg: dict) -> "TrainConfig":
         c = copy.deepcopy(dict(cfg))
         zero = ZeroConfig(**dict(c["zero"], wire=zero_wire(c)))
-        optim = _section(OptimConfig, dict(c, betas=tuple(c["betas"]), autocast=bool(c["autocast"]), zero=zero))
+        optim = _section(OptimConfig, dict(c, betas=tuple(c["betas"]), autocast=bool(c["autocast"]), zero=zero,
+                                           fp8_shadow=bool(c["fp8"] and c["fp8_shadow"])))
         ckpt = CheckpointConfig(c["ckpt_dir"] or os.path.join(c["out_dir"], "checkpoints"), c["ckpt_every"],
                                 c["ckpt_final"], c["keep_last"], c["resume"])
         top = {f.name: c[f.name] for f in dataclasses.fields(cls) if f.name in c and f.name not in ("model", "data")}

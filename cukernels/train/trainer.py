@@ -61,7 +61,8 @@ def make_optimizer(o, model, group, tokens):
                     gather_fp32=(lambda n, a: a.ndim < 2) if o.autocast else None,
                     wire_dtype=B.bfloat16 if z.wire == "bf16" else np.float32, bucket_elems=z.bucket_elems,
                     sm_margin=z.sm_margin, overlap_gather=z.overlap_gather and o.autocast,
-                    sparse_rows=tokens if sparse and z.sparse_exchange else None, **kw)
+                    sparse_rows=tokens if sparse and z.sparse_exchange else None,
+                    fp8_shadows=o.fp8_shadow and (group is None or group.world_size == 1), **kw)
         for n in sparse:
             opt.attach_sparse(n)  # the embedding backward lists touched rows; Adam updates only those
         opt.broadcast_params(0)
