@@ -26,7 +26,8 @@ def main(argv=None):
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--fp8", default="", help="the Linear GEMMs in FP8 with this scaling (current, delayed)")
+    ap.add_argument("--fp8", default="", help="the Linear GEMMs in FP8 with this scaling (current, hybrid, delayed; "
+                    "-shadow, e.g. hybrid-shadow: the optimizer's FP8 copies of the weights)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -37,7 +38,8 @@ def main(argv=None):
     if args.fp8:
         import cukernels as ck
 
-        bt.FP8["recipe"] = ck.float8.replace(scaling=args.fp8)
+        scaling, _, how = args.fp8.partition("-")
+        bt.FP8["recipe"], bt.FP8["shadow"] = ck.float8.replace(scaling=scaling), how == "shadow"
     all_feats = bt.GPT2_ROWS[-1][1] if args.model == "gpt2" else bt.FEATURES
     feats = [f for f in all_feats if args.graph or f != "graph"]
     for c in args.configs.split(","):

@@ -116,7 +116,7 @@ SCHEMA = {
                                   "(every tensor by its previous amax; a tensor whose range jumps saturates for a "
                                   "step)", "choice", ("current", "delayed", "hybrid")),
     "fp8_shadow": Key(False, "with fp8 on one GPU: the optimizer writes each Linear weight's E4M3 copy in its update "
-                             "(scaled by the amax after the previous update) and no step casts a weight: 1-2 ms "
+                             "(scaled by the amax after the previous update) and no step casts a weight: ~1.3 ms "
                              "faster at the 1B shape; its 2000-step quality runs spread as the cast's do, but "
                              "measured worse on average (docs/performance.md, FP8); false: each step casts the bf16 "
                              "shadow under fp8_scaling", "bool"),
