@@ -27,7 +27,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--fp8", default="", help="the Linear GEMMs in FP8 with this scaling (current, hybrid, delayed; "
-                    "-shadow, e.g. hybrid-shadow: the optimizer's FP8 copies of the weights)")
+                    "-shadow: the optimizer's FP8 copies of the weights; -head: the LM head's gradient GEMMs in FP8)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -38,8 +38,9 @@ def main(argv=None):
     if args.fp8:
         import cukernels as ck
 
-        scaling, _, how = args.fp8.partition("-")
-        bt.FP8["recipe"], bt.FP8["shadow"] = ck.float8.replace(scaling=scaling), how == "shadow"
+        scaling, *how = args.fp8.split("-")
+        head = {"head_grad_dtype": ck.float8_e5m2} if "head" in how else {}
+        bt.FP8["recipe"], bt.FP8["shadow"] = ck.float8.replace(scaling=scaling, **head), "shadow" in how
     all_feats = bt.GPT2_ROWS[-1][1] if args.model == "gpt2" else bt.FEATURES
     feats = [f for f in all_feats if args.graph or f != "graph"]
     for c in args.configs.split(","):

@@ -554,6 +554,13 @@ def test_trainer_fp8_tracks_bf16(tmp_path, monkeypatch):
     # on the GPU path only: flash attention's input), a layer each
     assert sorted(len(k) for k in packs) == [1] * 10 + [2, 2], sorted(packs)
     assert all(k[0].endswith("gate_proj.weight") for k in packs if len(k) == 2)
+    cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / 'head'}", "fp8=true", "fp8_head=true"])
+    rows = trainer.train(cfg, quiet=True)  # the LM head's gradient GEMMs in FP8 too
+    head = np.array([r["loss"] for r in rows if r["kind"] == "train"])
+    np.testing.assert_allclose(head, losses["fp8"], rtol=0.02)
+    assert not np.array_equal(head, losses["fp8"])  # the head's gradients did change
+    with pytest.raises(ck.train.ConfigError, match="fp8_head: runs the LM head's gradient GEMMs in FP8"):
+        load_config(cfg_path, ["fp8_head=true"])
     with pytest.raises(ck.train.ConfigError, match="fp8: needs fused: true"):
         load_config(cfg_path, ["fp8=true", "fused=false"])
     assert load_config(cfg_path, ["fp8=true"])["autocast"] == "bf16"
@@ -783,12 +790,14 @@ def test_gpu_trainer_fp8_tracks_bf16(tmp_path, graph, monkeypatch):
              "total_batch_size=512", "warmup_steps=5", "lr=0.003", "sample_chars=0", "ckpt_final=false",
              "device=gpu", f"graph={str(graph).lower()}"]
     losses = {}
-    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true", "fp8_shadow=true"])):
+    for name, extra in (("bf16", ["autocast=bf16"]), ("fp8", ["fp8=true", "fp8_shadow=true"]),
+                        ("head", ["fp8=true", "fp8_head=true"])):
         cfg = load_config(cfg_path, small + [f"out_dir={tmp_path / name}"] + extra)
         rows = trainer.train(cfg, quiet=True)
         losses[name] = np.array([r["loss"] for r in rows if r["kind"] == "train"])
-    assert np.isfinite(losses["fp8"]).all()
+    assert np.isfinite(losses["fp8"]).all() and np.isfinite(losses["head"]).all()
     np.testing.assert_allclose(losses["fp8"], losses["bf16"], rtol=0.03)
+    np.testing.assert_allclose(losses["head"], losses["bf16"], rtol=0.03)
     assert {len(k) for k in packs} == {1, 2, 3}, sorted(packs)  # the optimizer's copies: q / k / v, gate / up, o, down
 
 

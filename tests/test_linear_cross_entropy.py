@@ -609,3 +609,116 @@ def test_gpu_rejects_mixed_modules(rng):
         linear_cross_entropy(device_copy(x), w, device_copy(t))
     with pytest.raises(TypeError, match="dloss: is a numpy array but x is a cupy array"):
         linear_cross_entropy(device_copy(x), device_copy(w), device_copy(t), dloss=np.ones((), np.float32))
+
+
+# ---------------------------------------------------------------- grad_fp8: the gradient GEMMs in FP8
+E4, E5 = np.dtype(ck.float8_e4m3fn), np.dtype(ck.float8_e5m2)
+
+
+def _deq8(a, fmt):
+    """An independent current-scaling quantise-dequantise: s = max / amax, ml_dtypes on clip(a * s)."""
+    a = a.astype(np.float32)
+    amax = float(np.abs(a).max())
+    mx = 448.0 if fmt == E4 else 57344.0
+    s = np.float32(mx / amax) if amax > 0 else np.float32(1)
+    q = np.clip(a * s, -mx, mx).astype(fmt)
+    return q.astype(np.float32) * (np.float32(1) / s)
+
+
+@pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
+def test_reference_grad_fp8_is_the_dequantised_formula(rng, fmt):
+    """Each chunk's bf16 dlogits quantised with its own scale, x per chunk and W once in E4M3: dx and dW are the
+    products of the dequantised values; the last chunk (8 rows: no multiple of 16) takes the bf16 GEMMs; the loss
+    is the plain op's."""
+    bf = ck.bfloat16
+    N, H, V, C = 72, 32, 48, 32
+    x, w, t = _case(rng, N, H, V, bf)
+    base = linear_cross_entropy(x, w, t, chunk_rows=C)
+    loss, dx, dw = linear_cross_entropy(x, w, t, chunk_rows=C, grad_fp8=fmt)
+    assert loss == base[0]
+    # dlogits as the op rounds them (softmax in float64, rounded to bf16), chunk by chunk
+    xf, wf = x.astype(np.float32), w.astype(np.float32)
+    w8 = _deq8(wf, E4)
+    want_dw = np.zeros((V, H), np.float32)
+    for c0 in range(0, N, C):
+        c1 = min(N, c0 + C)
+        z = (xf[c0:c1] @ wf.T).astype(bf).astype(np.float64)
+        ok = t[c0:c1] != IG
+        tc = np.where(ok, t[c0:c1], 0)
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(c1 - c0), tc] -= 1
+        g = (p * ok[:, None] / (t != IG).sum()).astype(bf).astype(np.float32)  # "mean": over all valid targets
+        if (c1 - c0) % 16:
+            np.testing.assert_array_equal(dx[c0:c1], base[1][c0:c1])  # the bf16 GEMMs
+            want_dw += g.T @ xf[c0:c1]
+            continue
+        g8 = _deq8(g, fmt)
+        np.testing.assert_allclose(dx[c0:c1].astype(np.float32), (g8 @ w8).astype(bf).astype(np.float32),
+                                   rtol=1e-2, atol=1e-6)
+        want_dw += g8.T @ _deq8(xf[c0:c1], E4)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-7)
+    assert not np.array_equal(dw, base[2])  # the FP8 products did run
+
+
+@pytest.mark.parametrize("kw, exc, msg", [
+    (dict(grad_fp8=np.float32), TypeError, "grad_fp8: expected"),
+    (dict(grad_fp8=E5, compute_grad=False), ValueError, "grad_fp8: given, but compute_grad=False"),
+    (dict(grad_fp8=E5, dtype=np.float32), TypeError, "grad_fp8: the FP8 gradient GEMMs take bfloat16"),
+    (dict(grad_fp8=E5, H=24), ValueError, r"grad_fp8: cuBLASLt's FP8 GEMMs need H .* H = 24"),
+    (dict(grad_fp8=E5, V=40), ValueError, "40 rows"),
+])
+def test_grad_fp8_bad_arguments(rng, kw, exc, msg):
+    kw = dict(kw)
+    x, w, t = _case(rng, 16, kw.pop("H", 32), kw.pop("V", 48), kw.pop("dtype", ck.bfloat16))
+    with pytest.raises(exc, match=msg):
+        linear_cross_entropy(x, w, t, **kw)
+
+
+def test_model_head_grad_fp8_follows_the_recipe():
+    """Float8Recipe(head_grad_dtype=) puts the fused head's gradient GEMMs in FP8: the same loss, a head gradient
+    near the bf16 one; without it (or outside autocast) the head is untouched."""
+    cfg = ck.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 64, (2, 17)).astype(np.int32)  # 32 tokens: one chunk of a multiple of 16 rows
+    out = {}
+    for name, recipe in (("plain", ck.float8), ("head", ck.float8.replace(head_grad_dtype=ck.float8_e5m2))):
+        m = ck.Llama(cfg, seed=0)
+        with ck.autocast(recipe):
+            loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        out[name] = (float(loss.data), m.lm_head.weight.grad.copy())
+    assert out["plain"][0] == out["head"][0]
+    gp, gh = out["plain"][1], out["head"][1]
+    assert not np.array_equal(gp, gh)
+    assert np.abs(gh - gp).max() <= 0.2 * np.abs(gp).max()
+
+
+def test_grad_fp8_recipe_field():
+    assert ck.float8.head_grad_dtype is None
+    assert ck.float8.replace(head_grad_dtype="float8_e5m2").head_grad_dtype == E5
+    with pytest.raises(TypeError, match="head_grad_dtype"):
+        ck.Float8Recipe(head_grad_dtype=np.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
+@pytest.mark.parametrize("N, H, V, C, Vw", [(256, 64, 1024, 128, None), (200, 32, 1000, 64, 1024),
+                                           (96, 48, 512, 96, None), (64, 32, 1008, 32, None)])
+def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw):
+    """The GPU path's casts are bit for bit the reference's, so dx and dW differ by the GEMMs' summation order only
+    (a padded weight: the 1000 classes in 1024 zero rows; N = 200: a last chunk of 8 rows on the bf16 GEMMs)."""
+    x, w, t = _case(rng, N, H, V, ck.bfloat16)
+    wp = w
+    if Vw is not None:
+        wp = np.zeros((Vw, H), ck.bfloat16)
+        wp[:V] = w
+    kw = dict(chunk_rows=C, grad_fp8=fmt, num_classes=V if Vw else None)
+    hl, hdx, hdw = linear_cross_entropy(x, wp, t, **kw)
+    gdw = poisoned((V, H), np.float32)
+    dl, ddx, ddw = linear_cross_entropy(device_copy(x), device_copy(wp), device_copy(t), grad_weight=gdw, **kw)
+    np.testing.assert_allclose(to_host(dl), hl, rtol=1e-5)
+    np.testing.assert_allclose(to_host(ddx).astype(np.float32), hdx.astype(np.float32), rtol=2e-2, atol=1e-5)
+    np.testing.assert_allclose(to_host(ddw), hdw, rtol=1e-3, atol=1e-6 * np.abs(hdw).max())

@@ -16,6 +16,7 @@ import numbers
 import numpy as np
 
 from .. import _backend as B
+from .. import amp
 from .. import functional as F
 from ..autograd import Tensor, is_grad_enabled, no_grad
 from ..io import hf_folder
@@ -381,7 +382,8 @@ class CausalLM(GenerationMixin, Module):
         wt, wl = weight_for_gemm(mod, w)
         if not F.linear_cross_entropy_ok(x, wt, wl, b):
             return None
-        return F.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index)
+        return F.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index,
+                                      grad_fp8=_head_grad_fp8(x, wl if wl is not None else wt))
 
     def head(self, x):
         """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""
@@ -583,6 +585,22 @@ class _dropout_offset:
 
     def __exit__(self, *exc):
         _dropout._current[0] = self.prev
+
+
+def _head_grad_fp8(x, w):
+    """The FP8 format of the head's dlogits when the active FP8 recipe asks for the head's gradient GEMMs in FP8
+    (``Float8Recipe(head_grad_dtype=)``) and the operands suit them (bf16, H and the vocabulary rows multiples of
+    16), else None (bf16 GEMMs)."""
+    r = amp.get_fp8_recipe()
+    if r is None or r.head_grad_dtype is None or not is_grad_enabled():
+        return None
+    xd = x.data if isinstance(x, Tensor) else x
+    wd = w.data if isinstance(w, Tensor) else w
+    if xd.dtype != B.bfloat16 or xd.shape[-1] % 16:
+        return None
+    if wd.shape[0] % 16 and B._kind(wd) is np:
+        return None  # (on the GPU a vocabulary that is no multiple of 64 runs on rows padded to one)
+    return r.head_grad_dtype
 
 
 def _recomputed_block(block, x, kw, mode):

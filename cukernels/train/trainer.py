@@ -113,7 +113,10 @@ class Run:
         self.train_loader, self.accum = train_loader, accum
         self.rank, self.world = group.rank, group.world_size
         # fp8: the Linear GEMMs in FP8 (the module's float8, so a caller may swap the recipe)
-        lowp = float8.replace(scaling=cfg.fp8_scaling) if cfg.fp8 else B.bfloat16
+        lowp = B.bfloat16
+        if cfg.fp8:
+            head = {"head_grad_dtype": B.float8_e5m2} if cfg.fp8_head else {}
+            lowp = float8.replace(scaling=cfg.fp8_scaling, **head)
         self.amp_ctx = autocast(lowp, enabled=cfg.autocast)
         self.graph = None
 
