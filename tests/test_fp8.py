@@ -505,6 +505,9 @@ def test_optimizer_fp8_shadow_feeds_the_fp8_linear():
     lin.weight.data[...] *= 4
     opt.refresh_shadows()
     assert np.array_equal(q, ck.fp8_quantize(lin.weight.data)[0])
+    lin.weight.data = lin.weight.data * -0.5  # a rebound .data: taken back at the next zero_grad, the copy made again
+    opt.zero_grad()
+    assert np.array_equal(q, ck.fp8_quantize(lin.weight.data)[0]) and np.array_equal(qt, q.T)
     assert opt.fp8_shadow([lin.weight, lin.weight]) is None  # a weight already in another pack
 
 
@@ -561,6 +564,8 @@ def test_trainer_fp8_tracks_bf16(tmp_path, monkeypatch):
     assert not np.array_equal(head, losses["fp8"])  # the head's gradients did change
     with pytest.raises(ck.train.ConfigError, match="fp8_head: runs the LM head's gradient GEMMs in FP8"):
         load_config(cfg_path, ["fp8_head=true"])
+    with pytest.raises(ck.train.ConfigError, match="fp8_shadow: keeps FP8 copies"):
+        load_config(cfg_path, ["fp8_shadow=true"])
     with pytest.raises(ck.train.ConfigError, match="fp8: needs fused: true"):
         load_config(cfg_path, ["fp8=true", "fused=false"])
     assert load_config(cfg_path, ["fp8=true"])["autocast"] == "bf16"

@@ -262,7 +262,6 @@ def _grid(wave, work_items):
     return min(max(1, -(-work_items // THREADS)), wave)
 
 
-
 # ---------------------------------------------------------------------------------------------- FP8 shadows
 class Fp8Shadow:
     """FP8 (E4M3) copies of matrices inside a flat float32 parameter buffer, each with its own per-tensor scale,
@@ -394,17 +393,11 @@ class Fp8Shadow:
                 keep[o:o + r * c] = True
             flat = shadow.reshape(-1)
             flat[~keep] = p[~keep].astype(B.bfloat16)
-        e4 = B.float8_e4m3fn
-        for k, (o, (r, c)) in enumerate(zip(self.offsets, self.shapes)):
-            x = p[o:o + r * c].reshape(r, c)
-            h = self.history[k]
-            s = _fp8.ref_scale(h[:1].view(np.float32)[0], e4, self.margin)
-            self.q[k][...] = _fp8.ref_cast(x, s, e4)
-            self.scale_inv[k][...] = np.float32(1.0) / s
-            h[0] = _fp8._as_bits(_fp8.ref_amax(x))
-            h[1:3] = 0
-            if self.transpose:
-                self.qt[k][...] = self.q[k].T
+        for k, (o, (r, c)) in enumerate(zip(self.offsets, self.shapes)):  # fp8_quantize's delayed rule, as the kernel
+            _fp8.fp8_quantize(p[o:o + r * c].reshape(r, c), margin=self.margin, history=self.history[k],
+                              out=self.q[k], scale_inv=self.scale_inv[k])
+        self._transposes()
+
 
 _FP8_CHUNK = 8192  # elements a block takes at a time in adam_fp8_* (ADAM_CHUNK in adam.cu)
 

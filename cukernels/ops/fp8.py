@@ -133,6 +133,11 @@ def _grid(k, units):
     return int(max(1, min(-(-units // THREADS), L.wave(k, THREADS))))
 
 
+def _tile_grid(k, rows, cols):
+    """Blocks for the 64 x 64-tile kernels (cast_t, the fused SwiGLU cast, transpose): a tile each, at most a wave."""
+    return int(max(1, min(-(-rows // 64) * -(-cols // 64), L.wave(k, THREADS))))
+
+
 def _vec_flat(x, q):
     return x.size >= 16 and B.aligned16(x, q)
 
@@ -151,9 +156,7 @@ def _launch_cast(x, q, qt, fmt, scale_args):
         raise ValueError(f"x: transpose=True takes at most 2**31 - 1 rows and columns; got shape {tuple(x.shape)}")
     vec = rows % 16 == 0 and cols % 16 == 0 and B.aligned16(x, q, qt)
     k = get_function(FAMILY, f"fp8_cast_t_{tag}_{'v' if vec else 's'}")
-    tiles = -(-rows // 64) * -(-cols // 64)
-    grid = int(max(1, min(tiles, L.wave(k, THREADS))))
-    k((grid,), (THREADS,), (x, q, qt, np.int32(rows), np.int32(cols), *scale_args))
+    k((_tile_grid(k, rows, cols),), (THREADS,), (x, q, qt, np.int32(rows), np.int32(cols), *scale_args))
 
 
 def _scale_args(*, amax_src=None, scale=None, fmax_m=np.float32(0), scale_inv=None, amax_out=None, hist=None):
@@ -461,8 +464,7 @@ def fp8_swiglu_quantize(gu, history, *, dtype=B.float8_e4m3fn, margin=0, out=Non
     args = _scale_args(amax_src=history, fmax_m=fm, scale_inv=si, amax_out=L.ptr(history, 1), hist=history)
     vec = rows % 16 == 0 and F % 16 == 0 and B.aligned16(gu, q, qt)
     k = get_function(FAMILY, f"fp8_swiglu_cast_t_bf16_{B.DTYPE_TAG[fmt]}_{'v' if vec else 's'}")
-    tiles = -(-rows // 64) * -(-F // 64)
-    k((int(max(1, min(tiles, L.wave(k, THREADS)))),), (THREADS,), (gu, q, qt, np.int32(rows), np.int32(F), *args))
+    k((_tile_grid(k, rows, F),), (THREADS,), (gu, q, qt, np.int32(rows), np.int32(F), *args))
     return q, qt, si
 
 
@@ -546,8 +548,7 @@ def fp8_transpose(q, *, out=None):
         return qt
     vec = rows % 16 == 0 and cols % 16 == 0 and B.aligned16(q, qt)
     k = get_function(FAMILY, f"fp8_transpose_{'v' if vec else 's'}")
-    tiles = -(-rows // 64) * -(-cols // 64)
-    k((int(max(1, min(tiles, L.wave(k, THREADS)))),), (THREADS,), (q, qt, np.int32(rows), np.int32(cols)))
+    k((_tile_grid(k, rows, cols),), (THREADS,), (q, qt, np.int32(rows), np.int32(cols)))
     return qt
 
 

@@ -657,6 +657,7 @@ class AdamW:
     # ------------------------------------------------------------------------------------------ gradients
     def _sync(self):
         """Put back views the caller's objects lost (rebound .data / .grad), copying their values in first."""
+        stale = []  # groups whose FP8 copies must be made again from the new values (once each)
         for s in self._by_id.values():
             obj = s.obj
             d = obj.data
@@ -665,8 +666,8 @@ class AdamW:
                 s.data[...] = d
                 if s.shadow is not None:
                     s.shadow[...] = s.data.astype(B.bfloat16)
-                if s.group.F8 is not None:
-                    s.group.F8.refresh()
+                if s.group.F8 is not None and all(g is not s.group for g in stale):
+                    stale.append(s.group)
                 obj.data = s.data
             gr = getattr(obj, "grad", None)
             if gr is not s.grad:
@@ -676,6 +677,8 @@ class AdamW:
                     B.check_shape(f"{s.name}.grad", gr, s.shape, " (the parameter's shape)")
                     s.grad[...] = gr
                 obj.grad = s.grad
+        for g in stale:
+            g.F8.refresh()
 
     def _zero(self, a):
         if self.xp is np:
@@ -1139,8 +1142,8 @@ class AdamW:
         self.refresh_shadows()
 
     def refresh_shadows(self):
-        """Recompute every bf16 shadow from the fp32 parameters (after writing full parameter values on every rank,
-        e.g. loading a checkpoint)."""
+        """Recompute every bf16 shadow and FP8 copy (:meth:`fp8_shadow`) from the fp32 parameters (after writing full
+        parameter values on every rank, e.g. loading a checkpoint)."""
         for g in self._groups:
             if g.F8 is not None:
                 g.F8.refresh()

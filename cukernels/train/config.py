@@ -342,6 +342,9 @@ def validate(cfg: dict) -> dict:
         out["autocast"] = "bf16"  # everything but the Linear GEMMs runs as under bf16 autocast
     elif out["fp8_head"]:
         raise ConfigError("fp8_head: runs the LM head's gradient GEMMs in FP8; set fp8: true with it, or remove it")
+    elif out["fp8_shadow"]:
+        raise ConfigError("fp8_shadow: keeps FP8 copies of the Linear weights for FP8 GEMMs; set fp8: true with it, "
+                          "or remove it")
     elif out["fp8_scaling"] != "current":
         raise ConfigError(f"fp8_scaling: {out['fp8_scaling']!r} applies to FP8 GEMMs only; set fp8: true with it, "
                           "or remove it")
