@@ -34,11 +34,14 @@
 //   0.727 ms at 4096 x 128256; by estimate, not measured, what remains is ~10 us of exp2 a row beside ~16 us of
 //   memory, in series within a block). For mean, the divisor is needed
 //   before writing: ce_count (a one-block kernel) counts the valid targets into a device int first.
+// - FP8 dlogits (ce_fused_q8_*, for ck.linear_cross_entropy's grad_fp8): the fused kernel writes pass 2 as FP8 codes
+//   into rows of their own, scaled by a power of two from the bound |dx| <= |g| (no amax pass): see row_grad_q8.
 // - Reductions are deterministic: the per-row loss goes to a fp32 buffer and ce_reduce (one block) sums it in
 //   a fixed order; no float atomics anywhere.
 // - Logits of magnitude 1e4: everything is relative to the running max, so exp never overflows; lse and
 //   the losses stay finite.
 #include "common/entry.cuh"
+#include "common/fp8.cuh"
 #include "common/vec.cuh"
 
 #define CE_ERR_TARGET 1
@@ -232,6 +235,16 @@ __device__ __forceinline__ Lse row_lse_partial(const T* __restrict__ xr, int V, 
   return a;
 }
 
+// Pass 2's loads: up to U packs of a row's body from unit u0 on, blockDim.x units apart (evict-first with hint).
+template <typename T, int E, int U>
+__device__ __forceinline__ void load_packs(Pack<T, E> (&p)[U], const T* body, int u0, int units, bool hint) {
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int u = u0 + k * blockDim.x;
+    if (u < units) p[k] = load_pack_hint<T, E>(body + (long long)u * E, hint);
+  }
+}
+
 // Pass 2: dx_j = g (exp(x_j - lse) - eps/V) - [j == t] g (1 - eps). `or_` may equal `xr` (in place): every
 // element is read and written by the same thread, read first. t < 0: no target column (never used: invalid
 // rows are zero-filled by row_zero).
@@ -264,11 +277,7 @@ __device__ __forceinline__ void row_grad(const T* xr, T* or_, int V, const RowSp
   T* obody = or_ + sp.head;
   for (int u0 = threadIdx.x; u0 < sp.units; u0 += U * blockDim.x) {
     Pack<T, E> p[U];
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int u = u0 + k * blockDim.x;
-      if (u < sp.units) p[k] = load_pack_hint<T, E>(body + (long long)u * E, hint);
-    }
+    load_packs<T, E, U>(p, body, u0, sp.units, hint);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = u0 + k * blockDim.x;
@@ -298,6 +307,93 @@ __device__ __forceinline__ void row_zero(T* or_, int V, const RowSplit& sp) {
   for (int i = 0; i < E; ++i) zp.v[i] = z;
   T* obody = or_ + sp.head;
   for (int u = threadIdx.x; u < sp.units; u += blockDim.x) store16<T, E>(obody + (long long)u * E, zp);
+}
+
+// ---- FP8 dlogits (Q = 0: E4M3, Q = 1: E5M2; Q = -1: dlogits in the logits' dtype). The LM head's FP8 gradient
+// GEMMs (ops/linear_cross_entropy.py, grad_fp8) read dlogits as FP8 codes; pass 2 writes them as q = fp8(T(d) s)
+// into rows of their own: 1 byte an element, where bf16 dlogits in place took 2 and then an amax pass and a cast
+// read them twice more (6 B an element in all; 1.05 G elements a step at the LLaMA-3.2-1B head, ~1.6 ms -> ~0.5).
+// The scale needs no amax: |d| = |g| |p_j - eps/V - (1 - eps)[j == t]| <= |g| for every element, so s is the
+// largest power of two with s |g| <= the format's max (from the exponent bits: exact; 1 / s too). Against the
+// amax rule this gives up less than 2 binades while the rows' largest |p - 1| stays above 1/2 (E5M2 has 32).
+template <int Q>
+__device__ __forceinline__ float ce_q8_scale(float g) {
+  const unsigned a = __float_as_uint(g) & 0x7fffffffu, f = Fp8Fmt<Q>::MAX_BITS;
+  if (a < 0x00800000u || a >= 0x7f800000u) return 1.f;  // 0, subnormal, inf, NaN: no information
+  int e = (int)(f >> 23) - (int)(a >> 23) - ((a & 0x7fffffu) > (f & 0x7fffffu) ? 1 : 0);
+  e = e < -126 ? -126 : (e > 126 ? 126 : e);
+  return __uint_as_float((unsigned)(127 + e) << 23);
+}
+
+// Two codes (a in the low byte). Without cast_pair's NaN check: a NaN d comes only from NaN or inf logits, whose
+// sign means nothing to match (and the check's fallback spilled the 1024-thread entries past 64 registers).
+template <int Q>
+__device__ __forceinline__ unsigned q8_pair(float a, float b, float s) {
+#ifdef FP8_HW_CVT
+  return cvt_pair<Q>(__fmul_rn(a, s), __fmul_rn(b, s));
+#else
+  return f32_to_fp8<Q>(__fmul_rn(a, s)) | (f32_to_fp8<Q>(__fmul_rn(b, s)) << 8);
+#endif
+}
+
+// Pass 2 of row_grad writing FP8 codes: the same d, rounded to T first (the bf16 dlogits row_grad would write),
+// times s, cast (nearest even, saturating). qr's body pack of E codes is stored as one E-byte word. U packs in
+// flight a thread: row_grad's 4 spill at a 1024-thread block's 64 registers, and so do 2 with int64 targets (4
+// bytes, sm_80 and sm_90): 2 for int32 targets (the trainer's), 1 for int64.
+template <int Q, int U, typename T>
+__device__ __forceinline__ void row_grad_q8(const T* xr, unsigned char* qr, int V, const RowSplit& sp, float lse,
+                                            int t, float g, float g_epsv, float g_tgt, float s, bool hint) {
+  constexpr int E = 16 / sizeof(T);
+  static_assert(E == 8, "FP8 dlogits from bf16 logits only");
+  for (int seg = 0; seg < 2; ++seg) {
+    const int lo = seg == 0 ? 0 : sp.tail0, hi = seg == 0 ? sp.head : V;
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+      float d = g * exp2f((to_f32(xr[j]) - lse) * CE_LOG2E) - g_epsv;
+      if (j == t) d -= g_tgt;
+      qr[j] = (unsigned char)(q8_pair<Q>(to_f32(from_f32<T>(d)), 0.f, s) & 0xffu);
+    }
+  }
+  const T* body = xr + sp.head;
+  unsigned char* qbody = qr + sp.head;
+  for (int u0 = threadIdx.x; u0 < sp.units; u0 += U * blockDim.x) {
+    Pack<T, E> p[U];
+    load_packs<T, E, U>(p, body, u0, sp.units, hint);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = u0 + k * blockDim.x;
+      if (u < sp.units) {
+        const int it = t - (sp.head + u * E);  // the target's index in this pack (out of [0, E): none)
+        unsigned c[E / 2];
+#pragma unroll
+        for (int i = 0; i < E; i += 2) {
+          float d0 = g * exp2f((to_f32(p[k].v[i]) - lse) * CE_LOG2E) - g_epsv;
+          float d1 = g * exp2f((to_f32(p[k].v[i + 1]) - lse) * CE_LOG2E) - g_epsv;
+          if (it == i) d0 -= g_tgt;
+          if (it == i + 1) d1 -= g_tgt;
+          c[i / 2] = q8_pair<Q>(to_f32(from_f32<T>(d0)), to_f32(from_f32<T>(d1)), s);
+        }
+        uint2 w;
+        w.x = c[0] | (c[1] << 16);
+        w.y = c[2] | (c[3] << 16);
+        uint2* dst = reinterpret_cast<uint2*>(qbody + (long long)u * E);
+        if (hint)
+          __stcs(dst, w);
+        else
+          *dst = w;
+      }
+    }
+  }
+}
+
+// Code 0 (+0) over [0, V) of an ignored row: 16-byte stores between a byte head and tail.
+__device__ __forceinline__ void row_zero_q8(unsigned char* qr, int V) {
+  int h = (int)((16u - ((unsigned)(size_t)qr & 15u)) & 15u);
+  if (h > V) h = V;
+  const int n16 = (V - h) >> 4, t0 = h + (n16 << 4);
+  for (int j = threadIdx.x; j < h; j += blockDim.x) qr[j] = 0;
+  for (int j = t0 + threadIdx.x; j < V; j += blockDim.x) qr[j] = 0;
+  uint4* b = reinterpret_cast<uint4*>(qr + h);
+  for (int u = threadIdx.x; u < n16; u += blockDim.x) b[u] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // The loss of a valid row from its (max, sum, sum_x) and x_t.
@@ -331,27 +427,41 @@ __device__ __forceinline__ void ce_fwd(const T* __restrict__ x, const I* __restr
 }
 
 // ---------------------------------------------------------------- fused forward + backward
-template <typename T, typename I>
-__device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T* dx, float* __restrict__ loss_row,
+// Q = -1: dx in T (possibly over the logits); Q = 0 / 1: FP8 codes (O = unsigned char) into their own rows, and
+// 1 / s into *scale_inv (block 0) for the GEMMs that read them.
+template <typename T, typename I, int Q = -1, typename O = T>
+__device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O* dx, float* __restrict__ loss_row,
                                          int* __restrict__ err, const int* __restrict__ count,
                                          const float* __restrict__ dloss, float dloss_scalar, long long N, int V,
                                          long long ldx, long long ldo, long long ignore, float eps, bool vec,
-                                         bool hint) {
+                                         bool hint, float* __restrict__ scale_inv = nullptr) {
   __shared__ float sh[96];
   const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
   const float gbase = (dloss != nullptr ? *dloss : dloss_scalar) * cnt_scale;
+  float s = 1.f;
+  if constexpr (Q >= 0) {
+    s = ce_q8_scale<Q>(gbase);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.f / s;  // a power of two: exact
+  }
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
     const T* xr = x + row * ldx;
-    T* orow = dx + row * ldo;
+    O* orow = dx + row * ldo;
     const I t = tg[row];
     const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
-    const RowSplit sp = split_row(xr, V, vec);
+    const int ti = (int)t;  // < V once ok; an int from here on (a long long t held 2 more registers: i64 spilled)
+    RowSplit sp = split_row(xr, V, vec);
+    // FP8 rows: the packs of E codes need E-byte alignment where the logits' packs start (else all scalar)
+    if constexpr (Q >= 0)
+      if (vec && ((unsigned)(size_t)(orow + sp.head) & (16u / sizeof(T) - 1u))) sp = split_row(xr, V, false);
     if (!ok) {  // uniform over the block
-      row_zero(orow, V, sp);
+      if constexpr (Q >= 0)
+        row_zero_q8(orow, V);
+      else
+        row_zero(orow, V, sp);
       if (threadIdx.x == 0) loss_row[row] = 0.f;
       continue;
     }
-    const float xt = threadIdx.x == 0 ? to_f32(xr[(long long)t]) : 0.f;  // used by thread 0 only
+    const float xt = threadIdx.x == 0 ? to_f32(xr[ti]) : 0.f;  // used by thread 0 only
     Lse a = row_lse_partial(xr, V, sp);
     a = block_lse(a, sh);
     // x_t (and the whole row's pass 1) must be read before any thread overwrites the row (in place): the
@@ -360,7 +470,10 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, T
     float lse;
     const float l = row_loss(a, xt, eps, V, &lse);
     if (threadIdx.x == 0) loss_row[row] = l;
-    row_grad(xr, orow, V, sp, lse, (int)t, gbase, gbase * eps / (float)V, gbase * (1.f - eps), hint);
+    if constexpr (Q >= 0)
+      row_grad_q8<Q, sizeof(I) == 8 ? 1 : 2>(xr, orow, V, sp, lse, ti, gbase, gbase * eps / (float)V, gbase * (1.f - eps), s, hint);
+    else
+      row_grad(xr, orow, V, sp, lse, ti, gbase, gbase * eps / (float)V, gbase * (1.f - eps), hint);
   }
 }
 
@@ -452,6 +565,21 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
                          long long ldx, long long ldo, long long ignore, float eps, bool vec) {                \
     ce_bwd<T, I>(x, tg, lse, dx, err, count, dloss, dloss_scalar, per_row, N, V, ldx, ldo, ignore, eps, vec);  \
   }
+// ce_fused_q8_bf16_<targets>_<format>: the fused kernel writing FP8 dlogits (q: uint8 rows of stride ldq) and
+// 1 / s into scale_inv.
+#define CE_Q8(I, IN, Q, QN)                                                                                     \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ce_fused_q8_bf16_##IN##_##QN)(const bf16* x, const I* tg, unsigned char* q, float* loss_row, int* err,   \
+                                    const int* count, const float* dloss, float dloss_scalar, long long N,     \
+                                    int V, long long ldx, long long ldq, long long ignore, float eps, bool vec, \
+                                    bool hint, float* scale_inv) {                                             \
+    ce_fused<bf16, I, Q, unsigned char>(x, tg, q, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldq,   \
+                                        ignore, eps, vec, hint, scale_inv);                                    \
+  }
+CE_Q8(int, i32, 0, e4m3)
+CE_Q8(int, i32, 1, e5m2)
+CE_Q8(long long, i64, 0, e4m3)
+CE_Q8(long long, i64, 1, e5m2)
 CE_ALL(float, int, f32, i32)
 CE_ALL(float, long long, f32, i64)
 CE_ALL(bf16, int, bf16, i32)

@@ -3,6 +3,8 @@
 CPU: the NumPy reference against an independent float64 formula, finite differences, the unfused composite,
 chunked == unchunked, the chunk plan's numbers, validation. GPU: the kernel path against the reference.
 """
+import math
+
 import numpy as np
 import pytest
 
@@ -625,11 +627,29 @@ def _deq8(a, fmt):
     return q.astype(np.float32) * (np.float32(1) / s)
 
 
+def _deq8_bound(a, g, fmt):
+    """An independent quantise-dequantise with the dlogits' scale: the largest power of two s with s |g| <= max
+    (|dlogits| <= |g|), ml_dtypes on clip(a * s)."""
+    mx = 448.0 if fmt == E4 else 57344.0
+    s = np.float32(2.0 ** math.floor(math.log2(mx / abs(g))))
+    q = np.clip(a.astype(np.float32) * s, -mx, mx).astype(fmt)
+    return q.astype(np.float32) * (np.float32(1) / s)
+
+
+@pytest.mark.parametrize("g, fmt, want", [(1 / 4096, E5, 2.0**27), (1 / 4096, E4, 2.0**20), (1.0, E5, 2.0**15),
+                                          (1.8, E5, 2.0**14), (1.75, E5, 2.0**15), (-1 / 3, E4, 2.0**10),
+                                          (0.0, E5, 1.0), (np.inf, E5, 1.0), (1e-40, E5, 1.0), (1e-30, E4, 2.0**108)])
+def test_dlogits_scale_is_the_largest_power_of_two_under_the_bound(g, fmt, want):
+    """1.75 = 57344 / 2^15: the boundary is kept (s |g| == max); 1e-30 x 2^109 > 448, 2^108 fits."""
+    from cukernels.ops.linear_cross_entropy import dlogits_scale
+    assert dlogits_scale(np.float32(g), fmt) == np.float32(want)
+
+
 @pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
 def test_reference_grad_fp8_is_the_dequantised_formula(rng, fmt):
-    """Each chunk's bf16 dlogits quantised with its own scale, x per chunk and W once in E4M3: dx and dW are the
-    products of the dequantised values; the last chunk (8 rows: no multiple of 16) takes the bf16 GEMMs; the loss
-    is the plain op's."""
+    """Each chunk's bf16 dlogits quantised with the scale of the bound |dz| <= g (g = 1 / count: "mean"), x per
+    chunk and W once in E4M3: dx and dW are the products of the dequantised values; the last chunk (8 rows: no
+    multiple of 16) takes the bf16 GEMMs; the loss is the plain op's."""
     bf = ck.bfloat16
     N, H, V, C = 72, 32, 48, 32
     x, w, t = _case(rng, N, H, V, bf)
@@ -653,7 +673,7 @@ def test_reference_grad_fp8_is_the_dequantised_formula(rng, fmt):
             np.testing.assert_array_equal(dx[c0:c1], base[1][c0:c1])  # the bf16 GEMMs
             want_dw += g.T @ xf[c0:c1]
             continue
-        g8 = _deq8(g, fmt)
+        g8 = _deq8_bound(g, np.float32(1) / np.float32((t != IG).sum()), fmt)
         np.testing.assert_allclose(dx[c0:c1].astype(np.float32), (g8 @ w8).astype(bf).astype(np.float32),
                                    rtol=1e-2, atol=1e-6)
         want_dw += g8.T @ _deq8(xf[c0:c1], E4)
@@ -708,8 +728,12 @@ def test_grad_fp8_recipe_field():
 @pytest.mark.parametrize("N, H, V, C, Vw", [(256, 64, 1024, 128, None), (200, 32, 1000, 64, 1024),
                                            (96, 48, 512, 96, None), (64, 32, 1008, 32, None)])
 def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw):
-    """The GPU path's casts are bit for bit the reference's, so dx and dW differ by the GEMMs' summation order only
-    (a padded weight: the 1000 classes in 1024 zero rows; N = 200: a last chunk of 8 rows on the bf16 GEMMs)."""
+    """The GPU path against the reference on the dequantised operands (a padded weight: the 1000 classes in 1024
+    zero rows; N = 200: a last chunk of 8 rows on the bf16 GEMMs). The casts are the reference's rule, but the
+    device's logits may sit one bf16 ulp from the reference's (its GEMM sums in another order), and such a dlogit
+    can round to the neighbouring FP8 code (one E5M2 step: 12-25 % of that term): measured on the H200, 167 of
+    65536 dW elements moved by up to 8 % (rel.), all within 1e-3 of the largest. So: nearly every element to 1e-3
+    relative, every element to 1 % of the largest -- a wrong scale, transpose or beta misses both by far."""
     x, w, t = _case(rng, N, H, V, ck.bfloat16)
     wp = w
     if Vw is not None:
@@ -721,4 +745,52 @@ def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw):
     dl, ddx, ddw = linear_cross_entropy(device_copy(x), device_copy(wp), device_copy(t), grad_weight=gdw, **kw)
     np.testing.assert_allclose(to_host(dl), hl, rtol=1e-5)
     np.testing.assert_allclose(to_host(ddx).astype(np.float32), hdx.astype(np.float32), rtol=2e-2, atol=1e-5)
-    np.testing.assert_allclose(to_host(ddw), hdw, rtol=1e-3, atol=1e-6 * np.abs(hdw).max())
+    ddw, top = to_host(ddw), np.abs(hdw).max()
+    near = np.isclose(ddw, hdw, rtol=1e-3, atol=1e-6 * top)
+    assert near.mean() > 0.99, f"{(~near).sum()} of {near.size} dW elements off"
+    np.testing.assert_allclose(ddw, hdw, rtol=0, atol=1e-2 * top)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
+@pytest.mark.parametrize("idt", [np.int32, np.int64])
+@pytest.mark.parametrize("rows, V, ld, qoff", [(48, 1000, 1024, 0), (16, 128256, 128256, 0), (5, 37, 64, 3),
+                                               (33, 520, 520, 0)])
+def test_gpu_fp8_dlogits_are_the_cast_of_the_bf16_ones(rng, fmt, idt, rows, V, ld, qoff):
+    """ce_fused_q8 writes, bit for bit, ck.fp8_cast of the dlogits ce_fused writes in bf16 from the same logits,
+    with dlogits_scale(g) (and 1 / s for the GEMMs); ignored rows are code 0; the losses are the same bits. Odd V,
+    rows that start off the 8-byte grid (qoff: the scalar path), 128k classes, label smoothing."""
+    import cupy as cp
+    from cukernels import _backend as B
+    from cukernels._loader import get_function
+    from cukernels.ops import cross_entropy as ce
+    from cukernels.ops.linear_cross_entropy import dlogits_scale
+    z = (rng.standard_normal((rows, ld)) * 3).astype(np.float32).astype(ck.bfloat16)
+    t = rng.integers(0, V, rows).astype(idt)
+    t[::4] = IG
+    zd, td = device_copy(z), cp.asarray(t)
+    cnt = cp.asarray(np.int32((t != IG).sum()))
+    err = cp.zeros((), np.int32)
+    eps, threads = np.float32(0.1), ce._threads(V, 2)
+    tag = f"bf16_{'i32' if idt == np.int32 else 'i64'}"
+    dz, l16 = zd.copy(), cp.empty((rows,), np.float32)
+    k = get_function(ce.FAMILY, f"ce_fused_{tag}")
+    k((ce._grid(k, rows, threads),), (threads, 1, 1),
+      (dz, td, dz, l16, err, cnt, B.NULL, np.float32(1), np.int64(rows), np.int32(V), np.int64(ld), np.int64(ld),
+       np.int64(IG), eps, np.bool_(True), np.bool_(True)))
+    qbuf = cp.full((rows * ld + qoff,), 0xAB, np.uint8)
+    q = qbuf[qoff:].reshape(rows, ld)
+    l8, sinv = cp.empty((rows,), np.float32), poisoned((), np.float32)
+    kq = get_function(ce.FAMILY, f"ce_fused_q8_{tag}_{'e5m2' if fmt == E5 else 'e4m3'}")
+    kq((ce._grid(kq, rows, threads),), (threads, 1, 1),
+       (zd, td, q, l8, err, cnt, B.NULL, np.float32(1), np.int64(rows), np.int32(V), np.int64(ld), np.int64(ld),
+        np.int64(IG), eps, np.bool_(True), np.bool_(True), sinv))
+    s = dlogits_scale(np.float32(1) / np.float32((t != IG).sum()), fmt)
+    want = to_host(ck.fp8_cast(dz[:, :V].copy(), float(s), dtype=fmt))
+    got = to_host(q)
+    np.testing.assert_array_equal(got[:, :V], want)
+    assert (got[:, V:] == 0xAB).all()  # nothing past V
+    assert (got[t == IG, :V] == 0).all()
+    assert float(to_host(sinv)) == 1 / float(s)
+    np.testing.assert_array_equal(to_host(l8), to_host(l16))
+    assert int(to_host(err)) == 0

@@ -102,6 +102,22 @@ def cases(ctx):
         out.append(Case("linear_cross_entropy fwd+bwd", shape, "bf16", nbytes,
                         "4NVs + 2nVHs + (2n-1)4VH + 4NHs", ours, unfused, tfb, note=note,
                         extra=dict(nsets=1, mem=mem, chunk_rows=C), flops=3 * flops))
+        if V % 64 == 0:
+            # grad_fp8: the two gradient GEMMs on FP8 operands (dlogits E5M2 from the CE kernel, then their byte
+            # transpose; x and W cast in E4M3); "x cupy" is the bf16-gradient op of the row above.
+            def ours8(i, x=x, w=w, t=t, gw=gw):
+                return linear_cross_entropy(x, w, t, grad_weight=gw, grad_fp8=ck.float8_e5m2)
+
+            ours8(0)
+            # logits written + CE-read (2NVs), codes written, transposed (read + write) and read by the two GEMMs
+            # (5NV), W cast with its transpose (VH(2s + 2) after its amax read VHs), the logits GEMM's W reads
+            # (nVHs), the FP8 W reads (2nVH), the fp32 dW (2n-1)4VH, x and dx 4NHs
+            nb8 = (2 * N * V * s + 5 * N * V + V * H * (3 * s + 2) + n * V * H * s + 2 * n * V * H
+                   + (2 * n - 1) * 4 * V * H + 4 * N * H * s)
+            out.append(Case("linear_cross_entropy fwd+bwd, FP8 grads", shape, "bf16", nb8,
+                            "2NVs + 5NV + VH(3s+2) + nVH(s+2) + (2n-1)4VH + 4NHs", ours8, ours, None,
+                            note="grad_fp8=E5M2; x cupy: against the bf16-gradient op (row above)",
+                            extra=dict(nsets=1, chunk_rows=C), flops=3 * flops))
         out.append(Case("linear_cross_entropy eval", shape, "bf16", 2 * N * V * s + n * V * H * s,
                         "2NVs + nVHs", ours_eval, unfused_eval, tf, note="compute_grad=False (loss only)",
                         extra=dict(nsets=1), flops=flops))

@@ -45,16 +45,20 @@ buffer: a bf16 dW would add 525 MB (over the budget), a cast + add pass over ~2.
 rounding of the partial sums per chunk.
 
 ``grad_fp8`` (an FP8 format): the two gradient GEMMs on FP8 tensor cores, the logits and the loss as before. Per
-chunk, dlogits is quantised in that format with its own scale (current scaling: an amax pass and a cast with the
-transpose, 6 bytes an element), x_c in E4M3 with its transpose, and the weight once a call in E4M3 with its
-transpose (cuBLASLt's FP8 GEMMs take K-major operands only):
+chunk, the fused kernel writes dlogits straight as FP8 codes into rows of their own (``ce_fused_q8``: 1 byte an
+element instead of the 2 of bf16 dlogits), then ``fp8_transpose`` makes their transpose; x_c is cast in E4M3 with
+its transpose, and the weight once a call (cuBLASLt's FP8 GEMMs take K-major operands only):
 
     dx_c   = (s_z s_W)^-1  q(dz_c) @ q(W)^T^T         K = Vw
     dW   (+)= (s_z s_x)^-1 q(dz_c)^T[:V] @ q(x_c)^T^T  K = C, fp32 (beta = 1 after the first chunk)
 
-E5M2 keeps 2^15 more range than E4M3 below the chunk's largest |dz| (the target column's 1 - p): softmax
-probabilities of a 128k vocabulary reach far below it, and what falls under the format's smallest subnormal
-becomes 0. A chunk whose row count is no multiple of 16 (the last of an N that is none) runs the bf16 GEMMs.
+s_z needs no amax: every dlogit is g (p_j - eps/V - (1 - eps)[j == t]) with |.| <= 1, so s_z is the largest power
+of two with s_z |g| <= the format's max (:func:`dlogits_scale`; g = dloss / count, known on the device before the
+kernel runs). Against an amax pass and a cast with the transpose over bf16 dlogits (2 + 2 + 4 B an element after
+the kernel's 2-byte write) that is 1 + 2 B (the write and the byte transpose): at the 1B head, 1.05 G elements a
+step, ~5 GB less traffic. E5M2 keeps 2^15 more range than E4M3 below the bound: softmax probabilities of a 128k
+vocabulary reach far below it, and what falls under the format's smallest subnormal becomes 0. A chunk whose row
+count is no multiple of 16 (the last of an N that is none) runs the bf16 GEMMs.
 At the LLaMA-3.2-1B head (B8 x T1024) the two GEMMs are 8.6 TFLOP (~11 ms in bf16, NOTES "FP8": the LM head).
 """
 from __future__ import annotations
@@ -299,14 +303,20 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         # the workspace get 16-byte-aligned rows (cuBLAS' fast kernels; 50257 bf16 rows would force its align1
         # kernels), and the CE kernel reads it with that row stride. Never more than 63 extra columns.
         # (grad_fp8: rows of exactly Vw, a multiple of 16 -- the casts of dlogits read it as one C-contiguous array)
-        ws = empty_padded((C, Vw), x.dtype, xp=xp) if gfmt is None else xp.empty((C, Vw), dtype=x.dtype)
+        ws = empty_padded((C, Vw), x.dtype, xp=xp)
         ldz = ws.strides[0] // ws.itemsize
         tag = f"{B.DTYPE_TAG[x.dtype]}_{B.DTYPE_TAG[targets.dtype]}"
         k = get_function(_ce.FAMILY, f"ce_{'fused' if compute_grad else 'fwd'}_{tag}")
         threads = _ce._threads(V, x.itemsize)
         dptr = darr if darr is not None else B.NULL
-        if gfmt is not None:  # the weight in E4M3 once a call, with the transpose the dx GEMM reads (K = Vw)
+        if gfmt is not None:
+            # the weight in E4M3 once a call, with the transpose the dx GEMM reads (K = Vw); a chunk's FP8 dlogits
+            # (the fused kernel's codes, row stride Vw), their transpose, and 1 / s, the kernel writes them
             _, wqT, sw = _fp8.fp8_quantize(weight, transpose=True)
+            kq = get_function(_ce.FAMILY, f"ce_fused_q8_{tag}_{'e5m2' if gfmt == B.float8_e5m2 else 'e4m3'}")
+            zq_all = xp.empty((C, Vw), dtype=np.uint8)
+            zqT_all = xp.empty((Vw * C,), dtype=np.uint8)
+            sz = xp.empty((), dtype=np.float32)
         for i, c0 in enumerate(range(0, N, C)):
             c1 = min(N, c0 + C)
             r = c1 - c0
@@ -314,6 +324,23 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             z = zw[:, :V] if Vw > V else zw  # the class columns: what the loss and the dW GEMM see
             xc, tc, lr = x[c0:c1], targets[c0:c1], loss_rows[c0:c1]
             matmul(xc, weight, trans_b=True, out=zw)
+            if gfmt is not None and r % 16 == 0:
+                # dlogits straight to FP8 codes (the scale from |dz| <= |g|, no amax pass), then their transpose
+                zq = zq_all[:r]
+                kq((_ce._grid(kq, r, threads),), (threads, 1, 1),
+                   (z, tc, zq, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V), np.int64(ldz),
+                    np.int64(Vw), np.int64(ig), np.float32(eps), np.bool_(True), np.bool_(settings.ce_cache_hints),
+                    sz))
+                if Vw > V:
+                    zq[:, V:].fill(0)  # code 0: the padding columns add nothing to dx (K = Vw)
+                zqT = _fp8.fp8_transpose(zq, out=zqT_all[:Vw * r].reshape(Vw, r))
+                _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
+                e4 = B.float8_e4m3fn
+                beta = 1.0 if (accumulate or i) else 0.0
+                matmul(zq, wqT, trans_b=True, a_scale=sz, b_scale=sw, a_dtype=gfmt, b_dtype=e4, out=dx[c0:c1])
+                matmul(zqT[:V], xqT, trans_b=True, a_scale=sz, b_scale=sx, a_dtype=gfmt, b_dtype=e4, out=dw,
+                       beta=beta)
+                continue
             grid = (_ce._grid(k, r, threads),)
             if not compute_grad:
                 k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ldz),
@@ -326,14 +353,6 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             if Vw > V:
                 zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
             beta = 1.0 if (accumulate or i) else 0.0
-            if gfmt is not None and r % 16 == 0:
-                zq, zqT, sz = _fp8.fp8_quantize(zw, dtype=gfmt, transpose=True)  # (zw: contiguous, ldz = Vw)
-                _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
-                e4 = B.float8_e4m3fn
-                matmul(zq, wqT, trans_b=True, a_scale=sz, b_scale=sw, a_dtype=gfmt, b_dtype=e4, out=dx[c0:c1])
-                matmul(zqT[:V], xqT, trans_b=True, a_scale=sz, b_scale=sx, a_dtype=gfmt, b_dtype=e4, out=dw,
-                       beta=beta)
-                continue
             matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros
             matmul(z, xc, trans_a=True, out=dw, beta=beta)
     if reduction == "none":
@@ -385,7 +404,8 @@ def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight,
             dz[rows, tc] -= 1 - eps
             dz = np.where(ok[:, None], dz * g, 0.0).astype(x.dtype).astype(np.float32)
             if gfmt is not None and (c1 - c0) % 16 == 0:
-                dz8 = _fp8_dequantised(dz, gfmt)
+                s = dlogits_scale(_g_f32(dloss, reduction, count), gfmt)
+                dz8 = (_fp8.ref_cast(dz, s, gfmt).view(gfmt).astype(np.float32) * (np.float32(1) / s))
                 dx[c0:c1] = (dz8 @ w8).astype(x.dtype)
                 dw += dz8.T @ _fp8_dequantised(xf[c0:c1], e4)
                 continue
@@ -399,6 +419,28 @@ def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight,
             s = s / count if count else 0.0
         loss = np.asarray(s, dtype=np.float32)
     return loss, dx, dw
+
+
+def _g_f32(dloss, reduction, count) -> np.float32:
+    """The kernel's g in float32: dloss, times 1 / count (in float32) for "mean"."""
+    d = np.float32(np.asarray(dloss, dtype=np.float32))
+    if reduction != "mean":
+        return d
+    return np.float32(d * (np.float32(1) / np.float32(count) if count else np.float32(0)))
+
+
+def dlogits_scale(g, fmt) -> np.float32:
+    """The scale of FP8 dlogits (``grad_fp8``): the largest power of two s with s |g| <= the format's max, as
+    ``ce_q8_scale`` in kernels_cu/cross_entropy.cu takes it from the exponent bits. Every dlogit obeys
+    |g (p_j - eps/V - (1 - eps)[j == t])| <= |g|, so no amax pass is needed; 1 / s is exact. A g of 0, a
+    subnormal or a non-finite one gives 1."""
+    a = abs(np.float32(g))
+    if not (a >= np.finfo(np.float32).tiny) or not np.isfinite(a):
+        return np.float32(1)
+    ma, ea = np.frexp(np.float64(a))
+    mf, ef = np.frexp(_fp8.FP8_MAX[np.dtype(fmt)])
+    e = int(np.clip(ef - ea - (1 if ma > mf else 0), -126, 126))
+    return np.float32(2.0 ** e)
 
 
 def _fp8_dequantised(a, fmt):
