@@ -44,9 +44,11 @@ RECIPES = {"current": {}, "delayed": {"scaling": "delayed"}, "e5m2-grads": {"gra
            "delayed-margin2": {"scaling": "delayed", "margin": 2},
            # the optimizer's FP8 copies of the weights (fp8_shadow: true) instead of a cast each step
            "current-shadow": {"shadow": True}, "hybrid-shadow": {"scaling": "hybrid", "shadow": True},
-           # the LM head's two gradient GEMMs in FP8 too (fp8_head: true; dlogits in E5M2)
+           # the LM head's two gradient GEMMs in FP8 too (fp8_head: true; dlogits in E5M2), and with E4M3 dlogits
            "current-head": {"head_grad_dtype": "float8_e5m2"},
-           "hybrid-head": {"scaling": "hybrid", "head_grad_dtype": "float8_e5m2"}}
+           "hybrid-head": {"scaling": "hybrid", "head_grad_dtype": "float8_e5m2"},
+           "hybrid-head-e4m3": {"scaling": "hybrid", "head_grad_dtype": "float8_e4m3fn"},
+           "hybrid-shadow-head": {"scaling": "hybrid", "shadow": True, "head_grad_dtype": "float8_e5m2"}}
 BAR = ("fp8-current", "fp8-delayed", "fp8-hybrid")  # the trainer's recipes (fp8_scaling): the others are runs to compare
 COMMON = ["graph=true", "eval_steps=8", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]
 BIG = ["data.kind=text", "data.path=null", "data.val_path=null", "batch_size=8", "seq_len=1024",

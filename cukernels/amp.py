@@ -46,8 +46,9 @@ class Float8Recipe:
             periodic promotion to fp32).
         head_grad_dtype: None (default: the LM head stays bf16), or ``ck.float8_e5m2`` / ``ck.float8_e4m3fn``: the
             fused head + loss (``ck.linear_cross_entropy``) runs its two gradient GEMMs in FP8, dlogits in this
-            format with a scale per chunk; the logits and the loss stay bf16. E5M2 keeps the small softmax
-            probabilities a 128k vocabulary spreads below the target's gradient. Not measured on quality yet.
+            format (their scale from the bound |dlogits| <= dloss / count); the logits and the loss stay bf16.
+            E5M2 keeps the small softmax probabilities a 128k vocabulary spreads below the target's gradient;
+            E4M3 has the finer steps. Quality cost measured (benchmarks/NOTES.md, "FP8"): a speed option.
     """
 
     grad_dtype: object = B.float8_e4m3fn
