@@ -679,7 +679,8 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
     res = {}
     for rname in [r for r in args.fp8.split(",") if r]:
         scaling, *how = rname.split("-")
-        head = {"head_grad_dtype": ck.float8_e5m2} if "head" in how else {}
+        head = ({"head_grad_dtype": ck.float8_e5m2, "head_fp8_dw": "head" in how}
+                if "head" in how or "headdx" in how else {})
         FP8["recipe"], FP8["shadow"] = ck.float8.replace(scaling=scaling, **head), "shadow" in how
         try:
             r = try_run(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps, data=args.data,
@@ -736,8 +737,8 @@ def main(argv=None):
                     "PyTorch's decoder Linears as torch._scaled_mm FP8 GEMMs with per-tensor dynamic scales")
     ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, hybrid, delayed; -shadow: the "
                     "optimizer's FP8 copies of the weights instead of a cast each step; -head: the LM head's gradient "
-                    "GEMMs in FP8 too; e.g. hybrid-shadow-head): each config also runs with the Linear layers' GEMMs "
-                    "in FP8 (ck.autocast(ck.float8))")
+                    "GEMMs in FP8 too, -headdx: its dx GEMM only; e.g. hybrid-shadow-head): each config also runs "
+                    "with the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],

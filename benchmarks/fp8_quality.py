@@ -48,6 +48,8 @@ RECIPES = {"current": {}, "delayed": {"scaling": "delayed"}, "e5m2-grads": {"gra
            "current-head": {"head_grad_dtype": "float8_e5m2"},
            "hybrid-head": {"scaling": "hybrid", "head_grad_dtype": "float8_e5m2"},
            "hybrid-head-e4m3": {"scaling": "hybrid", "head_grad_dtype": "float8_e4m3fn"},
+           # only the head's dx GEMM in FP8 (fp8_head: dx): its weight gradient from the bf16 dlogits
+           "hybrid-headdx": {"scaling": "hybrid", "head_grad_dtype": "float8_e5m2", "head_fp8_dw": False},
            "hybrid-shadow-head": {"scaling": "hybrid", "shadow": True, "head_grad_dtype": "float8_e5m2"}}
 BAR = ("fp8-current", "fp8-delayed", "fp8-hybrid")  # the trainer's recipes (fp8_scaling): the others are runs to compare
 COMMON = ["graph=true", "eval_steps=8", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]

@@ -27,7 +27,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--fp8", default="", help="the Linear GEMMs in FP8 with this scaling (current, hybrid, delayed; "
-                    "-shadow: the optimizer's FP8 copies of the weights; -head: the LM head's gradient GEMMs in FP8)")
+                    "-shadow: the optimizer's FP8 copies of the weights; -head: the LM head's gradient GEMMs in FP8, "
+                    "-headdx: its dx GEMM only)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -39,7 +40,8 @@ def main(argv=None):
         import cukernels as ck
 
         scaling, *how = args.fp8.split("-")
-        head = {"head_grad_dtype": ck.float8_e5m2} if "head" in how else {}
+        head = ({"head_grad_dtype": ck.float8_e5m2, "head_fp8_dw": "head" in how}
+                if "head" in how or "headdx" in how else {})
         bt.FP8["recipe"], bt.FP8["shadow"] = ck.float8.replace(scaling=scaling, **head), "shadow" in how
     all_feats = bt.GPT2_ROWS[-1][1] if args.model == "gpt2" else bt.FEATURES
     feats = [f for f in all_feats if args.graph or f != "graph"]

@@ -49,6 +49,8 @@ class Float8Recipe:
             format (their scale from the bound |dlogits| <= dloss / count); the logits and the loss stay bf16.
             E5M2 keeps the small softmax probabilities a 128k vocabulary spreads below the target's gradient;
             E4M3 has the finer steps. Quality cost measured (benchmarks/NOTES.md, "FP8"): a speed option.
+        head_fp8_dw: with ``head_grad_dtype``: True (default) both of the head's gradient GEMMs in FP8; False only
+            the dx GEMM, the weight gradient from the bf16 dlogits (the sum whose FP8 rounding measured the cost).
     """
 
     grad_dtype: object = B.float8_e4m3fn
@@ -57,6 +59,7 @@ class Float8Recipe:
     fast_accum: bool = True
     fast_accum_grad: bool = False
     head_grad_dtype: object = None
+    head_fp8_dw: bool = True
 
     def __post_init__(self):
         g = B.check_dtype_arg("grad_dtype", self.grad_dtype, B.FP8)
@@ -65,6 +68,7 @@ class Float8Recipe:
         B.check_int("margin", self.margin, min=0, max=8)
         B.check_bool("fast_accum", self.fast_accum)
         B.check_bool("fast_accum_grad", self.fast_accum_grad)
+        B.check_bool("head_fp8_dw", self.head_fp8_dw)
         if self.head_grad_dtype is not None:
             object.__setattr__(self, "head_grad_dtype", B.check_dtype_arg("head_grad_dtype", self.head_grad_dtype,
                                                                           B.FP8))

@@ -339,10 +339,11 @@ __device__ __forceinline__ unsigned q8_pair(float a, float b, float s) {
 // Pass 2 of row_grad writing FP8 codes: the same d, rounded to T first (the bf16 dlogits row_grad would write),
 // times s, cast (nearest even, saturating). qr's body pack of E codes is stored as one E-byte word. U packs in
 // flight a thread: row_grad's 4 spill at a 1024-thread block's 64 registers, and so do 2 with int64 targets (4
-// bytes, sm_80 and sm_90): 2 for int32 targets (the trainer's), 1 for int64.
-template <int Q, int U, typename T>
-__device__ __forceinline__ void row_grad_q8(const T* xr, unsigned char* qr, int V, const RowSplit& sp, float lse,
-                                            int t, float g, float g_epsv, float g_tgt, float s, bool hint) {
+// bytes, sm_80 and sm_90): 2 for int32 targets (the trainer's), 1 for int64 and with B16 (2 spilled 24 bytes).
+// B16: the bf16 dlogits too, into ob (in place over xr when ob == xr: each pack is read before it is written).
+template <int Q, int U, bool B16, typename T>
+__device__ __forceinline__ void row_grad_q8(const T* xr, unsigned char* qr, T* ob, int V, const RowSplit& sp,
+                                            float lse, int t, float g, float g_epsv, float g_tgt, float s, bool hint) {
   constexpr int E = 16 / sizeof(T);
   static_assert(E == 8, "FP8 dlogits from bf16 logits only");
   for (int seg = 0; seg < 2; ++seg) {
@@ -350,7 +351,9 @@ __device__ __forceinline__ void row_grad_q8(const T* xr, unsigned char* qr, int 
     for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
       float d = g * exp2f((to_f32(xr[j]) - lse) * CE_LOG2E) - g_epsv;
       if (j == t) d -= g_tgt;
-      qr[j] = (unsigned char)(q8_pair<Q>(to_f32(from_f32<T>(d)), 0.f, s) & 0xffu);
+      const T db = from_f32<T>(d);
+      if constexpr (B16) ob[j] = db;
+      qr[j] = (unsigned char)(q8_pair<Q>(to_f32(db), 0.f, s) & 0xffu);
     }
   }
   const T* body = xr + sp.head;
@@ -364,14 +367,18 @@ __device__ __forceinline__ void row_grad_q8(const T* xr, unsigned char* qr, int 
       if (u < sp.units) {
         const int it = t - (sp.head + u * E);  // the target's index in this pack (out of [0, E): none)
         unsigned c[E / 2];
+        Pack<T, E> o;
 #pragma unroll
         for (int i = 0; i < E; i += 2) {
           float d0 = g * exp2f((to_f32(p[k].v[i]) - lse) * CE_LOG2E) - g_epsv;
           float d1 = g * exp2f((to_f32(p[k].v[i + 1]) - lse) * CE_LOG2E) - g_epsv;
           if (it == i) d0 -= g_tgt;
           if (it == i + 1) d1 -= g_tgt;
-          c[i / 2] = q8_pair<Q>(to_f32(from_f32<T>(d0)), to_f32(from_f32<T>(d1)), s);
+          o.v[i] = from_f32<T>(d0);
+          o.v[i + 1] = from_f32<T>(d1);
+          c[i / 2] = q8_pair<Q>(to_f32(o.v[i]), to_f32(o.v[i + 1]), s);
         }
+        if constexpr (B16) store16_hint<T, E>(ob + sp.head + (long long)u * E, o, hint);
         uint2 w;
         w.x = c[0] | (c[1] << 16);
         w.y = c[2] | (c[3] << 16);
@@ -429,12 +436,14 @@ __device__ __forceinline__ void ce_fwd(const T* __restrict__ x, const I* __restr
 // ---------------------------------------------------------------- fused forward + backward
 // Q = -1: dx in T (possibly over the logits); Q = 0 / 1: FP8 codes (O = unsigned char) into their own rows, and
 // 1 / s into *scale_inv (block 0) for the GEMMs that read them.
-template <typename T, typename I, int Q = -1, typename O = T>
+// B16 (with Q >= 0): the bf16 dlogits as well, into dx16 (row stride ld16; over the logits when dx16 == x).
+template <typename T, typename I, int Q = -1, typename O = T, bool B16 = false>
 __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O* dx, float* __restrict__ loss_row,
                                          int* __restrict__ err, const int* __restrict__ count,
                                          const float* __restrict__ dloss, float dloss_scalar, long long N, int V,
                                          long long ldx, long long ldo, long long ignore, float eps, bool vec,
-                                         bool hint, float* __restrict__ scale_inv = nullptr) {
+                                         bool hint, float* __restrict__ scale_inv = nullptr, T* dx16 = nullptr,
+                                         long long ld16 = 0) {
   __shared__ float sh[96];
   const float cnt_scale = count != nullptr ? (*count > 0 ? 1.f / (float)*count : 0.f) : 1.f;
   const float gbase = (dloss != nullptr ? *dloss : dloss_scalar) * cnt_scale;
@@ -454,9 +463,10 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O
     if constexpr (Q >= 0)
       if (vec && ((unsigned)(size_t)(orow + sp.head) & (16u / sizeof(T) - 1u))) sp = split_row(xr, V, false);
     if (!ok) {  // uniform over the block
-      if constexpr (Q >= 0)
+      if constexpr (Q >= 0) {
         row_zero_q8(orow, V);
-      else
+        if constexpr (B16) row_zero(dx16 + row * ld16, V, sp);
+      } else
         row_zero(orow, V, sp);
       if (threadIdx.x == 0) loss_row[row] = 0.f;
       continue;
@@ -471,7 +481,9 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O
     const float l = row_loss(a, xt, eps, V, &lse);
     if (threadIdx.x == 0) loss_row[row] = l;
     if constexpr (Q >= 0)
-      row_grad_q8<Q, sizeof(I) == 8 ? 1 : 2>(xr, orow, V, sp, lse, ti, gbase, gbase * eps / (float)V, gbase * (1.f - eps), s, hint);
+      row_grad_q8<Q, (B16 || sizeof(I) == 8) ? 1 : 2, B16>(xr, orow, B16 ? dx16 + row * ld16 : nullptr, V, sp,
+                                                           lse, ti, gbase, gbase * eps / (float)V,
+                                                           gbase * (1.f - eps), s, hint);
     else
       row_grad(xr, orow, V, sp, lse, ti, gbase, gbase * eps / (float)V, gbase * (1.f - eps), hint);
   }
@@ -576,6 +588,21 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
     ce_fused<bf16, I, Q, unsigned char>(x, tg, q, loss_row, err, count, dloss, dloss_scalar, N, V, ldx, ldq,   \
                                         ignore, eps, vec, hint, scale_inv);                                    \
   }
+// ce_fused_q8b_bf16_<targets>_<format>: the same, and the bf16 dlogits into dx16 (row stride ld16) as ce_fused
+// writes them: the LM head with only its dx GEMM in FP8 reads the codes, its dW GEMM the bf16 values.
+#define CE_Q8B(I, IN, Q, QN)                                                                                    \
+  CK_ENTRY(__launch_bounds__(1024),                                                                            \
+      ce_fused_q8b_bf16_##IN##_##QN)(const bf16* x, const I* tg, unsigned char* q, float* loss_row, int* err,  \
+                                     const int* count, const float* dloss, float dloss_scalar, long long N,    \
+                                     int V, long long ldx, long long ldq, long long ignore, float eps,          \
+                                     bool vec, bool hint, float* scale_inv, bf16* dx16, long long ld16) {      \
+    ce_fused<bf16, I, Q, unsigned char, true>(x, tg, q, loss_row, err, count, dloss, dloss_scalar, N, V, ldx,  \
+                                              ldq, ignore, eps, vec, hint, scale_inv, dx16, ld16);             \
+  }
+CE_Q8B(int, i32, 0, e4m3)
+CE_Q8B(int, i32, 1, e5m2)
+CE_Q8B(long long, i64, 0, e4m3)
+CE_Q8B(long long, i64, 1, e5m2)
 CE_Q8(int, i32, 0, e4m3)
 CE_Q8(int, i32, 1, e5m2)
 CE_Q8(long long, i64, 0, e4m3)

@@ -681,7 +681,21 @@ def test_reference_grad_fp8_is_the_dequantised_formula(rng, fmt):
     assert not np.array_equal(dw, base[2])  # the FP8 products did run
 
 
+def test_reference_grad_fp8_dx_only_keeps_dw_in_bf16(rng):
+    """grad_fp8_dw=False: dx as with both GEMMs in FP8 (the same dequantised product), dW the bf16 op's."""
+    x, w, t = _case(rng, 64, 32, 48, ck.bfloat16)
+    base = linear_cross_entropy(x, w, t, chunk_rows=32)
+    full = linear_cross_entropy(x, w, t, chunk_rows=32, grad_fp8=E5)
+    dxo = linear_cross_entropy(x, w, t, chunk_rows=32, grad_fp8=E5, grad_fp8_dw=False)
+    assert dxo[0] == base[0]
+    np.testing.assert_array_equal(dxo[1], full[1])
+    np.testing.assert_array_equal(dxo[2], base[2])
+    assert not np.array_equal(dxo[1], base[1])
+
+
 @pytest.mark.parametrize("kw, exc, msg", [
+    (dict(grad_fp8_dw=False), ValueError, "grad_fp8_dw: False keeps dW out of FP8 when grad_fp8 is given"),
+    (dict(grad_fp8=E5, grad_fp8_dw=1), TypeError, "grad_fp8_dw"),
     (dict(grad_fp8=np.float32), TypeError, "grad_fp8: expected"),
     (dict(grad_fp8=E5, compute_grad=False), ValueError, "grad_fp8: given, but compute_grad=False"),
     (dict(grad_fp8=E5, dtype=np.float32), TypeError, "grad_fp8: the FP8 gradient GEMMs take bfloat16"),
@@ -704,16 +718,22 @@ def test_model_head_grad_fp8_follows_the_recipe():
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 64, (2, 17)).astype(np.int32)  # 32 tokens: one chunk of a multiple of 16 rows
     out = {}
-    for name, recipe in (("plain", ck.float8), ("head", ck.float8.replace(head_grad_dtype=ck.float8_e5m2))):
+    head = ck.float8.replace(head_grad_dtype=ck.float8_e5m2)
+    for name, recipe in (("plain", ck.float8), ("head", head), ("dx", head.replace(head_fp8_dw=False))):
         m = ck.Llama(cfg, seed=0)
         with ck.autocast(recipe):
             loss = m(ids[:, :-1], ids[:, 1:])
         loss.backward()
-        out[name] = (float(loss.data), m.lm_head.weight.grad.copy())
-    assert out["plain"][0] == out["head"][0]
+        out[name] = (float(loss.data), m.lm_head.weight.grad.copy(), m.model.norm.weight.grad.copy())
+    assert out["plain"][0] == out["head"][0] == out["dx"][0]
     gp, gh = out["plain"][1], out["head"][1]
     assert not np.array_equal(gp, gh)
     assert np.abs(gh - gp).max() <= 0.2 * np.abs(gp).max()
+    # head_fp8_dw=False: the head's weight gradient is the bf16 one; dx (seen through the final norm's gradient)
+    # is the FP8 one
+    np.testing.assert_array_equal(out["dx"][1], gp)
+    np.testing.assert_array_equal(out["dx"][2], out["head"][2])
+    assert not np.array_equal(out["dx"][2], out["plain"][2])
 
 
 def test_grad_fp8_recipe_field():
@@ -721,13 +741,17 @@ def test_grad_fp8_recipe_field():
     assert ck.float8.replace(head_grad_dtype="float8_e5m2").head_grad_dtype == E5
     with pytest.raises(TypeError, match="head_grad_dtype"):
         ck.Float8Recipe(head_grad_dtype=np.float16)
+    assert ck.float8.head_fp8_dw is True
+    with pytest.raises(TypeError, match="head_fp8_dw"):
+        ck.Float8Recipe(head_fp8_dw="no")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dw", [True, False], ids=["both", "dx-only"])
 @pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
 @pytest.mark.parametrize("N, H, V, C, Vw", [(256, 64, 1024, 128, None), (200, 32, 1000, 64, 1024),
                                            (96, 48, 512, 96, None), (64, 32, 1008, 32, None)])
-def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw):
+def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw, fp8_dw):
     """The GPU path against the reference on the dequantised operands (a padded weight: the 1000 classes in 1024
     zero rows; N = 200: a last chunk of 8 rows on the bf16 GEMMs). The casts are the reference's rule, but the
     device's logits may sit one bf16 ulp from the reference's (its GEMM sums in another order), and such a dlogit
@@ -739,27 +763,32 @@ def test_gpu_grad_fp8_matches_reference(rng, fmt, N, H, V, C, Vw):
     if Vw is not None:
         wp = np.zeros((Vw, H), ck.bfloat16)
         wp[:V] = w
-    kw = dict(chunk_rows=C, grad_fp8=fmt, num_classes=V if Vw else None)
+    kw = dict(chunk_rows=C, grad_fp8=fmt, num_classes=V if Vw else None, grad_fp8_dw=fp8_dw)
     hl, hdx, hdw = linear_cross_entropy(x, wp, t, **kw)
     gdw = poisoned((V, H), np.float32)
     dl, ddx, ddw = linear_cross_entropy(device_copy(x), device_copy(wp), device_copy(t), grad_weight=gdw, **kw)
     np.testing.assert_allclose(to_host(dl), hl, rtol=1e-5)
     np.testing.assert_allclose(to_host(ddx).astype(np.float32), hdx.astype(np.float32), rtol=2e-2, atol=1e-5)
     ddw, top = to_host(ddw), np.abs(hdw).max()
+    if not fp8_dw:  # the bf16 GEMM on bf16 dlogits: as the plain op's GPU test
+        _close(ddw, hdw, *GRAD_TOL[np.dtype(ck.bfloat16)], "dW")
+        return
     near = np.isclose(ddw, hdw, rtol=1e-3, atol=1e-6 * top)
     assert near.mean() > 0.99, f"{(~near).sum()} of {near.size} dW elements off"
     np.testing.assert_allclose(ddw, hdw, rtol=0, atol=1e-2 * top)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("both", [False, True], ids=["q8", "q8b"])
 @pytest.mark.parametrize("fmt", [E5, E4], ids=["e5m2", "e4m3"])
 @pytest.mark.parametrize("idt", [np.int32, np.int64])
 @pytest.mark.parametrize("rows, V, ld, qoff", [(48, 1000, 1024, 0), (16, 128256, 128256, 0), (5, 37, 64, 3),
                                                (33, 520, 520, 0)])
-def test_gpu_fp8_dlogits_are_the_cast_of_the_bf16_ones(rng, fmt, idt, rows, V, ld, qoff):
+def test_gpu_fp8_dlogits_are_the_cast_of_the_bf16_ones(rng, both, fmt, idt, rows, V, ld, qoff):
     """ce_fused_q8 writes, bit for bit, ck.fp8_cast of the dlogits ce_fused writes in bf16 from the same logits,
     with dlogits_scale(g) (and 1 / s for the GEMMs); ignored rows are code 0; the losses are the same bits. Odd V,
-    rows that start off the 8-byte grid (qoff: the scalar path), 128k classes, label smoothing."""
+    rows that start off the 8-byte grid (qoff: the scalar path), 128k classes, label smoothing. ce_fused_q8b also
+    writes the bf16 dlogits in place over the logits: the bf16 kernel's bits, the columns past V untouched."""
     import cupy as cp
     from cukernels import _backend as B
     from cukernels._loader import get_function
@@ -781,10 +810,10 @@ def test_gpu_fp8_dlogits_are_the_cast_of_the_bf16_ones(rng, fmt, idt, rows, V, l
     qbuf = cp.full((rows * ld + qoff,), 0xAB, np.uint8)
     q = qbuf[qoff:].reshape(rows, ld)
     l8, sinv = cp.empty((rows,), np.float32), poisoned((), np.float32)
-    kq = get_function(ce.FAMILY, f"ce_fused_q8_{tag}_{'e5m2' if fmt == E5 else 'e4m3'}")
-    kq((ce._grid(kq, rows, threads),), (threads, 1, 1),
-       (zd, td, q, l8, err, cnt, B.NULL, np.float32(1), np.int64(rows), np.int32(V), np.int64(ld), np.int64(ld),
-        np.int64(IG), eps, np.bool_(True), np.bool_(True), sinv))
+    kq = get_function(ce.FAMILY, f"ce_fused_{'q8b' if both else 'q8'}_{tag}_{'e5m2' if fmt == E5 else 'e4m3'}")
+    args = (zd, td, q, l8, err, cnt, B.NULL, np.float32(1), np.int64(rows), np.int32(V), np.int64(ld), np.int64(ld),
+            np.int64(IG), eps, np.bool_(True), np.bool_(True), sinv)
+    kq((ce._grid(kq, rows, threads),), (threads, 1, 1), args + ((zd, np.int64(ld)) if both else ()))
     s = dlogits_scale(np.float32(1) / np.float32((t != IG).sum()), fmt)
     want = to_host(ck.fp8_cast(dz[:, :V].copy(), float(s), dtype=fmt))
     got = to_host(q)
@@ -794,3 +823,6 @@ def test_gpu_fp8_dlogits_are_the_cast_of_the_bf16_ones(rng, fmt, idt, rows, V, l
     assert float(to_host(sinv)) == 1 / float(s)
     np.testing.assert_array_equal(to_host(l8), to_host(l16))
     assert int(to_host(err)) == 0
+    if both:  # the logits became the bf16 dlogits; the columns past V kept the logits
+        np.testing.assert_array_equal(to_host(zd)[:, :V].view(np.uint16), to_host(dz)[:, :V].view(np.uint16))
+        np.testing.assert_array_equal(to_host(zd)[:, V:].view(np.uint16), z[:, V:].view(np.uint16))

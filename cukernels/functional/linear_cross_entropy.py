@@ -63,7 +63,7 @@ class LinearCrossEntropyF(Function):
 
     @staticmethod
     def forward(ctx, x, w, w_lowp=None, targets=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                grad_fp8=None):
+                grad_fp8=None, grad_fp8_dw=True):
         H = x.shape[-1]
         x2 = x.reshape(-1, H)
         xp = _xp(x2)
@@ -75,7 +75,8 @@ class LinearCrossEntropyF(Function):
         wl = w_lowp if w_lowp is not None else (w if w.dtype == x2.dtype else w.astype(x2.dtype))
         kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
         if grad_fp8 is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            kw["grad_fp8"] = grad_fp8  # the two gradient GEMMs in FP8 (ops/linear_cross_entropy.py)
+            kw["grad_fp8"] = grad_fp8  # the gradient GEMMs in FP8 (ops/linear_cross_entropy.py)
+            kw["grad_fp8_dw"] = grad_fp8_dw  # False: dx's only
         V = w.shape[0]
         if xp is not np and V % PAD:
             kw["num_classes"] = V  # the GEMMs on 16-byte-aligned dimensions (see the op's docstring)
@@ -140,19 +141,21 @@ class LinearCrossEntropyF(Function):
                 xp.multiply(dw, gf, out=dw)
         gw = dw if ctx.dw_fresh else None
         ctx.dw = None
-        return (None if dx is None else dx.reshape(ctx.xshape)), gw, None, None, None, None, None, None
+        return (None if dx is None else dx.reshape(ctx.xshape)), gw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(x, w, targets, *, w_lowp=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         grad_fp8=None):
+                         grad_fp8=None, grad_fp8_dw=True):
     """Cross-entropy of the logits ``x @ w.T`` (never materialised: ``ck.linear_cross_entropy`` in row chunks)
     against int ``targets`` of x's leading shape; a 0-d fp32 loss Tensor. ``w_lowp``: the array the GEMMs read
     instead of w (the bf16 shadow under autocast). The head weight's gradient is written during the forward
     (see :class:`LinearCrossEntropyF`). ``grad_fp8``: the gradient GEMMs in FP8 with dlogits in this format
-    (``Float8Recipe(head_grad_dtype=)``), or None."""
+    (``Float8Recipe(head_grad_dtype=)``), or None; ``grad_fp8_dw``: False keeps the dW GEMM in bf16
+    (``Float8Recipe(head_fp8_dw=False)``)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction: expected 'mean' or 'sum'; got {reduction!r}")
-    return LinearCrossEntropyF.apply(x, w, w_lowp, _data(targets), ignore_index, reduction, label_smoothing, grad_fp8)
+    return LinearCrossEntropyF.apply(x, w, w_lowp, _data(targets), ignore_index, reduction, label_smoothing, grad_fp8,
+                                     grad_fp8_dw)
 
 
 def linear_cross_entropy_ok(x, w, w_lowp=None, bias=None) -> bool:

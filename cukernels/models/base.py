@@ -383,7 +383,8 @@ class CausalLM(GenerationMixin, Module):
         if not F.linear_cross_entropy_ok(x, wt, wl, b):
             return None
         return F.linear_cross_entropy(x, wt, targets, w_lowp=wl, ignore_index=ignore_index,
-                                      grad_fp8=_head_grad_fp8(x, wl if wl is not None else wt))
+                                      grad_fp8=_head_grad_fp8(x, wl if wl is not None else wt),
+                                      grad_fp8_dw=_head_fp8_dw())
 
     def head(self, x):
         """The output projection (its own ``lm_head`` or the tied token embedding), autocast like a Linear."""
@@ -601,6 +602,12 @@ def _head_grad_fp8(x, w):
     if wd.shape[0] % 16 and B._kind(wd) is np:
         return None  # (on the GPU a vocabulary that is no multiple of 64 runs on rows padded to one)
     return r.head_grad_dtype
+
+
+def _head_fp8_dw():
+    """False when the active FP8 recipe keeps the head's dW GEMM in bf16 (``Float8Recipe(head_fp8_dw=False)``)."""
+    r = amp.get_fp8_recipe()
+    return r is None or r.head_fp8_dw
 
 
 def _recomputed_block(block, x, kw, mode):

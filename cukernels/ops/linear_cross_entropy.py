@@ -58,7 +58,10 @@ kernel runs). Against an amax pass and a cast with the transpose over bf16 dlogi
 the kernel's 2-byte write) that is 1 + 2 B (the write and the byte transpose): at the 1B head, 1.05 G elements a
 step, ~5 GB less traffic. E5M2 keeps 2^15 more range than E4M3 below the bound: softmax probabilities of a 128k
 vocabulary reach far below it, and what falls under the format's smallest subnormal becomes 0. A chunk whose row
-count is no multiple of 16 (the last of an N that is none) runs the bf16 GEMMs.
+count is no multiple of 16 (the last of an N that is none) runs the bf16 GEMMs. ``grad_fp8_dw=False`` keeps dW in
+bf16: the kernel (``ce_fused_q8b``) writes the bf16 dlogits over the logits as well as the codes, dx reads the codes,
+dW the bf16 values (no transpose, x not cast). dW's sum over the chunk cancels as a model learns, and the FP8
+rounding of its terms does not (benchmarks/NOTES.md, "FP8": the LM head).
 At the LLaMA-3.2-1B head (B8 x T1024) the two GEMMs are 8.6 TFLOP (~11 ms in bf16, NOTES "FP8": the LM head).
 """
 from __future__ import annotations
@@ -205,7 +208,7 @@ def _validate(x, weight, targets, ignore_index, reduction, label_smoothing, grad
 @B.interop
 def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          grad_weight=None, accumulate=False, compute_grad=True, chunk_rows=None, dloss=1.0,
-                         grad_input=None, error=None, num_classes=None, grad_fp8=None):
+                         grad_input=None, error=None, num_classes=None, grad_fp8=None, grad_fp8_dw=True):
     """Cross-entropy of ``x @ weight.T`` against ``targets``, with the gradients, without materialising the logits.
 
     With logits z = x W^T (rounded once to x's dtype, as a GEMM into a bf16 buffer would), per row i with target
@@ -247,6 +250,9 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         grad_fp8: None (default), or ``ck.float8_e5m2`` / ``ck.float8_e4m3fn``: dx and dW from FP8 GEMMs, dlogits
             quantised per chunk in this format (module docstring); bfloat16 x and weight, H and the weight's rows
             multiples of 16. The loss is unchanged.
+        grad_fp8_dw: with ``grad_fp8``: True (default) both gradient GEMMs in FP8; False only the dx GEMM, dW from
+            the bf16 dlogits (the same kernel writes both; no transpose, x not cast). dW sums dlogits that cancel
+            as a model learns, and FP8 rounding of them does not cancel (benchmarks/NOTES.md, "FP8").
 
     Returns:
         ``(loss, dx, dweight)``: loss a 0-d float32 array ("mean"/"sum") or float32 ``[N]`` ("none"); dx
@@ -265,6 +271,9 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
         chunk_rows, grad_input, error, num_classes)
     dscalar, darr = _check_dloss(xp, dloss)
     gfmt = _check_grad_fp8(grad_fp8, x, Vw, compute_grad)
+    fp8_dw = B.check_bool("grad_fp8_dw", grad_fp8_dw)
+    if gfmt is None and not fp8_dw:
+        raise ValueError("grad_fp8_dw: False keeps dW out of FP8 when grad_fp8 is given; pass grad_fp8= with it")
     if settings.lce_stage_weight and xp is not np and N and Vw % (16 // x.itemsize):
         # A row count that is no multiple of 16 bytes' elements (GPT-2's unpadded [50257, 768] head) would keep the
         # logits and dx GEMMs on cuBLAS' align1 kernels (above): stage the weight into zero-padded rows and take
@@ -282,7 +291,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
     if xp is np:
         # The padding rows take no part in the math (their logits are not read, their dlogits are 0).
         return _reference(x, weight[:V], targets, N, V, ig, eps, reduction, darr if darr is not None else dscalar,
-                          grad_weight, accumulate, compute_grad, C, grad_input, gfmt)
+                          grad_weight, accumulate, compute_grad, C, grad_input, gfmt, fp8_dw)
 
     err = error if error is not None else _ce.cross_entropy_error()
     loss_rows = xp.empty((N,), dtype=np.float32)
@@ -313,9 +322,10 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             # the weight in E4M3 once a call, with the transpose the dx GEMM reads (K = Vw); a chunk's FP8 dlogits
             # (the fused kernel's codes, row stride Vw), their transpose, and 1 / s, the kernel writes them
             _, wqT, sw = _fp8.fp8_quantize(weight, transpose=True)
-            kq = get_function(_ce.FAMILY, f"ce_fused_q8_{tag}_{'e5m2' if gfmt == B.float8_e5m2 else 'e4m3'}")
+            q8 = "q8" if fp8_dw else "q8b"  # q8b: the bf16 dlogits in place as well (dW's bf16 GEMM reads them)
+            kq = get_function(_ce.FAMILY, f"ce_fused_{q8}_{tag}_{'e5m2' if gfmt == B.float8_e5m2 else 'e4m3'}")
             zq_all = xp.empty((C, Vw), dtype=np.uint8)
-            zqT_all = xp.empty((Vw * C,), dtype=np.uint8)
+            zqT_all = xp.empty((Vw * C,), dtype=np.uint8) if fp8_dw else None
             sz = xp.empty((), dtype=np.float32)
         for i, c0 in enumerate(range(0, N, C)):
             c1 = min(N, c0 + C)
@@ -327,17 +337,20 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             if gfmt is not None and r % 16 == 0:
                 # dlogits straight to FP8 codes (the scale from |dz| <= |g|, no amax pass), then their transpose
                 zq = zq_all[:r]
-                kq((_ce._grid(kq, r, threads),), (threads, 1, 1),
-                   (z, tc, zq, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V), np.int64(ldz),
-                    np.int64(Vw), np.int64(ig), np.float32(eps), np.bool_(True), np.bool_(settings.ce_cache_hints),
-                    sz))
+                args = (z, tc, zq, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V), np.int64(ldz),
+                        np.int64(Vw), np.int64(ig), np.float32(eps), np.bool_(True),
+                        np.bool_(settings.ce_cache_hints), sz)
+                kq((_ce._grid(kq, r, threads),), (threads, 1, 1), args if fp8_dw else args + (z, np.int64(ldz)))
                 if Vw > V:
                     zq[:, V:].fill(0)  # code 0: the padding columns add nothing to dx (K = Vw)
-                zqT = _fp8.fp8_transpose(zq, out=zqT_all[:Vw * r].reshape(Vw, r))
-                _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
                 e4 = B.float8_e4m3fn
                 beta = 1.0 if (accumulate or i) else 0.0
                 matmul(zq, wqT, trans_b=True, a_scale=sz, b_scale=sw, a_dtype=gfmt, b_dtype=e4, out=dx[c0:c1])
+                if not fp8_dw:
+                    matmul(z, xc, trans_a=True, out=dw, beta=beta)  # the bf16 dlogits the kernel wrote in place
+                    continue
+                zqT = _fp8.fp8_transpose(zq, out=zqT_all[:Vw * r].reshape(Vw, r))
+                _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
                 matmul(zqT[:V], xqT, trans_b=True, a_scale=sz, b_scale=sx, a_dtype=gfmt, b_dtype=e4, out=dw,
                        beta=beta)
                 continue
@@ -364,7 +377,7 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
 
 
 def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight, accumulate, compute_grad, C,
-               grad_input, gfmt=None):
+               grad_input, gfmt=None, fp8_dw=True):
     """NumPy path: the same chunk loop; GEMMs in float32, the softmax in float64, dlogits rounded to x's dtype
     (``gfmt``: the gradient GEMMs on the dequantised FP8 operands, each chunk's dlogits with its own scale)."""
     t = targets.astype(np.int64)
@@ -407,7 +420,7 @@ def _reference(x, weight, targets, N, V, ig, eps, reduction, dloss, grad_weight,
                 s = dlogits_scale(_g_f32(dloss, reduction, count), gfmt)
                 dz8 = (_fp8.ref_cast(dz, s, gfmt).view(gfmt).astype(np.float32) * (np.float32(1) / s))
                 dx[c0:c1] = (dz8 @ w8).astype(x.dtype)
-                dw += dz8.T @ _fp8_dequantised(xf[c0:c1], e4)
+                dw += dz8.T @ _fp8_dequantised(xf[c0:c1], e4) if fp8_dw else dz.T @ xf[c0:c1]
                 continue
             dx[c0:c1] = (dz @ wf).astype(x.dtype)
             dw += dz.T @ xf[c0:c1]

@@ -115,10 +115,11 @@ SCHEMA = {
                                   "recorded, one pass; gradients current: ~2.4 % faster at the 1B shape) or delayed "
                                   "(every tensor by its previous amax; a tensor whose range jumps saturates for a "
                                   "step)", "choice", ("current", "delayed", "hybrid")),
-    "fp8_head": Key(False, "with fp8: the fused LM head + loss runs its two gradient GEMMs in FP8 (dlogits in E5M2; "
-                           "the logits and the loss stay bf16): -4.6 ms a step at the 1B shape on an H200, but off by "
-                           "default: quality +0.6 % at 1B x 200 steps, +15 % on small.yaml at 2000 (docs/performance.md, FP8)",
-                    "bool"),
+    "fp8_head": Key(False, "with fp8: true: the fused LM head + loss runs its two gradient GEMMs in FP8 (dlogits in "
+                           "E5M2; the logits and the loss stay bf16): -4.6 ms a step at the 1B shape on an H200, but "
+                           "quality +0.6 % at 1B x 200 steps, +15 % on small.yaml at 2000 (docs/performance.md, FP8); "
+                           "dx: only the dx GEMM (not yet measured); false: both bf16",
+                    "choice", (False, True, "dx")),
     "fp8_shadow": Key(False, "with fp8 on one GPU: the optimizer writes each Linear weight's E4M3 copy in its update "
                              "(scaled by the amax after the previous update) and no step casts a weight: ~1.3 ms "
                              "faster at the 1B shape; its 2000-step quality runs spread as the cast's do, but "
@@ -246,9 +247,13 @@ def _check(path, spec: Key, v):
             raise ConfigError(f"{path}: expected true or false; got {v!r}")
     elif spec.kind == "choice":
         v = dict(spec.aliases).get(v, v) if isinstance(v, str) else v
-        if v not in spec.choices:
-            opts = list(spec.choices) + (["null"] if spec.optional else [])
-            raise ConfigError(f"{path}: expected one of {opts}; got {v!r}{suggest(v, spec.choices)}")
+        # (type-exact: fp8_head's choices mix true / false with "dx", and 1 == True)
+        if not any(type(v) is type(c) and v == c for c in spec.choices):
+            opts = [str(c).lower() if isinstance(c, bool) else c for c in spec.choices] + (["null"] if spec.optional
+                                                                                           else [])
+            names = [c for c in spec.choices if isinstance(c, str)]
+            hint = suggest(v, names) if isinstance(v, str) else ""
+            raise ConfigError(f"{path}: expected one of {opts}; got {v!r}{hint}")
     elif spec.kind == "tristate":
         if isinstance(v, str) and v.lower() in ("true", "false", "auto"):
             v = {"true": True, "false": False, "auto": "auto"}[v.lower()]
@@ -538,7 +543,7 @@ class TrainConfig:
     recompute: str = "none"
     fp8: bool = False
     fp8_scaling: str = "current"
-    fp8_head: bool = False
+    fp8_head: Any = False  # False, True or "dx"
     lora: Any = None  # a LoraSection, or None (full fine-tune)
     _source: Any = dataclasses.field(repr=False, compare=False, default=None)
 

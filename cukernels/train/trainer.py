@@ -115,7 +115,7 @@ class Run:
         # fp8: the Linear GEMMs in FP8 (the module's float8, so a caller may swap the recipe)
         lowp = B.bfloat16
         if cfg.fp8:
-            head = {"head_grad_dtype": B.float8_e5m2} if cfg.fp8_head else {}
+            head = {"head_grad_dtype": B.float8_e5m2, "head_fp8_dw": cfg.fp8_head is True} if cfg.fp8_head else {}
             lowp = float8.replace(scaling=cfg.fp8_scaling, **head)
         self.amp_ctx = autocast(lowp, enabled=cfg.autocast)
         self.graph = None
