@@ -312,7 +312,8 @@ __device__ __forceinline__ void row_zero(T* or_, int V, const RowSplit& sp) {
 // ---- FP8 dlogits (Q = 0: E4M3, Q = 1: E5M2; Q = -1: dlogits in the logits' dtype). The LM head's FP8 gradient
 // GEMMs (ops/linear_cross_entropy.py, grad_fp8) read dlogits as FP8 codes; pass 2 writes them as q = fp8(T(d) s)
 // into rows of their own: 1 byte an element, where bf16 dlogits in place took 2 and then an amax pass and a cast
-// read them twice more (6 B an element in all; 1.05 G elements a step at the LLaMA-3.2-1B head, ~1.6 ms -> ~0.5).
+// read them twice more (1.05 G elements a step at the LLaMA-3.2-1B head; predicted -1.6 ms, measured ~-0.5 on
+// the H200 step: benchmarks/NOTES.md, FP8).
 // The scale needs no amax: |d| = |g| |p_j - eps/V - (1 - eps)[j == t]| <= |g| for every element, so s is the
 // largest power of two with s |g| <= the format's max (from the exponent bits: exact; 1 / s too). Against the
 // amax rule this gives up less than 2 binades while the rows' largest |p - 1| stays above 1/2 (E5M2 has 32).
@@ -589,7 +590,8 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss_row, lo
                                         ignore, eps, vec, hint, scale_inv);                                    \
   }
 // ce_fused_q8b_bf16_<targets>_<format>: the same, and the bf16 dlogits into dx16 (row stride ld16) as ce_fused
-// writes them: the LM head with only its dx GEMM in FP8 reads the codes, its dW GEMM the bf16 values.
+// writes them: the LM head with only its dx GEMM in FP8 reads the codes, its dW GEMM the bf16 values. dx16 must
+// share x's row alignment (the op passes the logits themselves, in place): its packs are split by x's rows.
 #define CE_Q8B(I, IN, Q, QN)                                                                                    \
   CK_ENTRY(__launch_bounds__(1024),                                                                            \
       ce_fused_q8b_bf16_##IN##_##QN)(const bf16* x, const I* tg, unsigned char* q, float* loss_row, int* err,  \

@@ -334,8 +334,9 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
             z = zw[:, :V] if Vw > V else zw  # the class columns: what the loss and the dW GEMM see
             xc, tc, lr = x[c0:c1], targets[c0:c1], loss_rows[c0:c1]
             matmul(xc, weight, trans_b=True, out=zw)
+            beta = 1.0 if (accumulate or i) else 0.0
             if gfmt is not None and r % 16 == 0:
-                # dlogits straight to FP8 codes (the scale from |dz| <= |g|, no amax pass), then their transpose
+                # dlogits straight to FP8 codes (the scale from |dz| <= |g|, no amax pass); q8b: the bf16 ones too
                 zq = zq_all[:r]
                 args = (z, tc, zq, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V), np.int64(ldz),
                         np.int64(Vw), np.int64(ig), np.float32(eps), np.bool_(True),
@@ -344,30 +345,27 @@ def linear_cross_entropy(x, weight, targets, *, ignore_index=-100, reduction="me
                 if Vw > V:
                     zq[:, V:].fill(0)  # code 0: the padding columns add nothing to dx (K = Vw)
                 e4 = B.float8_e4m3fn
-                beta = 1.0 if (accumulate or i) else 0.0
                 matmul(zq, wqT, trans_b=True, a_scale=sz, b_scale=sw, a_dtype=gfmt, b_dtype=e4, out=dx[c0:c1])
-                if not fp8_dw:
-                    matmul(z, xc, trans_a=True, out=dw, beta=beta)  # the bf16 dlogits the kernel wrote in place
+                if fp8_dw:  # dW from the codes' transpose and x in E4M3
+                    zqT = _fp8.fp8_transpose(zq, out=zqT_all[:Vw * r].reshape(Vw, r))
+                    _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
+                    matmul(zqT[:V], xqT, trans_b=True, a_scale=sz, b_scale=sx, a_dtype=gfmt, b_dtype=e4, out=dw,
+                           beta=beta)
                     continue
-                zqT = _fp8.fp8_transpose(zq, out=zqT_all[:Vw * r].reshape(Vw, r))
-                _, xqT, sx = _fp8.fp8_quantize(xc, transpose=True)
-                matmul(zqT[:V], xqT, trans_b=True, a_scale=sz, b_scale=sx, a_dtype=gfmt, b_dtype=e4, out=dw,
-                       beta=beta)
-                continue
-            grid = (_ce._grid(k, r, threads),)
-            if not compute_grad:
-                k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ldz),
-                                          np.int64(ig), np.float32(eps)))
-                continue
-            # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
-            k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r), np.int32(V),
-                                      np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps), np.bool_(True),
-                                      np.bool_(settings.ce_cache_hints)))
-            if Vw > V:
-                zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
-            beta = 1.0 if (accumulate or i) else 0.0
-            matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros
-            matmul(z, xc, trans_a=True, out=dw, beta=beta)
+            else:
+                grid = (_ce._grid(k, r, threads),)
+                if not compute_grad:
+                    k(grid, (threads, 1, 1), (z, tc, lr, B.NULL, err, np.int64(r), np.int32(V), np.int64(ldz),
+                                              np.int64(ig), np.float32(eps)))
+                    continue
+                # In place: z becomes dlogits (vec = True: the same pointer is trivially congruent mod 16).
+                k(grid, (threads, 1, 1), (z, tc, z, lr, err, cptr, dptr, np.float32(dscalar), np.int64(r),
+                                          np.int32(V), np.int64(ldz), np.int64(ldz), np.int64(ig), np.float32(eps),
+                                          np.bool_(True), np.bool_(settings.ce_cache_hints)))
+                if Vw > V:
+                    zw[:, V:].fill(0)  # padding columns: logits -> gradient 0 (a strided fill kernel, capturable)
+                matmul(zw, weight, out=dx[c0:c1])  # K = Vw: the padding columns add exact zeros
+            matmul(z, xc, trans_a=True, out=dw, beta=beta)  # the bf16 dlogits (also grad_fp8_dw=False's)
     if reduction == "none":
         loss = loss_rows
     else:
