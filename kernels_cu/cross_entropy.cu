@@ -460,9 +460,6 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O
     const bool ok = target_ok(t, (long long)V, ignore, threadIdx.x == 0 ? err : nullptr);
     const int ti = (int)t;  // < V once ok; an int from here on (a long long t held 2 more registers: i64 spilled)
     RowSplit sp = split_row(xr, V, vec);
-    // FP8 rows: the packs of E codes need E-byte alignment where the logits' packs start (else all scalar)
-    if constexpr (Q >= 0)
-      if (vec && ((unsigned)(size_t)(orow + sp.head) & (16u / sizeof(T) - 1u))) sp = split_row(xr, V, false);
     if (!ok) {  // uniform over the block
       if constexpr (Q >= 0) {
         row_zero_q8(orow, V);
@@ -481,6 +478,10 @@ __device__ __forceinline__ void ce_fused(const T* x, const I* __restrict__ tg, O
     float lse;
     const float l = row_loss(a, xt, eps, V, &lse);
     if (threadIdx.x == 0) loss_row[row] = l;
+    // FP8 rows: the packs of E codes need E-byte alignment where the logits' packs start, else pass 2 goes all
+    // scalar. Pass 1 keeps the logits' split: its sums, and so the loss, are the bf16 kernel's bit for bit.
+    if constexpr (Q >= 0)
+      if (vec && ((unsigned)(size_t)(orow + sp.head) & (16u / sizeof(T) - 1u))) sp = split_row(xr, V, false);
     if constexpr (Q >= 0)
       row_grad_q8<Q, (B16 || sizeof(I) == 8) ? 1 : 2, B16>(xr, orow, B16 ? dx16 + row * ld16 : nullptr, V, sp,
                                                            lse, ti, gbase, gbase * eps / (float)V,
