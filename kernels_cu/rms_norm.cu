@@ -31,10 +31,53 @@
 //   partials in a fixed order. The launcher sizes the grid to one wave, ~2 blocks/SM x 132 SMs, so the
 //   partials (264 x C x 4 B written and read) are ~2 % of the backward traffic at 8192 x 2048. (Summing them in
 //   the same kernel through sm_90 clusters was measured slower than this finalize launch: NOTES.md, session 8.)
+// - amax (every backward that writes dx: a trailing nullable `unsigned* amax`): max |dx| of dx as stored (rounded
+//   to T), the bits that ck.fp8_amax(dx) would give, maxed per thread as it stores, reduced once a block at the end
+//   (block_amax_2d below, one atomicMax a block) into the 32-bit word the caller zeroed. Why: an FP8 linear whose
+//   gradients are current-scaled needs max |dy| before it casts dy; a separate fp8_amax pass re-reads it (48
+//   launches, 0.55 ms a step at the LLaMA-1B shape, 32 of them over the dx this kernel writes in add_rms_norm's
+//   backward, rms_addbwdp at that shape). The max sits under a branch on the pointer (a kernel argument: uniform
+//   across the grid), so a launch with amax null pays a compare and a uniform branch a pack, not the max (two
+//   integer instructions an element). One argument rather than separate _amax entries: the family's 186 entries
+//   stay 186 (compile time, wheel bytes), and ptxas (sm_80, sm_90) fits it in every entry's existing bounds with no
+//   spill -- the 1B shape's rms_addbwdp_bf16_bf16_2 and rms_bwdp_bf16_bf16_2 stay at their 64-register cap.
 #include "common/entry.cuh"
 #include "common/vec.cuh"
+#include "common/fp8.cuh"
 
 #include "common/pipe.cuh"
+
+// max(m, |v|) over the elements of a stored pack, |v| as ordered bits (common/fp8.cuh's abs_bits: the fp32 bits
+// of v with the sign cleared; NaN orders above inf, so a NaN in dx makes the amax NaN, as in ck.fp8_amax). bf16
+// pairs are read as 32-bit words (two instructions an element; the low element is the word shifted left 16).
+template <typename T, int E>
+__device__ __forceinline__ unsigned pack_amax(const Pack<T, E>& p, unsigned m) {
+  if constexpr (sizeof(T) == 2 && E % 2 == 0) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&p);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) m = max(m, max((w[i] << 16) & 0x7fffffffu, w[i] & 0x7fff0000u));
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) m = max(m, abs_bits(p.v[i]));
+  }
+  return m;
+}
+
+// Block max of m into *out: common/fp8.cuh's block_amax for the 2-D blocks here (threads per row x row slots:
+// it numbers warps by threadIdx.x alone). Warps by the linear thread id; every thread of the block calls it (the
+// block's thread count is a multiple of 32: every launch here has threads per row a multiple of 32, or 256).
+// One atomicMax a block on the word (max is order-independent: the same bits every run); a zero max skips it.
+__device__ __forceinline__ void block_amax_2d(unsigned m, unsigned* out) {
+  __shared__ unsigned s[32];
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nwarps = (blockDim.x * blockDim.y + 31) >> 5;
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((tid & 31) == 0) s[tid >> 5] = m;
+  __syncthreads();
+  if (tid < 32) {
+    m = __reduce_max_sync(0xffffffffu, tid < nwarps ? s[tid] : 0u);
+    if (tid == 0 && m) atomicMax(out, m);
+  }
+}
 
 // Loads this thread's packs of row `row` (nothing when the row is past the end).
 template <typename T, int E, int VPT>
@@ -152,12 +195,13 @@ __device__ __forceinline__ void rms_fwd_loop(const T* __restrict__ x, const T* _
 // dw_part: one fp32 row of C per block (gridDim.x rows), fully overwritten. Same block-uniform loop as the
 // forward, over a persistent grid.
 // ADD: dh (the gradient reaching x from the residual stream, add_rms_norm) is loaded with x and dy and added
-// into dx before the one rounding.
+// into dx before the one rounding. amax: nullable, max |dx| (the header's amax paragraph).
 template <typename T, typename W, int VPT, bool VEC, bool ADD>
 __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* __restrict__ x,
                                             const W* __restrict__ w, const float* __restrict__ rstd,
                                             const T* __restrict__ dh, T* __restrict__ dx,
-                                            float* __restrict__ dw_part, long long rows, int C, bool w_vec) {
+                                            float* __restrict__ dw_part, long long rows, int C, bool w_vec,
+                                            unsigned* __restrict__ amax) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   __shared__ float scratch[32 * 32];
   __shared__ float combine[256 * 8];  // write_block_partial: TPR * RPB <= 256 threads, E <= 8 floats each
@@ -167,6 +211,7 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
+  unsigned m = 0;
 
   const long long stride = (long long)gridDim.x * blockDim.y;
   Pack<T, E> xv[VPT], gv[VPT];
@@ -213,12 +258,14 @@ __device__ __forceinline__ void rms_bwd_reg(const T* __restrict__ dy, const T* _
           o.v[i] = from_f32<T>(d);
           acc[k][i] += gf * xf * r;
         }
+        if (amax != nullptr) m = pack_amax<T, E>(o, m);
         store_pack<T, E>(dx + row * C + u * E, o);
       }
     }
   }
 
   write_block_partial<VPT, E>(acc, dw_part + (long long)blockIdx.x * C, units, combine);
+  if (amax != nullptr) block_amax_2d(m, amax);
 }
 
 // Backward, 16-byte path (issue 17): the same math as rms_bwd_reg, fed by a two-stage cp.async pipeline.
@@ -244,7 +291,7 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
                                              const W* __restrict__ w, const float* __restrict__ rstd,
                                              const T* __restrict__ dh, T* __restrict__ dx,
                                              float* __restrict__ dw_part, long long rows, int C, int nstages,
-                                             bool w_vec) {
+                                             bool w_vec, unsigned* __restrict__ amax) {
   constexpr int E = 16 / sizeof(T);
   constexpr int NT = ADD ? 3 : 2;  // tensors staged: x, dy (, dh)
   extern __shared__ __align__(16) unsigned char rms_dyn_smem[];
@@ -263,6 +310,7 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int i = 0; i < E; ++i) acc[k][i] = 0.f;
+  unsigned m = 0;  // max |dx| bits (amax != nullptr)
 
   const long long row0 = (long long)blockIdx.x * blockDim.y + threadIdx.y, row_step = (long long)gridDim.x * blockDim.y;
   auto row_of = [&](long long i) { return row0 + i * row_step; };
@@ -334,7 +382,9 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
           d[e] = ADD ? d[e] + v : v;
           acc[k][e] = fmaf(gf[e], xr, acc[k][e]);
         }
-        store_pack<T, E>(dx + row * C + u * E, pack_f32<T, E>(d));
+        const Pack<T, E> o = pack_f32<T, E>(d);
+        if (amax != nullptr) m = pack_amax<T, E>(o, m);
+        store_pack<T, E>(dx + row * C + u * E, o);
       }
     }
   }
@@ -363,6 +413,7 @@ __device__ __forceinline__ void rms_bwd_pipe(const T* __restrict__ dy, const T* 
         *reinterpret_cast<float4*>(part + u * E + e) = make_float4(sum[e], sum[e + 1], sum[e + 2], sum[e + 3]);
     }
   }
+  if (amax != nullptr) block_amax_2d(m, amax);
 }
 
 // Long rows (the register plan does not fit): two kernels, no read-modify-write of partials (the layout of
@@ -396,17 +447,18 @@ __device__ __forceinline__ void rms_bwd_rowsums(const T* __restrict__ dy, const 
 }
 
 template <typename T, typename W, bool VEC>
-__device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const W* __restrict__ w, const float* __restrict__ rstd,
-                                             const float* __restrict__ coef, const T* __restrict__ dh,
-                                             T* __restrict__ dx, float* __restrict__ dw_part, long long rows, int C,
-                                             int rows_per_group, bool w_vec) {
+__device__ __forceinline__ unsigned rms_bwd_cols(const T* __restrict__ dy, const T* __restrict__ x,
+                                                 const W* __restrict__ w, const float* __restrict__ rstd,
+                                                 const float* __restrict__ coef, const T* __restrict__ dh,
+                                                 T* __restrict__ dx, float* __restrict__ dw_part, long long rows,
+                                                 int C, int rows_per_group, bool w_vec, bool want_amax) {
   constexpr int E = VEC ? 16 / sizeof(T) : 1;
   const int units = C / E;
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   const long long r0 = (long long)blockIdx.y * rows_per_group;
   const long long r1 = r0 + rows_per_group < rows ? r0 + rows_per_group : rows;
-  if (u >= units) return;  // no barriers below: idle threads may leave
+  unsigned m = 0;  // max |dx| bits (want_amax), returned for the entry's block reduction
+  if (u >= units) return m;  // no barriers in here: idle threads leave (the amax reduction is the caller's)
   float wf[E], acc[E];
   load_f32<E>(w + u * E, wf, w_vec);
 #pragma unroll
@@ -427,11 +479,13 @@ __device__ __forceinline__ void rms_bwd_cols(const T* __restrict__ dy, const T* 
       o.v[i] = from_f32<T>(d);
       acc[i] += gf * xf * r;
     }
+    if (want_amax) m = pack_amax<T, E>(o, m);
     store_pack<T, E>(dx + off, o);
   }
   float* part = dw_part + (long long)blockIdx.y * C + (long long)u * E;
 #pragma unroll
   for (int i = 0; i < E; ++i) part[i] = acc[i];
+  return m;
 }
 
 // dw[c] = sum_p part[p, c] in a fixed order. Block (32, 32), grid ceil(C / 32): a warp reads 32 consecutive
@@ -481,13 +535,14 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
   }                                                                                                            \
   CK_ENTRY(__launch_bounds__(256),                                                                             \
       rms_bwd_##TN##_##WN##_##VPT##VS)(const T* dy, const T* x, const W* w, const float* rstd, T* dx,           \
-                                      float* dw_part, long long rows, int C, bool w_vec) {                     \
-    rms_bwd_reg<T, W, VPT, VEC, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec);                  \
+                                      float* dw_part, long long rows, int C, bool w_vec, unsigned* amax) {     \
+    rms_bwd_reg<T, W, VPT, VEC, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, w_vec, amax);            \
   }                                                                                                            \
   CK_ENTRY(__launch_bounds__(256),                                                                             \
       rms_addbwd_##TN##_##WN##_##VPT##VS)(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,  \
-                                         T* dx, float* dw_part, long long rows, int C, bool w_vec) {           \
-    rms_bwd_reg<T, W, VPT, VEC, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec);                        \
+                                         T* dx, float* dw_part, long long rows, int C, bool w_vec,             \
+                                         unsigned* amax) {                                                     \
+    rms_bwd_reg<T, W, VPT, VEC, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, w_vec, amax);                  \
   }
 #define RMS_LOOP(T, W, TN, WN, VEC, VS)                                                                         \
   CK_ENTRY(__launch_bounds__(1024, 1),                                                                          \
@@ -508,21 +563,25 @@ __device__ __forceinline__ void rms_dw_finalize(const float* __restrict__ part, 
   CK_ENTRY(__launch_bounds__(256),                                                                             \
       rms_bwd_cols_##TN##_##WN##_##VS)(const T* dy, const T* x, const W* w, const float* rstd,                  \
                                       const float* coef, const T* dh, T* dx, float* dw_part, long long rows,   \
-                                      int C, int rows_per_group, bool w_vec) {                                 \
-    rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dh, dx, dw_part, rows, C, rows_per_group, w_vec);            \
+                                      int C, int rows_per_group, bool w_vec, unsigned* amax) {                 \
+    const unsigned m = rms_bwd_cols<T, W, VEC>(dy, x, w, rstd, coef, dh, dx, dw_part, rows, C, rows_per_group, \
+                                               w_vec, amax != nullptr);                                       \
+    if (amax != nullptr) block_amax_2d(m, amax);                                                               \
   }
 // Pipelined backward (16-byte path only). Bounds: VPT <= 2 runs 512-thread blocks, 2 per SM (64 registers);
 // VPT 4 runs 256-thread blocks (its 32 bf16 accumulators need more than 64 registers).
 #define RMS_PIPE(T, W, TN, WN, VPT, NTH)                                                                        \
   CK_ENTRY(__launch_bounds__(NTH, 2),                                                                            \
       rms_bwdp_##TN##_##WN##_##VPT)(const T* dy, const T* x, const W* w, const float* rstd, T* dx,              \
-                                   float* dw_part, long long rows, int C, int nstages, bool w_vec) {           \
-    rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, nstages, w_vec);             \
+                                   float* dw_part, long long rows, int C, int nstages, bool w_vec,             \
+                                   unsigned* amax) {                                                           \
+    rms_bwd_pipe<T, W, VPT, false>(dy, x, w, rstd, nullptr, dx, dw_part, rows, C, nstages, w_vec, amax);       \
   }                                                                                                            \
   CK_ENTRY(__launch_bounds__(NTH, 2),                                                                            \
       rms_addbwdp_##TN##_##WN##_##VPT)(const T* dy, const T* x, const W* w, const float* rstd, const T* dh,     \
-                                      T* dx, float* dw_part, long long rows, int C, int nstages, bool w_vec) { \
-    rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, nstages, w_vec);                   \
+                                      T* dx, float* dw_part, long long rows, int C, int nstages, bool w_vec,   \
+                                      unsigned* amax) {                                                        \
+    rms_bwd_pipe<T, W, VPT, true>(dy, x, w, rstd, dh, dx, dw_part, rows, C, nstages, w_vec, amax);             \
   }
 #define RMS_ALL_VPT(T, W, TN, WN, VEC, VS)                                                                      \
   RMS_REG(T, W, TN, WN, 1, VEC, VS)                                                                             \

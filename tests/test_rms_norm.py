@@ -646,3 +646,171 @@ def test_gpu_autograd_add_rms_norm(rng, dtype):
     for g_dev, g_ref, n in zip(grads[1], grads[0], ("x", "r", "w")):
         assert_close(g_dev, g_ref, dtype if n != "w" else np.float32, rtol=2e-2 if n == "w" else None,
                      atol=2e-2 if n == "w" else None, what=n)
+
+
+# ================================================================ amax= of the backward: max |dx| in the same pass
+# (ck.rms_norm_backward / add_rms_norm_backward(..., amax=): the current FP8 scale of the gradient an FP8 linear
+# casts next, without an fp8_amax pass over dx.)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 130), (0, 16), (4, 4097)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_dh", [False, True], ids=["rms", "add"])
+def test_reference_backward_amax_is_max_abs_dx(rng, shape, dtype, with_dh):
+    x, dy = randn(rng, shape, dtype, scale=3.0), randn(rng, shape, dtype)
+    dh = randn(rng, shape, dtype, scale=2.0) if with_dh else None
+    w = randn(rng, shape[-1:], np.float32)
+    _, rstd = ck.rms_norm(x, w, 1e-5, return_rstd=True)
+    dx0, dw0 = ck.rms_norm_backward(dy, x, w, rstd, dh=dh)
+    am = np.full((), 123456.0, np.float32)  # overwritten, not maxed into
+    dx, dw = ck.rms_norm_backward(dy, x, w, rstd, dh=dh, amax=am)
+    assert np.array_equal(dx, dx0) and np.array_equal(dw, dw0), "amax= changes nothing else"
+    want = np.abs(dx.astype(np.float32)).max() if dx.size else np.float32(0)
+    assert am.dtype == np.float32 and am.shape == () and am == want
+    am2 = np.full((), np.nan, np.float32)
+    dx2, _ = add_rms_norm_backward(dy, dh, x, w, rstd, amax=am2)
+    assert np.array_equal(dx2, dx) and am2 == am
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_reference_backward_amax_nan_and_inf(rng, dtype):
+    """A NaN in dx makes the amax NaN (as ck.fp8_amax); an inf with no NaN makes it inf."""
+    x, dy, dh = (randn(rng, (4, 32), dtype) for _ in range(3))
+    w = randn(rng, (32,), np.float32)
+    _, rstd = ck.rms_norm(x, w, 1e-5, return_rstd=True)
+    am = np.zeros((), np.float32)
+    dh[1, 3] = np.nan
+    dx, _ = add_rms_norm_backward(dy, dh, x, w, rstd, amax=am)
+    assert np.isnan(dx[1, 3]) and np.isnan(am)
+    assert np.isnan(ck.fp8_amax(dx))
+    dh[1, 3] = -np.inf
+    dx, _ = add_rms_norm_backward(dy, dh, x, w, rstd, amax=am)
+    assert not np.isnan(dx.astype(np.float32)).any() and am == np.inf
+
+
+_R2 = np.ones(2, np.float32)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: ck.rms_norm_backward(_X, _X, _W, _R2, amax=np.zeros((1,), np.float32)), ValueError,
+         "amax: expected a 0-d float32"),
+        (lambda: ck.rms_norm_backward(_X, _X, _W, _R2, amax=np.zeros((), np.float64)), TypeError, "amax"),
+        (lambda: ck.rms_norm_backward(_X, _X, _W, _R2, amax=0.0), TypeError, "amax"),
+        (lambda: add_rms_norm_backward(_X, None, _X, _W, _R2, amax=np.zeros((2,), np.float32)), ValueError,
+         "amax: expected a 0-d float32"),
+    ],
+)
+def test_backward_amax_bad_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_backward_amax_read_only_is_refused():
+    am = np.zeros((), np.float32)
+    am.flags.writeable = False
+    with pytest.raises(ValueError, match="amax: is read-only"):
+        ck.rms_norm_backward(_X, _X, _W, _R2, amax=am)
+
+
+# Shapes and launch settings that take each backward kernel that writes dx (E = 8 bf16 / 4 fp32 elements a
+# 16-byte pack; rms_norm.py's _plan): the cp.async pipeline at 1 / 2 / 4 packs a thread, the register kernel
+# (16-byte packs with the pipeline off, and at 8 packs; element accesses for an odd C or a misaligned view), the
+# long-row column kernel (16-byte and element), no rows, one row of three.
+AMAX_CASES = [  # rows, C, misaligned, pipeline on
+    (1000, 64, False, True), (777, 256, False, True), (4099, 1024, False, True), (513, 2048, False, True),
+    (129, 8192, False, True), (65, 16384, False, True), (3, 40000, False, True),
+    (777, 256, False, False), (4099, 1024, False, False), (300, 4096, False, False), (129, 8192, False, False),
+    (199, 127, False, True), (199, 1000, True, True), (7, 4097, False, True), (5, 5000, True, True),
+    (0, 2048, False, True), (1, 3, False, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, C, misalign, pipe", AMAX_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_dh", [False, True], ids=["rms", "add"])
+def test_gpu_backward_amax_is_fp8_amax_of_dx(rng, monkeypatch, rows, C, misalign, pipe, dtype, with_dh):
+    """The amax every backward kernel takes as it writes dx is ck.fp8_amax(dx) bit for bit (a poisoned amax word:
+    zeroed by the op, then maxed into), and dx and dweight are those of the launch without amax."""
+    import cupy as cp
+
+    monkeypatch.setattr(ck.settings, "rms_norm_pipe", pipe)
+    x = randn(rng, (rows, C), dtype, scale=3.0)
+    w = randn(rng, (C,), np.float32 if C % 2 else ck.bfloat16)
+    dy = randn(rng, x.shape, dtype)
+    dh = randn(rng, x.shape, dtype, scale=2.0) if with_dh else None
+    _, r = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)
+    xd, wd, dyd = device_copy(x, misalign), device_copy(w, misalign), device_copy(dy, misalign)
+    rd, dhd = device_copy(r), device_copy(dh, misalign) if with_dh else None
+    dx0, dw0 = ck.rms_norm_backward(dyd, xd, wd, rd, dh=dhd)
+    am = cp.full((), 123456.0, cp.float32)
+    dxo = poisoned(x.shape, dtype, misalign)
+    dx, dw = ck.rms_norm_backward(dyd, xd, wd, rd, dh=dhd, out=dxo, amax=am)
+    assert dx is dxo
+    assert np.array_equal(to_host(dx).view(np.uint8), to_host(dx0).view(np.uint8)), "dx"
+    assert np.array_equal(to_host(dw).view(np.uint8), to_host(dw0).view(np.uint8)), "dweight"
+    got, want = to_host(am), to_host(ck.fp8_amax(dx))
+    assert got.view(np.uint32) == want.view(np.uint32), (got, want)
+    assert got == (np.abs(to_host(dx).astype(np.float32)).max() if rows else 0)
+    if with_dh:  # the add_rms_norm spelling passes it through
+        am2 = cp.full((), np.nan, cp.float32)
+        add_rms_norm_backward(dyd, dhd, xd, wd, rd, amax=am2)
+        assert to_host(am2).view(np.uint32) == got.view(np.uint32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, C, misalign, pipe", [(300, 2048, False, True), (300, 2048, False, False),
+                                                     (129, 8192, False, True), (65, 16384, False, True),
+                                                     (3, 40000, False, True), (199, 127, False, True),
+                                                     (199, 1000, True, True), (5, 5000, True, True)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_gpu_backward_amax_nan_inf_and_large(rng, monkeypatch, rows, C, misalign, pipe, dtype):
+    """Large magnitudes: the amax is the largest dx; a NaN in dh (its dx element NaN) or in dy (its whole row NaN)
+    makes the amax the NaN bits ck.fp8_amax(dx) gives; an inf with no NaN makes it inf."""
+    import cupy as cp
+
+    monkeypatch.setattr(ck.settings, "rms_norm_pipe", pipe)
+    x, dy = randn(rng, (rows, C), dtype, scale=1e4), randn(rng, (rows, C), dtype, scale=1e3)
+    w = randn(rng, (C,), np.float32)
+    _, r = ck.rms_norm(x, w, eps=1e-5, return_rstd=True)
+    xd, wd, rd = device_copy(x, misalign), device_copy(w, misalign), device_copy(r)
+    cases = {}
+    for name in ("large", "nan_dh", "nan_dy", "inf_dh"):
+        dh, d = randn(rng, (rows, C), dtype, scale=1e3), dy.copy()
+        i, j = rows // 2, C // 3
+        if name == "nan_dh":
+            dh[i, j] = np.nan
+        elif name == "nan_dy":
+            d[i, j] = -np.nan
+        elif name == "inf_dh":
+            dh[i, j] = -np.inf
+        am = cp.full((), 1.0, cp.float32)
+        dx, _ = ck.rms_norm_backward(device_copy(d, misalign), xd, wd, rd, dh=device_copy(dh, misalign), amax=am)
+        got, want = to_host(am), to_host(ck.fp8_amax(dx))
+        assert got.view(np.uint32) == want.view(np.uint32), (name, got, want)
+        cases[name] = got
+    assert np.isfinite(cases["large"]) and cases["large"] > 1e3
+    assert np.isnan(cases["nan_dh"]) and np.isnan(cases["nan_dy"]) and cases["inf_dh"] == np.inf
+
+
+@pytest.mark.gpu
+def test_gpu_backward_amax_captures_in_a_graph(rng):
+    """The zeroing and the amax replay from a CUDA graph (a memset and the kernel, current stream)."""
+    import cupy as cp
+
+    x, dy, dh = (device_copy(randn(rng, (256, 2048), ck.bfloat16)) for _ in range(3))
+    w = device_copy(randn(rng, (2048,), np.float32))
+    _, rs = ck.rms_norm(x, w, return_rstd=True)
+    dx, am = cp.empty_like(x), cp.empty((), cp.float32)
+    add_rms_norm_backward(dy, dh, x, w, rs, out=dx, amax=am)  # compile + warm up outside capture
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        add_rms_norm_backward(dy, dh, x, w, rs, out=dx, amax=am)
+        g = s.end_capture()
+        am.fill(1e30)
+        dx.fill(np.nan)
+    g.launch(s)
+    s.synchronize()
+    assert to_host(am).view(np.uint32) == to_host(ck.fp8_amax(dx)).view(np.uint32)
+    assert np.isfinite(to_host(am))

@@ -30,7 +30,7 @@ from ..autograd import Function, _xp, is_grad_enabled
 from ..blas import matmul as _ck_matmul
 from ..ops.activations import swiglu_packed as _swiglu_p, swiglu_packed_backward as _swiglu_p_bwd
 from ..ops.elementwise import add as _ck_add
-from ..ops.fp8 import fp8_history, fp8_quantize, fp8_swiglu_quantize
+from ..ops.fp8 import fp8_history, fp8_quantize, fp8_swiglu_quantize, take_amax
 from .array_ops import _ones_row, _weight_grad, gemm, joined_rows
 
 E4M3 = B.float8_e4m3fn
@@ -100,8 +100,15 @@ def _gemm(a, b, sa, sb, fa, fb, fast, out=None, out_dtype=None, accumulate=False
 def _dy_and_dx(ctx, g, wqT, sw, dx_dtype, amax=None):
     """The backward's first half, shared by the FP8 Functions: dy (``g``) as a 2-D array and quantised in the
     recipe's gradient format (``amax``: max |dy| from the kernel that wrote it, else the recipe's own rule), and
-    ``dx = dy @ W`` in ``dx_dtype`` when input 0 wants it. Returns ``(g2, q(dy)^T, s_inv, dx or None)``."""
+    ``dx = dy @ W`` in ``dx_dtype`` when input 0 wants it. Returns ``(g2, q(dy)^T, s_inv, dx or None)``.
+
+    Without ``amax``, current scaling of the gradient takes the one noted for ``g`` itself by the kernel that
+    wrote it (``ops.fp8.take_amax``: add_rms_norm's backward, :class:`~cukernels.functional.rms_norm.AddRMSNormF`),
+    so no amax pass reads dy again."""
     r = ctx.recipe
+    noted = take_amax(g)  # taken (and dropped) whatever the recipe: a note is never left behind
+    if amax is None and not _delayed(r, "g"):
+        amax = noted
     g2 = _contig(g.reshape(-1, g.shape[-1]))
     gq, gqT, sg = _quantize(g2, r.grad_dtype, r, ctx.state, "g", amax=amax)
     dx = None

@@ -8,6 +8,7 @@ from .. import _backend as B
 from .._loader import get_function
 from ..settings import settings
 from . import _launch as L
+from .activations import _check_amax, _ref_amax_into
 
 FAMILY = "rms_norm"
 
@@ -172,7 +173,7 @@ PIPE_THREADS = {1: 512, 2: 512, 4: 256}
 
 
 @B.interop
-def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
+def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None, amax=None):
     """Gradients of :func:`rms_norm`.
 
     With ``g = dy * weight``: ``dx = rstd * (g - x * rstd**2 * mean(g * x, axis=-1)) (+ dh)`` and
@@ -186,11 +187,20 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         dh: optional gradient reaching ``x`` by another path (the residual stream of :func:`add_rms_norm`, where
             x is the sum h), same shape and dtype as ``x``: added into dx in the same pass (one rounding).
         out: optional buffer for ``dx``.
+        amax: optional writable 0-d float32 array: receives ``max |dx|`` of dx as stored (NaN when dx has a NaN,
+            0 when it is empty), computed in the same pass -- bit for bit :func:`fp8_amax` of dx, which
+            :func:`fp8_quantize` takes as ``amax=`` to cast dx (an FP8 linear's output gradient under current
+            scaling) without an amax pass of its own.
 
     Returns:
         ``(dx, dweight)``: dx like ``x``, dweight like ``weight``.
+
+    Example::
+
+        >>> a = cp.empty((), cp.float32)
+        >>> dx, dw = ck.rms_norm_backward(dy, x, w, rstd, amax=a)    # a == ck.fp8_amax(dx)
     """
-    xp = B.array_module(dy=dy, x=x, weight=weight, rstd=rstd, dh=dh, out=out)
+    xp = B.array_module(dy=dy, x=x, weight=weight, rstd=rstd, dh=dh, out=out, amax=amax)
     C = _validate(x, weight)
     B.check_dtype("dy", dy, (x.dtype,))
     B.check_shape("dy", dy, x.shape, " (the shape of x)")
@@ -202,6 +212,8 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         B.check_dtype("dh", dh, (x.dtype,))
         B.check_shape("dh", dh, x.shape, " (the shape of x)")
         B.check_contiguous("dh", dh)
+    if amax is not None:
+        _check_amax(amax)
     dx = B.empty(xp, x.shape, x.dtype, out)
     rows = x.size // C
     if xp is np:
@@ -213,11 +225,16 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
             d = d + dh.astype(np.float64)
         dx[...] = d.astype(x.dtype)
         dw = (gf * xf * r).reshape(-1, C).sum(axis=0).astype(weight.dtype)
+        if amax is not None:
+            _ref_amax_into(amax, dx)
         return dx, dw
 
     dw = xp.empty((C,), dtype=weight.dtype)
+    if amax is not None:
+        B.zero_(amax)  # the kernels max into it: one atomicMax a block
     if rows == 0:
         return dx, B.zero_(dw)
+    am = amax if amax is not None else B.NULL
     add = dh is not None
     vec = C % (16 // x.itemsize) == 0 and B.aligned16(x, dy, dx, *((dh,) if add else ()))
     w_vec = B.aligned16(weight)
@@ -237,8 +254,8 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         nparts = min(-(-rows // slots), L.wave(k, nth, smem))
         part = xp.empty((nparts, C), dtype=np.float32)
         k((nparts,), (tpr, slots, 1),
-          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.int32(stages), np.bool_(w_vec)),
-          shared_mem=smem)
+          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.int32(stages), np.bool_(w_vec),
+           am), shared_mem=smem)
     elif kind == "reg":
         k = get_function(FAMILY, f"{'rms_addbwd' if add else 'rms_bwd'}_{tag}_{vpt}{vs}")
         block = (tpr, rpb, 1)
@@ -246,7 +263,7 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         nparts = min((rows + rpb - 1) // rpb, L.wave(k, tpr * rpb))
         part = xp.empty((nparts, C), dtype=np.float32)
         k((nparts,), block,
-          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec)))
+          (dy, x, weight, rstd, *dh_arg, dx, part, np.int64(rows), np.int32(C), np.bool_(w_vec), am))
     else:
         # Long rows: per-row coefficients, then column-chunk blocks over row groups (rms_norm.cu).
         units = C // (16 // x.itemsize) if vec else C
@@ -263,14 +280,14 @@ def rms_norm_backward(dy, x, weight, rstd, *, dh=None, out=None):
         get_function(FAMILY, f"rms_bwd_cols_{tag}_{vs}")(
             (colblocks, nparts, 1), (256, 1, 1),
             (dy, x, weight, rstd, coef, dh if add else B.NULL, dx, part, np.int64(rows), np.int32(C),
-             np.int32(rpg), np.bool_(w_vec)))
+             np.int32(rpg), np.bool_(w_vec), am))
     fin = get_function(FAMILY, f"rms_dw_finalize_{B.DTYPE_TAG[weight.dtype]}")
     fin(((C + 31) // 32,), (32, 32, 1), (part, dw, np.int32(nparts), np.int32(C)))
     return dx, dw
 
 
 @B.interop
-def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None):
+def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None, amax=None):
     """Gradients of :func:`add_rms_norm`: the gradient reaching h is ``dh`` (from the residual stream downstream)
     plus the RMSNorm backward of ``dy``; ``dx = dresidual =`` that sum, and ``dweight`` as in
     :func:`rms_norm_backward`. One kernel pass (``rms_norm_backward(dy, h, weight, rstd, dh=dh)``): dh is added
@@ -284,14 +301,17 @@ def add_rms_norm_backward(dy, dh, h, weight, rstd, *, out=None):
         weight: the forward's weight.
         rstd: float32, shape ``h.shape[:-1]``, from ``add_rms_norm(..., return_rstd=True)``.
         out: optional buffer for dx.
+        amax: optional writable 0-d float32 array: receives ``max |dx|`` from the same pass (as in
+            :func:`rms_norm_backward`): what the FP8 cast of the sublayer output's gradient (dx) takes its current
+            scale from, without an amax pass over dx.
 
     Returns:
         ``(dx, dweight)``: dx (the gradient of both x and residual) like ``h``, dweight like ``weight``.
     """
-    B.array_module(dy=dy, dh=dh, h=h, weight=weight, rstd=rstd, out=out)
+    B.array_module(dy=dy, dh=dh, h=h, weight=weight, rstd=rstd, out=out, amax=amax)
     B.check_dtype("h", h, B.FLOATS)  # (rms_norm_backward names it x)
     B.check_ndim("h", h, 1)
-    return rms_norm_backward(dy, h, weight, rstd, dh=dh, out=out)
+    return rms_norm_backward(dy, h, weight, rstd, dh=dh, out=out, amax=amax)
 
 
 __all__ = ["add_rms_norm", "add_rms_norm_backward", "rms_norm", "rms_norm_backward"]
