@@ -674,6 +674,7 @@ def torch_fp8_linears(model, torch):
 def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
     """``--fp8``: the config again with each FP8 recipe (the plain features, ck.autocast(ck.float8)); returns
     {recipe: ms/step}. Printed with the bf16 row's ratio."""
+    global GRAD_BF16
     import cukernels as ck
 
     res = {}
@@ -681,7 +682,12 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
         scaling, *how = rname.split("-")
         head = ({"head_grad_dtype": ck.float8_e5m2, "head_fp8_dw": "head" in how}
                 if "head" in how or "headdx" in how else {})
-        FP8["recipe"], FP8["shadow"] = ck.float8.replace(scaling=scaling, **head), "shadow" in how
+        # "bf16-g16": the bf16 step again (no FP8), to compare a -g16 row with
+        if "fa" in how:  # fast accumulation in the two backward GEMMs too
+            head["fast_accum_grad"] = True
+        FP8["recipe"] = None if scaling == "bf16" else ck.float8.replace(scaling=scaling, **head)
+        FP8["shadow"] = "shadow" in how
+        saved_g16, GRAD_BF16 = GRAD_BF16, 1 if "g16" in how else GRAD_BF16
         try:
             r = try_run(B, T, GPT2_ROWS[-1][1] if args.model == "gpt2" else FEATURES, args.steps, data=args.data,
                         budget=True)
@@ -689,7 +695,7 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
             traceback.print_exc()
             continue
         finally:
-            FP8["recipe"], FP8["shadow"] = None, False
+            FP8["recipe"], FP8["shadow"], GRAD_BF16 = None, False, saved_g16
         if r is None:
             print(f"cukernels  B{B}xT{T} fp8 ({rname}): OOM ({try_run.last_error})", flush=True)
             continue
@@ -737,7 +743,8 @@ def main(argv=None):
                     "PyTorch's decoder Linears as torch._scaled_mm FP8 GEMMs with per-tensor dynamic scales")
     ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, hybrid, delayed; -shadow: the "
                     "optimizer's FP8 copies of the weights instead of a cast each step; -head: the LM head's gradient "
-                    "GEMMs in FP8 too, -headdx: its dx GEMM only; e.g. hybrid-shadow-head): each config also runs "
+                    "GEMMs in FP8 too, -headdx: its dx GEMM only; -g16: bf16 gradient buffers, the trainer's grad_dtype: "
+                    "bfloat16; -fa: fast accumulation in the backward GEMMs too; bf16-g16: the bf16 step with them; e.g. hybrid-shadow-head): each config also runs "
                     "with the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")

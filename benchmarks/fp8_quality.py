@@ -2,7 +2,7 @@
 ``autocast(ck.float8)``), loss curves side by side.
 
     PYTHONPATH=. python benchmarks/fp8_quality.py [--steps 300,2000] [--big-steps 200] [--recipes current]
-        [--seeds 1,2] [--json benchmarks/results/fp8_quality.json] [--png docs/images/fp8_quality.png]
+        [--seeds 1,2] [--grad-dtype bfloat16] [--json benchmarks/results/fp8_quality.json] [--png docs/images/fp8_quality.png]
     python benchmarks/fp8_quality.py --plot-only      # the PNG from the JSON (needs matplotlib)
 
 - small: ``examples/configs/small.yaml`` (LLaMA, 8 layers, 512 wide, 1408 FFN, tinyshakespeare bytes, B32 x T256,
@@ -50,6 +50,8 @@ RECIPES = {"current": {}, "delayed": {"scaling": "delayed"}, "e5m2-grads": {"gra
            "hybrid-head-e4m3": {"scaling": "hybrid", "head_grad_dtype": "float8_e4m3fn"},
            # only the head's dx GEMM in FP8 (fp8_head: dx): its weight gradient from the bf16 dlogits
            "hybrid-headdx": {"scaling": "hybrid", "head_grad_dtype": "float8_e5m2", "head_fp8_dw": False},
+           # fast accumulation in the two backward GEMMs too (fp8_fast_accum_grad: true)
+           "hybrid-fastgrad": {"scaling": "hybrid", "fast_accum_grad": True},
            "hybrid-shadow-head": {"scaling": "hybrid", "shadow": True, "head_grad_dtype": "float8_e5m2"}}
 BAR = ("fp8-current", "fp8-delayed", "fp8-hybrid")  # the trainer's recipes (fp8_scaling): the others are runs to compare
 COMMON = ["graph=true", "eval_steps=8", "log_every=10", "plot=false", "sample_chars=0", "ckpt_final=false", "ckpt_every=0"]
@@ -69,8 +71,10 @@ def run(name, cfg_file, overrides, recipe, steps, out_root):
     fields = {} if recipe == "bf16" else dict(RECIPES[recipe[len("fp8-"):]])
     scaling = fields.pop("scaling", "current")
     shadow = fields.pop("shadow", False)
+    fast = fields.pop("fast_accum_grad", False)
     extra = ["autocast=bf16"] if recipe == "bf16" else ["fp8=true", f"fp8_scaling={scaling}",
-                                                        f"fp8_shadow={str(shadow).lower()}"]
+                                                        f"fp8_shadow={str(shadow).lower()}",
+                                                        f"fp8_fast_accum_grad={str(fast).lower()}"]
     out_dir = out_root / f"{name}-{recipe}"
     cfg = load_config(str(CONFIGS / cfg_file), COMMON + overrides + [f"max_steps={steps}", f"out_dir={out_dir}",
                                                                       f"eval_every={steps}"] + extra)
@@ -168,6 +172,9 @@ def main(argv=None):
     ap.add_argument("--seeds", default="", help="comma list of seeds for the small runs instead of the config's "
                     "(1337): each makes its own bf16 and FP8 runs, named small-<steps>-s<seed> (the spread between "
                     "seeds shows what of a difference is the trajectory's, not the format's)")
+    ap.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the small runs' gradient buffers (the 1B runs always take llama3.2-1b.yaml's bfloat16): "
+                         "bfloat16 runs B64 x T256 in one micro-batch (bf16 buffers need one), run names '-g16'")
     ap.add_argument("--json", default=str(JSON))
     ap.add_argument("--png", default=str(PNG))
     ap.add_argument("--plot-only", action="store_true", help="draw the PNG from --json and stop")
@@ -188,6 +195,9 @@ def main(argv=None):
         seeds = [int(s) for s in args.seeds.split(",") if s] or [None]
         for seed in seeds:
             over, tag = ([], "") if seed is None else ([f"seed={seed}"], f"-s{seed}")
+            if args.grad_dtype == "bfloat16":  # the config's 2 micro-batches of 32 as one of 64: the same tokens
+                over, tag = over + ["batch_size=64", "grad_dtype=bfloat16"], tag + "-g16"
+
             for n in [int(s) for s in args.steps.split(",") if s]:
                 for rc in recipes:
                     runs.append(run(f"small-{n}{tag}", "small.yaml", over, rc, n, tmp))

@@ -118,13 +118,19 @@ SCHEMA = {
     "fp8_head": Key(False, "with fp8: true: the fused LM head + loss runs its two gradient GEMMs in FP8 (dlogits in "
                            "E5M2; the logits and the loss stay bf16): -4.6 ms a step at the 1B shape on an H200, but "
                            "quality +0.6 % at 1B x 200 steps, +15 % on small.yaml at 2000 (docs/performance.md, FP8); "
-                           "dx: only the dx GEMM (not yet measured); false: both bf16",
+                           "dx: only the dx GEMM (-1.9 ms, but +9.6 % on small.yaml at 2000 steps); false: both bf16",
                     "choice", (False, True, "dx")),
     "fp8_shadow": Key(False, "with fp8 on one GPU: the optimizer writes each Linear weight's E4M3 copy in its update "
                              "(scaled by the amax after the previous update) and no step casts a weight: ~1.3 ms "
                              "faster at the 1B shape; its 2000-step quality runs spread as the cast's do, but "
                              "measured worse on average (docs/performance.md, FP8); false: each step casts the bf16 "
                              "shadow under fp8_scaling", "bool"),
+    "fp8_fast_accum_grad": Key(False, "with fp8: the two backward GEMMs (dx, dW) also take cuBLASLt's fast FP8 "
+                                      "accumulation, as the forward does: 91.8 -> 88.6 ms a step at the 1B shape "
+                                      "with fp8_scaling: hybrid on an H200, loss within 0.5 % of bf16 at the three "
+                                      "quality bars (docs/performance.md, FP8); false: their sums over the tokens "
+                                      "are promoted to fp32 as they go (Transformer Engine's and torchao's default)",
+                               "bool"),
     "sparse_embedding": Key(False, "sparse-row embedding gradient and Adam on the touched rows only", "bool"),
     "batch_size": Key(8, "sequences per micro-batch", "int", check=_gt(0)),
     "seq_len": Key(64, "tokens per sequence", "int", check=_gt(0)),
@@ -348,6 +354,9 @@ def validate(cfg: dict) -> dict:
         out["autocast"] = "bf16"  # everything but the Linear GEMMs runs as under bf16 autocast
     elif out["fp8_head"]:
         raise ConfigError("fp8_head: runs the LM head's gradient GEMMs in FP8; set fp8: true with it, or remove it")
+    elif out["fp8_fast_accum_grad"]:
+        raise ConfigError("fp8_fast_accum_grad: applies to the FP8 GEMMs' backward; set fp8: true with it, or "
+                          "remove it")
     elif out["fp8_shadow"]:
         raise ConfigError("fp8_shadow: keeps FP8 copies of the Linear weights for FP8 GEMMs; set fp8: true with it, "
                           "or remove it")
@@ -544,6 +553,7 @@ class TrainConfig:
     fp8: bool = False
     fp8_scaling: str = "current"
     fp8_head: Any = False  # False, True or "dx"
+    fp8_fast_accum_grad: bool = False
     lora: Any = None  # a LoraSection, or None (full fine-tune)
     _source: Any = dataclasses.field(repr=False, compare=False, default=None)
 

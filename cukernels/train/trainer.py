@@ -105,6 +105,17 @@ def evaluate(model, loader, steps, use_autocast):
     return float(tot) / steps
 
 
+def precision_of(cfg):
+    """What the config's steps run under ``autocast``: ``ck.bfloat16``, or with ``fp8: true`` the module's
+    ``float8`` recipe (so a caller may swap it) with the config's fp8_* keys applied."""
+    if not cfg.fp8:
+        return B.bfloat16
+    keys = {"head_grad_dtype": B.float8_e5m2, "head_fp8_dw": cfg.fp8_head is True} if cfg.fp8_head else {}
+    if cfg.fp8_fast_accum_grad:
+        keys["fast_accum_grad"] = True
+    return float8.replace(scaling=cfg.fp8_scaling, **keys)
+
+
 class Run:
     """Everything a training step touches: config, model, optimizer, loader, process group, precision, graph."""
 
@@ -112,12 +123,7 @@ class Run:
         self.cfg, self.xp, self.group, self.model, self.opt = cfg, xp, group, model, opt
         self.train_loader, self.accum = train_loader, accum
         self.rank, self.world = group.rank, group.world_size
-        # fp8: the Linear GEMMs in FP8 (the module's float8, so a caller may swap the recipe)
-        lowp = B.bfloat16
-        if cfg.fp8:
-            head = {"head_grad_dtype": B.float8_e5m2, "head_fp8_dw": cfg.fp8_head is True} if cfg.fp8_head else {}
-            lowp = float8.replace(scaling=cfg.fp8_scaling, **head)
-        self.amp_ctx = autocast(lowp, enabled=cfg.autocast)
+        self.amp_ctx = autocast(precision_of(cfg), enabled=cfg.autocast)
         self.graph = None
 
 
