@@ -680,12 +680,12 @@ def fp8_rows(args, c, B, T, tok, ms, mcfg, out):
     res = {}
     for rname in [r for r in args.fp8.split(",") if r]:
         scaling, *how = rname.split("-")
-        head = ({"head_grad_dtype": ck.float8_e5m2, "head_fp8_dw": "head" in how}
+        keys = ({"head_grad_dtype": ck.float8_e5m2, "head_fp8_dw": "head" in how}
                 if "head" in how or "headdx" in how else {})
-        # "bf16-g16": the bf16 step again (no FP8), to compare a -g16 row with
         if "fa" in how:  # fast accumulation in the two backward GEMMs too
-            head["fast_accum_grad"] = True
-        FP8["recipe"] = None if scaling == "bf16" else ck.float8.replace(scaling=scaling, **head)
+            keys["fast_accum_grad"] = True
+        # "bf16-g16": the bf16 step again (no FP8), to compare a -g16 row with
+        FP8["recipe"] = None if scaling == "bf16" else ck.float8.replace(scaling=scaling, **keys)
         FP8["shadow"] = "shadow" in how
         saved_g16, GRAD_BF16 = GRAD_BF16, 1 if "g16" in how else GRAD_BF16
         try:
@@ -743,9 +743,10 @@ def main(argv=None):
                     "PyTorch's decoder Linears as torch._scaled_mm FP8 GEMMs with per-tensor dynamic scales")
     ap.add_argument("--fp8", default="", help="comma list of FP8 recipes (current, hybrid, delayed; -shadow: the "
                     "optimizer's FP8 copies of the weights instead of a cast each step; -head: the LM head's gradient "
-                    "GEMMs in FP8 too, -headdx: its dx GEMM only; -g16: bf16 gradient buffers, the trainer's grad_dtype: "
-                    "bfloat16; -fa: fast accumulation in the backward GEMMs too; bf16-g16: the bf16 step with them; e.g. hybrid-shadow-head): each config also runs "
-                    "with the Linear layers' GEMMs in FP8 (ck.autocast(ck.float8))")
+                    "GEMMs in FP8 too, -headdx: its dx GEMM only; -g16: bf16 gradient buffers, the trainer's "
+                    "grad_dtype: bfloat16; -fa: fast accumulation in the backward GEMMs too; bf16-g16: the bf16 step "
+                    "with bf16 buffers; e.g. hybrid-shadow-head): each config also runs with the Linear layers' GEMMs "
+                    "in FP8 (ck.autocast(ck.float8))")
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer, 1024-vocab model: checks every row runs")
     ap.add_argument("--data", default="synthetic", choices=["synthetic", "shakespeare"],
